@@ -1,0 +1,19 @@
+"""numba-flash: FlashAttention (Dao et al., 2022) as readable Numba CUDA kernels."""
+from ._mode import use_simulator_if_no_gpu
+
+use_simulator_if_no_gpu()  # before anything imports Numba
+
+from . import _compat  # noqa: E402,F401  (must run before numba-cuda compiles anything)
+from .device import in_simulator as _in_simulator  # noqa: E402
+
+if _in_simulator():
+    from . import _simulator
+
+    _simulator.install()
+
+from .api import attention  # noqa: E402
+from .device import device_limits, in_simulator  # noqa: E402
+from .tiling import line1_block_sizes  # noqa: E402
+
+__all__ = ["attention", "device_limits", "in_simulator", "line1_block_sizes"]
+__version__ = "0.1.0"

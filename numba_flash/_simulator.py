@@ -1,0 +1,100 @@
+"""A faster barrier for Numba's CUDA simulator (used only when it is on).
+
+The simulator (numba-cuda 0.30) runs each CUDA thread as a Python thread and
+implements ``syncthreads`` by having a manager thread poll every thread in a
+busy loop until all are blocked; with many barriers per kernel the polling
+dominates (seconds for a tiny attention).  ``install`` swaps in a condition-
+variable barrier with the same semantics as the original:
+
+* it releases when every *live* thread of the block has arrived (a thread
+  that returned early no longer counts, as in the original);
+* when a thread raises, the barrier and the warp rooms of
+  ``numba_flash.kernels.primitives`` are broken, so the others stop instead
+  of waiting forever, and the first real error is re-raised.
+"""
+import threading
+
+import numpy as np
+
+
+class BlockBarrier:
+    """``syncthreads`` for one simulated block."""
+
+    def __init__(self, parties):
+        self._cond = threading.Condition()
+        self._parties = parties
+        self._waiting = 0
+        self._generation = 0
+        self._broken = False
+
+    def wait(self):
+        with self._cond:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            generation = self._generation
+            self._waiting += 1
+            if self._waiting == self._parties:
+                self._release()
+                return
+            while generation == self._generation and not self._broken:
+                self._cond.wait()
+            if self._broken:
+                raise threading.BrokenBarrierError
+
+    def leave(self):
+        """A thread has finished: the others no longer wait for it."""
+        with self._cond:
+            self._parties -= 1
+            if self._parties and self._waiting == self._parties:
+                self._release()
+
+    def abort(self):
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+    def _release(self):
+        self._waiting = 0
+        self._generation += 1
+        self._cond.notify_all()
+
+
+def install():
+    from numba.cuda.simulator import kernel as sim
+
+    original_thread_run = sim.BlockThread.run
+
+    def syncthreads(self):
+        self._block_barrier.wait()
+
+    def run_thread(self):
+        try:
+            original_thread_run(self)
+        finally:
+            self._block_barrier.leave()
+        if self.exception is not None:
+            self._block_barrier.abort()
+            for room in self._manager.__dict__.get("_numba_flash_warp_rooms", {}).values():
+                room.barrier.abort()
+
+    def run_block(self, grid_point, *args):
+        barrier = BlockBarrier(int(np.prod(self._block_dim)))
+        self.__dict__.pop("_numba_flash_warp_rooms", None)
+        threads = []
+        for block_point in np.ndindex(*self._block_dim):
+            thread = sim.BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)
+            thread._block_barrier = barrier
+            threads.append(thread)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        failures = [t.exception for t in threads if t.exception is not None]
+        # Report the thread that failed first, not those it broke out of a barrier.
+        failures.sort(key=lambda exc: isinstance(exc[0], threading.BrokenBarrierError))
+        if failures:
+            raise failures[0][0].with_traceback(failures[0][1])
+
+    sim.BlockThread.syncthreads = syncthreads
+    sim.BlockThread.run = run_thread
+    sim.BlockManager.run = run_block

@@ -1,0 +1,157 @@
+"""Every check on user input, in one place, before anything is launched.
+
+``check_attention_args`` turns the arguments of ``attention`` into an
+``AttentionCall`` whose fields the kernels can trust, or raises a
+ValueError/TypeError that names the offending argument.
+"""
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from . import _arrays
+from .device import device_limits
+from .kernels import flash1_forward as _flash1
+from .tiling import line1_block_sizes
+
+ALGORITHMS = ("standard", "flash1", "flash2")
+#: dtypes each algorithm accepts (the fast kernel also takes float16).
+DTYPES = {
+    "standard": (np.dtype(np.float32),),
+    "flash1": (np.dtype(np.float32),),
+    "flash2": (np.dtype(np.float32), np.dtype(np.float16)),
+}
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated call: shapes, dtype and options the kernels can rely on."""
+
+    algorithm: str
+    batch_shape: Tuple[int, ...]
+    n_q: int
+    n_k: int
+    head_dim: int
+    dtype: np.dtype
+    scale: float
+    causal: bool
+    block_sizes: Optional[Tuple[int, int]]
+    on_device: bool
+
+    @property
+    def batch_heads(self):
+        return int(np.prod(self.batch_shape, dtype=np.int64))
+
+
+def _shape_and_dtype(name, x):
+    interface = _arrays.cuda_interface(x)
+    if interface is not None:
+        shape = tuple(interface["shape"])
+        dtype = np.dtype(interface["typestr"])
+        strides = interface.get("strides")
+        if strides is not None and tuple(strides) != _c_strides(shape, dtype.itemsize):
+            raise ValueError(f"{name} must be C-contiguous on the device (strides {tuple(strides)} "
+                             f"for shape {shape}); call .contiguous() or copy it first")
+        return shape, dtype, True
+    if isinstance(x, np.ndarray):
+        return x.shape, x.dtype, False
+    raise TypeError(f"{name} must be a NumPy array or a CUDA array (with __cuda_array_interface__), "
+                    f"got {type(x).__name__}")
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def check_qkv(q, k, v, algorithm):
+    """Shapes, dtypes and kinds of q, k, v; returns (batch_shape, n_q, n_k, d, dtype, on_device)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    (q_shape, q_dtype, q_dev), (k_shape, k_dtype, k_dev), (v_shape, v_dtype, v_dev) = (
+        _shape_and_dtype(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    if not q_dev == k_dev == v_dev:
+        raise TypeError("q, k and v must all be NumPy arrays or all CUDA arrays, not a mix")
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape {shape}")
+        if 0 in shape:
+            raise ValueError(f"{name} has an empty dimension: shape {shape}")
+    if not q_dtype == k_dtype == v_dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q_dtype}, {k_dtype}, {v_dtype}")
+    if q_dtype not in DTYPES[algorithm]:
+        supported = ", ".join(str(t) for t in DTYPES[algorithm])
+        hint = " (float16 needs algorithm='flash2')" if q_dtype == np.float16 else ""
+        raise TypeError(f"q, k, v have dtype {q_dtype}; algorithm={algorithm!r} supports {supported}{hint}")
+    if not q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
+        raise ValueError(f"q, k and v must have equal leading (batch, heads) dims, "
+                         f"got {q_shape[:-2]}, {k_shape[:-2]}, {v_shape[:-2]}")
+    if k_shape[-2] != v_shape[-2]:
+        raise ValueError(f"k and v must have the same length N_k, got {k_shape[-2]} and {v_shape[-2]}")
+    if not q_shape[-1] == k_shape[-1] == v_shape[-1]:
+        raise ValueError(f"q, k and v must have the same head dim d, got {q_shape[-1]}, {k_shape[-1]}, {v_shape[-1]}")
+    return q_shape[:-2], q_shape[-2], k_shape[-2], q_shape[-1], q_dtype, q_dev
+
+
+def check_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k):
+    """Explicit (B_r, B_c), or the algorithm's default; None for 'standard'."""
+    if algorithm == "standard":
+        if block_sizes is not None:
+            raise ValueError("block_sizes applies to the flash algorithms; algorithm='standard' "
+                             "materialises S and P and has no (B_r, B_c)")
+        return None
+    if block_sizes is None:
+        return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
+    if (not isinstance(block_sizes, (tuple, list)) or len(block_sizes) != 2
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block_sizes)):
+        raise TypeError(f"block_sizes must be a pair of integers (B_r, B_c), got {block_sizes!r}")
+    block_rows, block_cols = (int(b) for b in block_sizes)
+    if block_rows <= 0 or block_cols <= 0:
+        raise ValueError(f"block_sizes must be positive, got {(block_rows, block_cols)}")
+    limits = device_limits()
+    if block_rows > limits.max_threads_per_block:
+        raise ValueError(f"block_sizes: B_r={block_rows} exceeds {limits.max_threads_per_block} threads per block "
+                         f"(flash1 gives each query row of a block its own thread)")
+    needed = _flash1.shared_bytes(block_rows, block_cols, head_dim)
+    if needed > limits.shared_bytes_per_block:
+        raise ValueError(f"block_sizes {(block_rows, block_cols)} need {needed} bytes of shared memory for "
+                         f"Q_i, K_j, V_j and S_ij at d={head_dim}; the limit is {limits.shared_bytes_per_block}")
+    return block_rows, block_cols
+
+
+def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed, algorithm, block_sizes):
+    """Validate a call to ``attention``; see its docstring for the rules."""
+    batch_shape, n_q, n_k, head_dim, dtype, on_device = check_qkv(q, k, v, algorithm)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale = check_scale(scale, head_dim)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet")
+    if block_mask is not None:
+        raise NotImplementedError("block_mask is not implemented yet")
+    block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k)
+    if algorithm == "flash2":
+        raise NotImplementedError("algorithm='flash2' is not implemented yet; use 'flash1' or 'standard'")
+    return AttentionCall(algorithm, tuple(batch_shape), n_q, n_k, head_dim, dtype, scale, bool(causal),
+                         block_sizes, on_device)

@@ -1,0 +1,63 @@
+"""The public API of numba-flash."""
+import numpy as np
+
+from . import _arrays
+from ._validation import check_attention_args
+from .kernels.flash1_forward import flash1_forward
+from .kernels.standard_attention import standard_attention
+
+
+def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
+              algorithm="flash2", block_sizes=None, return_lse=False):
+    """Exact attention softmax(scale * q k^T) v, computed on the GPU.
+
+    Parameters
+    ----------
+    q : array (..., N_q, d);  k, v : arrays (..., N_k, d)
+        Equal leading dims (batch, heads, ...).  All NumPy arrays (copied to
+        the GPU and back; NumPy arrays are returned) or all CUDA arrays
+        (anything with ``__cuda_array_interface__``: Numba, torch, CuPy;
+        used in place, and Numba device arrays are returned).
+    causal : bool
+        Query i attends to key j only if j <= i (top-left aligned, like
+        torch's ``scaled_dot_product_attention(is_causal=True)``), also when
+        N_q != N_k.
+    scale : float, optional
+        Multiplies the logits; default 1/sqrt(d).
+    algorithm : {"flash2", "flash1", "standard"}
+        "standard" is the paper's Algorithm 0 (S and P materialised in device
+        memory), "flash1" its Algorithm 1 written literally, "flash2" the fast
+        FlashAttention-2 loop order.
+    block_sizes : (B_r, B_c), optional
+        Tile sizes for the flash algorithms; default: Algorithm 1's line 1
+        (``numba_flash.line1_block_sizes``).
+    return_lse : bool
+        Also return the row log-sum-exp lse = m + log(l) (float32, natural
+        log); -inf for a row that may attend to no key (its output is 0).
+    block_mask, dropout_p, seed
+        Reserved for block-sparse attention and dropout (not implemented yet).
+
+    Returns
+    -------
+    O, or (O, lse) with ``return_lse=True``.
+    """
+    call = check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                                dropout_p=dropout_p, seed=seed, algorithm=algorithm,
+                                block_sizes=block_sizes)
+    q3, k3, v3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v))
+    bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
+    o = _arrays.empty((bh, n_q, d), call.dtype)
+    lse = _arrays.empty((bh, n_q), np.float32)
+    if call.algorithm == "standard":
+        s = _arrays.empty((bh, n_q, n_k), np.float32)
+        p = _arrays.empty((bh, n_q, n_k), np.float32)
+        standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal)
+    else:
+        l = _arrays.empty((bh, n_q), np.float32)
+        m = _arrays.empty((bh, n_q), np.float32)
+        flash1_forward(q3, k3, v3, o, l, m, lse, scale=call.scale, causal=call.causal,
+                       block_sizes=call.block_sizes)
+    out = _arrays.deliver(o, call.batch_shape, call.on_device)
+    if return_lse:
+        return out, _arrays.deliver(lse, call.batch_shape, call.on_device)
+    return out

@@ -1,0 +1,57 @@
+"""The ``numba-flash`` command (also ``python -m numba_flash``)."""
+import argparse
+import sys
+
+import numpy as np
+
+DEMO_SHAPE_GPU = (4, 8, 1024, 64)   # (batch, heads, N, d)
+DEMO_SHAPE_SIMULATOR = (1, 2, 32, 16)
+
+
+def demo(args):
+    from numba import cuda
+
+    import reference
+
+    from . import attention, device_limits, in_simulator
+    from .timing import time_ms
+
+    simulated = in_simulator()
+    shape = tuple(args.shape) if args.shape else (DEMO_SHAPE_SIMULATOR if simulated else DEMO_SHAPE_GPU)
+    if simulated:
+        print("No GPU: running in Numba's CUDA simulator with a tiny shape (times are not GPU times).")
+    print(f"device: {device_limits().name}")
+    b, h, n, d = shape
+    print(f"problem: batch={b} heads={h} N={n} d={d} float32 causal={args.causal}")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    ref, _ = reference.attention(q, k, v, causal=args.causal)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    repeats = 1 if simulated else 10
+    print(f"{'algorithm':<10} {'max |O - O_ref|':>16} {'time (ms)':>10}")
+    for algorithm in ALGORITHMS_IN_DEMO:
+        out = attention(dq, dk, dv, causal=args.causal, algorithm=algorithm).copy_to_host()
+        err = float(np.abs(out - ref).max())
+        ms = time_ms(lambda: attention(dq, dk, dv, causal=args.causal, algorithm=algorithm),
+                     repeats=repeats, warmup=0 if simulated else 2)
+        print(f"{algorithm:<10} {err:>16.2e} {ms:>10.3f}")
+    return 0
+
+
+ALGORITHMS_IN_DEMO = ("standard", "flash1")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="numba-flash", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("demo", help="run each algorithm once; print its error and time")
+    p.add_argument("--shape", type=int, nargs=4, metavar=("B", "H", "N", "D"),
+                   help=f"problem shape (default {DEMO_SHAPE_GPU} on a GPU, {DEMO_SHAPE_SIMULATOR} in the simulator)")
+    p.add_argument("--causal", action="store_true", help="causal masking")
+    p.set_defaults(run=demo)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""FlashAttention forward, Algorithm 1 of Dao et al. (2022), written literally.
+
+One thread block per (batch, head) runs the paper's two loops in the paper's
+order: the outer loop over key/value blocks j, the inner loop over query
+blocks i.  O, l and m live in device memory (HBM); every inner iteration
+loads them (line 8) and writes them back (lines 12-13), which is exactly the
+traffic Theorem 2 counts.  Thread r of the block plays row r of the current
+query block; all threads share the work of loading tiles.  Clarity over
+speed: see ``flash2_forward.py`` for the fast kernel.
+
+Names follow the paper: Q_i, K_j, V_j, S_ij (shared-memory tiles), m_i, l_i,
+mt_ij (m tilde), lt_ij (l tilde), m_new, l_new.  Departures, each marked
+where it happens:
+
+* the softmax scale tau enters at line 9, as in Algorithm 2 (line 10 there);
+* masked entries (causal, or keys past N_k in a ragged last block) are -inf
+  in S_ij, as Algorithm 2's MASK;
+* a row that has not met an allowed key yet keeps O = 0, l = 0, m = -inf:
+  the paper's exp(m_i - m_new) would be exp(-inf + inf) = NaN there, so we
+  define such rescale factors as 0;
+* after the loops each thread writes lse = m + log(l) for its rows, the one
+  statistic FlashAttention-2 and the backward pass keep.
+"""
+import math
+from functools import lru_cache
+
+from numba import cuda, float32
+
+from ._launch import cuda_kernel, launch
+
+
+def shared_bytes(block_rows, block_cols, head_dim):
+    """Shared memory of one block: the Q_i, K_j, V_j and S_ij tiles in float32."""
+    return 4 * ((block_rows + 2 * block_cols) * head_dim + block_rows * block_cols)
+
+
+@lru_cache(maxsize=None)
+def make_flash1_forward(BR, BC, D, CAUSAL):
+    """Algorithm 1 specialised to B_r = BR, B_c = BC, head dim D (compile-time constants)."""
+
+    def kernel(Q, K, V, O, l, m, lse, scale):
+        # Q, O: (BH, N_q, D); K, V: (BH, N_k, D); l, m, lse: (BH, N_q), float32.
+        bh = cuda.blockIdx.x
+        r = cuda.threadIdx.x
+        n_q = Q.shape[1]
+        n_k = K.shape[1]
+        T_r = (n_q + BR - 1) // BR
+        T_c = (n_k + BC - 1) // BC
+        NEG_INF = float32(-math.inf)
+        tau = float32(scale)
+
+        Q_i = cuda.shared.array((BR, D), float32)
+        K_j = cuda.shared.array((BC, D), float32)
+        V_j = cuda.shared.array((BC, D), float32)
+        S_ij = cuda.shared.array((BR, BC), float32)
+
+        # Alg. 1, line 2: O = 0, l = 0, m = -inf in HBM.  Thread r owns row r
+        # of every query block, so it initialises exactly the rows it updates.
+        for i in range(T_r):
+            row = i * BR + r
+            if row < n_q:
+                for x in range(D):
+                    O[bh, row, x] = float32(0)
+                l[bh, row] = float32(0)
+                m[bh, row] = NEG_INF
+
+        # Alg. 1, line 5: outer loop over key/value blocks.
+        for j in range(T_c):
+            # Alg. 1, line 6: load K_j, V_j from HBM to SRAM (zeros past N_k).
+            cuda.syncthreads()  # nobody still reads the previous K_j, V_j
+            for e in range(r, BC * D, BR):
+                c = e // D
+                x = e % D
+                key = j * BC + c
+                K_j[c, x] = K[bh, key, x] if key < n_k else float32(0)
+                V_j[c, x] = V[bh, key, x] if key < n_k else float32(0)
+
+            # Alg. 1, line 7: inner loop over query blocks.
+            for i in range(T_r):
+                # Alg. 1, line 8: load Q_i (all threads) ...
+                cuda.syncthreads()  # nobody still reads the previous Q_i
+                for e in range(r, BR * D, BR):
+                    rr = e // D
+                    x = e % D
+                    Q_i[rr, x] = Q[bh, i * BR + rr, x] if i * BR + rr < n_q else float32(0)
+                cuda.syncthreads()  # Q_i (and K_j, V_j) complete before use
+
+                row = i * BR + r
+                if row < n_q:
+                    # ... and O_i, l_i, m_i (this thread's row; O_i is read
+                    # element by element at line 12).
+                    m_i = m[bh, row]
+                    l_i = l[bh, row]
+
+                    # Alg. 1, line 9: S_ij = tau Q_i K_j^T (row r), masked -> -inf.
+                    for c in range(BC):
+                        key = j * BC + c
+                        if key < n_k and (not CAUSAL or key <= row):
+                            s = float32(0)
+                            for x in range(D):
+                                s += Q_i[r, x] * K_j[c, x]
+                            S_ij[r, c] = tau * s
+                        else:
+                            S_ij[r, c] = NEG_INF
+
+                    # Alg. 1, line 10: mt_ij = rowmax(S_ij), Pt_ij = exp(S_ij - mt_ij),
+                    # lt_ij = rowsum(Pt_ij).  Pt_ij overwrites S_ij in place.
+                    mt_ij = NEG_INF
+                    for c in range(BC):
+                        mt_ij = max(mt_ij, S_ij[r, c])
+                    # A row with no allowed key in this tile: Pt_ij = 0 (not NaN).
+                    shift = mt_ij if mt_ij != NEG_INF else float32(0)
+                    lt_ij = float32(0)
+                    for c in range(BC):
+                        S_ij[r, c] = math.exp(S_ij[r, c] - shift)
+                        lt_ij += S_ij[r, c]
+
+                    # Alg. 1, line 11: m_new = max(m_i, mt_ij),
+                    # l_new = exp(m_i - m_new) l_i + exp(mt_ij - m_new) lt_ij.
+                    m_new = max(m_i, mt_ij)
+                    alpha = math.exp(m_i - m_new) if m_i != NEG_INF else float32(0)
+                    beta = math.exp(mt_ij - m_new) if mt_ij != NEG_INF else float32(0)
+                    l_new = alpha * l_i + beta * lt_ij
+
+                    # Alg. 1, line 12: O_i <- diag(l_new)^-1 (diag(l_i) exp(m_i - m_new) O_i
+                    #                                        + exp(mt_ij - m_new) Pt_ij V_j).
+                    if l_new > float32(0):
+                        for x in range(D):
+                            pv = float32(0)
+                            for c in range(BC):
+                                pv += S_ij[r, c] * V_j[c, x]
+                            O[bh, row, x] = (l_i * alpha * O[bh, row, x] + beta * pv) / l_new
+
+                    # Alg. 1, line 13: l_i <- l_new, m_i <- m_new.
+                    l[bh, row] = l_new
+                    m[bh, row] = m_new
+
+        # After line 15: the log-sum-exp of each row, -inf where nothing was allowed.
+        for i in range(T_r):
+            row = i * BR + r
+            if row < n_q:
+                lse[bh, row] = m[bh, row] + math.log(l[bh, row]) if l[bh, row] > float32(0) else NEG_INF
+
+    name = f"flash1_forward_Br{BR}_Bc{BC}_d{D}" + ("_causal" if CAUSAL else "")
+    return cuda_kernel(kernel, name)
+
+
+def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes):
+    """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d)."""
+    block_rows, block_cols = block_sizes
+    kernel = make_flash1_forward(block_rows, block_cols, q.shape[2], bool(causal))
+    launch(kernel, q.shape[0], block_rows, (q, k, v, o, l, m, lse, scale))
+
+
+__all__ = ["flash1_forward", "make_flash1_forward", "shared_bytes"]

@@ -1,0 +1,253 @@
+"""Warp-level building blocks of the fast kernels, each with a simulator twin.
+
+On the GPU each function here is one or two PTX instructions, emitted from
+Numba through intrinsics with inline PTX: the tensor-core multiply-accumulate
+``mma.sync`` (which numba-cuda does not expose), half-precision packing, bit
+casts and the warp shuffle.  Numba's CUDA simulator runs every CUDA thread as
+a Python thread and has none of these, so under ``NUMBA_ENABLE_CUDASIM=1`` the
+same names are bound to pure-Python versions that reproduce the *per-lane
+register layouts* exactly: the 32 threads of a warp swap registers through a
+barrier, compute the warp-wide result, and each keeps its own lanes' part.  A
+kernel written against this module therefore runs unchanged in both worlds,
+and a kernel that puts a value in the wrong lane fails in the simulator too.
+
+Fragment layouts are the PTX ISA's ("Matrix fragments for mma.m16n8k8" and
+"mma.m16n8k16").  With ``lane = 4 * g + t`` (``g = lane >> 2`` is the *group*,
+``t = lane & 3`` the *thread in group*):
+
+==========================  ============================================
+m16n8k8, tf32 operands      A (16x8):  a0=(g, t)  a1=(g+8, t)  a2=(g, t+4)  a3=(g+8, t+4)
+                            B (8x8):   b0=(t, g)  b1=(t+4, g)
+m16n8k16, f16 operands      A (16x16): a0=(g, 2t:2t+2)  a1=(g+8, 2t:2t+2)
+(two halves per register,              a2=(g, 2t+8:2t+10)  a3=(g+8, 2t+8:2t+10)
+lower index in the low half) B (16x8): b0=(2t:2t+2, g)  b1=(2t+8:2t+10, g)
+both, f32 accumulators      C (16x8):  c0=(g, 2t)  c1=(g, 2t+1)  c2=(g+8, 2t)  c3=(g+8, 2t+1)
+==========================  ============================================
+"""
+import math
+import threading
+
+import numpy as np
+from numba import config, cuda, uint32
+
+__all__ = [
+    "WARP_SIZE",
+    "f32_as_u32",
+    "u32_as_f32",
+    "tf32_round",
+    "pack_half2",
+    "unpack_half2",
+    "mma_tf32",
+    "mma_f16",
+    "shfl_xor",
+    "exp2",
+]
+
+WARP_SIZE = 32
+TF32_DROPPED_BITS = 0x1FFF  # tf32 keeps 10 of float32's 23 mantissa bits
+
+
+exp2 = math.exp2  # with fastmath=True this compiles to ex2.approx.ftz.f32
+
+if not config.ENABLE_CUDASIM:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _F32 = ir.FloatType()
+    _I32 = ir.IntType(32)
+
+    def _cast_all(context, builder, sig, args, wanted):
+        return [context.cast(builder, a, t, w) for a, t, w in zip(args, sig.args, wanted)]
+
+    @intrinsic
+    def f32_as_u32(typingctx, x):
+        """The bits of a float32, as uint32 (a register move, no conversion)."""
+        def codegen(context, builder, sig, args):
+            (x,) = _cast_all(context, builder, sig, args, [types.float32])
+            return builder.bitcast(x, _I32)
+
+        return types.uint32(x), codegen
+
+    @intrinsic
+    def u32_as_f32(typingctx, u):
+        """The float32 whose bits are ``u``."""
+        def codegen(context, builder, sig, args):
+            (u,) = _cast_all(context, builder, sig, args, [types.uint32])
+            return builder.bitcast(u, _F32)
+
+        return types.float32(u), codegen
+
+    @intrinsic
+    def pack_half2(typingctx, lo, hi):
+        """Round two float32 to float16 and pack them: ``lo`` in bits 0-15."""
+        def codegen(context, builder, sig, args):
+            lo, hi = _cast_all(context, builder, sig, args, [types.float32] * 2)
+            # cvt.rn.f16x2.f32 d, a, b puts a in the upper half, b in the lower.
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                               "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [hi, lo])
+
+        return types.uint32(lo, hi), codegen
+
+    @intrinsic
+    def unpack_half2(typingctx, u):
+        """The two float16 packed in ``u``, widened to float32: (low half, high half)."""
+        def codegen(context, builder, sig, args):
+            (u,) = _cast_all(context, builder, sig, args, [types.uint32])
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([_F32, _F32]), [_I32]),
+                "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; "
+                "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                "=f,=f,r",
+            )
+            pair = builder.call(asm, [u])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(pair, i) for i in range(2)])
+
+        return types.UniTuple(types.float32, 2)(u), codegen
+
+    def _mma_intrinsic(ptx_shape_and_types, doc):
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            def codegen(context, builder, sig, args):
+                vals = _cast_all(context, builder, sig, args,
+                                 [types.uint32] * 6 + [types.float32] * 4)
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4),
+                    f"mma.sync.aligned.{ptx_shape_and_types} "
+                    "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                )
+                d = builder.call(asm, vals)
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(d, i) for i in range(4)])
+
+            return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+        mma.__doc__ = doc
+        return mma
+
+    mma_tf32 = _mma_intrinsic(
+        "m16n8k8.row.col.f32.tf32.tf32.f32",
+        "D = A B + C for one warp: A 16x8, B 8x8 in tf32 bit patterns, C and D float32.")
+    mma_f16 = _mma_intrinsic(
+        "m16n8k16.row.col.f32.f16.f16.f32",
+        "D = A B + C for one warp: A 16x16, B 16x8 as packed float16 pairs, C and D float32.")
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(value, lane_mask):
+        """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def tf32_round(x):
+        """``x`` rounded to tf32 (nearest, ties away, as ``cvt.rna.tf32.f32``): the bits ``mma_tf32`` takes."""
+        return uint32((f32_as_u32(x) + uint32(0x1000)) & uint32(0xFFFFE000))
+
+else:
+    # ------------------------------------------------------------------
+    # Simulator twins.  Each warp gets a "room" where its 32 threads post a
+    # value, wait for each other, read everyone's values and wait again
+    # (the second wait keeps a fast thread from overwriting a slot that a
+    # slow one has not read yet).
+    # ------------------------------------------------------------------
+    _ROOMS_LOCK = threading.Lock()
+
+    class _WarpRoom:
+        def __init__(self, parties):
+            self.slots = [None] * WARP_SIZE
+            self.barrier = threading.Barrier(parties, timeout=600)
+
+    def _exchange(value):
+        """Post ``value`` for this lane; return all 32 lanes' values."""
+        me = threading.current_thread()
+        block = me._manager
+        warp = me.thread_id // WARP_SIZE
+        with _ROOMS_LOCK:
+            rooms = block.__dict__.setdefault("_numba_flash_warp_rooms", {})
+            key = (tuple(me.blockIdx), warp)
+            room = rooms.get(key)
+            if room is None:
+                threads_in_block = int(np.prod(block._block_dim))
+                if threads_in_block % WARP_SIZE:
+                    raise RuntimeError("warp primitives need whole warps (blockDim a multiple of 32)")
+                room = rooms[key] = _WarpRoom(WARP_SIZE)
+        lane = me.thread_id % WARP_SIZE
+        room.slots[lane] = value
+        room.barrier.wait()
+        seen = list(room.slots)
+        room.barrier.wait()
+        return seen, lane
+
+    def f32_as_u32(x):
+        """The bits of a float32, as uint32."""
+        return np.uint32(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+    def u32_as_f32(u):
+        """The float32 whose bits are ``u``."""
+        return np.float32(np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
+
+    def tf32_round(x):
+        """``x`` rounded to tf32 (nearest, ties away, as ``cvt.rna.tf32.f32``): the bits ``mma_tf32`` takes."""
+        return np.uint32((int(f32_as_u32(x)) + 0x1000) & 0xFFFFE000)
+
+    def pack_half2(lo, hi):
+        """Round two float32 to float16 and pack them: ``lo`` in bits 0-15."""
+        with np.errstate(over="ignore"):  # like cvt.rn: too large -> inf
+            halves = np.array([lo, hi], dtype=np.float32).astype(np.float16)
+        return np.uint32(halves.view(np.uint32)[0])
+
+    def unpack_half2(u):
+        """The two float16 packed in ``u``, widened to float32: (low half, high half)."""
+        lo, hi = np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float32)
+        return lo, hi
+
+    def shfl_xor(value, lane_mask):
+        """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
+        seen, lane = _exchange(value)
+        return seen[lane ^ lane_mask]
+
+    def _tf32_value(bits):
+        bits = int(bits) & 0xFFFFFFFF
+        if bits & TF32_DROPPED_BITS:
+            # The hardware would silently ignore these bits; a kernel that
+            # passes them has skipped tf32_round, which is a bug.
+            raise ValueError(f"mma_tf32 operand 0x{bits:08x} is not a tf32 bit pattern")
+        return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+    def _half_pair(bits):
+        return [float(h) for h in np.array([int(bits) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16)]
+
+    def _accumulate(c, a, b, lane):
+        d = a @ b
+        g, t = lane >> 2, lane & 3
+        return (np.float32(c[0] + d[g, 2 * t]), np.float32(c[1] + d[g, 2 * t + 1]),
+                np.float32(c[2] + d[g + 8, 2 * t]), np.float32(c[3] + d[g + 8, 2 * t + 1]))
+
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C for one warp: A 16x8, B 8x8 in tf32 bit patterns, C and D float32."""
+        seen, lane = _exchange((a0, a1, a2, a3, b0, b1))
+        a = np.zeros((16, 8))
+        b = np.zeros((8, 8))
+        for src, (r0, r1, r2, r3, s0, s1) in enumerate(seen):
+            g, t = src >> 2, src & 3
+            a[g, t], a[g + 8, t] = _tf32_value(r0), _tf32_value(r1)
+            a[g, t + 4], a[g + 8, t + 4] = _tf32_value(r2), _tf32_value(r3)
+            b[t, g], b[t + 4, g] = _tf32_value(s0), _tf32_value(s1)
+        return _accumulate((c0, c1, c2, c3), a, b, lane)
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C for one warp: A 16x16, B 16x8 as packed float16 pairs, C and D float32."""
+        seen, lane = _exchange((a0, a1, a2, a3, b0, b1))
+        a = np.zeros((16, 16))
+        b = np.zeros((16, 8))
+        for src, (r0, r1, r2, r3, s0, s1) in enumerate(seen):
+            g, t = src >> 2, src & 3
+            a[g, 2 * t:2 * t + 2] = _half_pair(r0)
+            a[g + 8, 2 * t:2 * t + 2] = _half_pair(r1)
+            a[g, 2 * t + 8:2 * t + 10] = _half_pair(r2)
+            a[g + 8, 2 * t + 8:2 * t + 10] = _half_pair(r3)
+            b[2 * t:2 * t + 2, g] = _half_pair(s0)
+            b[2 * t + 8:2 * t + 10, g] = _half_pair(s1)
+        return _accumulate((c0, c1, c2, c3), a, b, lane)

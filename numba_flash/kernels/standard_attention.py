@@ -1,0 +1,126 @@
+"""Standard attention, Algorithm 0 of Dao et al. (2022): the baseline.
+
+Three kernels, so that the N x N intermediates really travel through device
+memory as the paper's baseline does:
+
+1. ``batched_matmul``  S = tau Q K^T, written to HBM (N_q x N_k per head);
+2. ``row_softmax``     reads S, writes P = softmax(mask(S)) and the row lse;
+3. ``batched_matmul``  O = P V, reading P back from HBM.
+
+The two products share one 16x16 shared-memory tiled kernel (the numba-cuda
+matmul example, batched, with an optional transpose of B).  Masking happens
+in the softmax kernel, which sees every score: causal entries and nothing
+else are set to -inf there, and an all-masked row yields P = 0, lse = -inf.
+"""
+import math
+from functools import lru_cache
+
+from numba import cuda, float32
+
+from ..device import in_simulator
+from ._launch import cdiv, cuda_kernel, launch
+
+# Launch shapes.  The simulator runs every CUDA thread as a Python thread, so
+# it gets smaller blocks; the kernels' logic is the same for any of these.
+#: The matmul computes MATMUL_TILE x MATMUL_TILE outputs per block, one per thread.
+MATMUL_TILE = 4 if in_simulator() else 16
+#: Threads cooperating on one row of S in the softmax (a power of two).
+ROW_THREADS = 8 if in_simulator() else 128
+
+
+@lru_cache(maxsize=None)
+def make_batched_matmul(TILE, TRANSPOSE_B):
+    """C[b] = alpha A[b] B[b] (or A[b] B[b]^T), float32, for a batch of matrices."""
+
+    def kernel(A, B, C, alpha):
+        b = cuda.blockIdx.z
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        row = cuda.blockIdx.y * TILE + ty
+        col = cuda.blockIdx.x * TILE + tx
+        inner = A.shape[2]
+        n_rows = C.shape[1]
+        n_cols = C.shape[2]
+        A_tile = cuda.shared.array((TILE, TILE), float32)
+        B_tile = cuda.shared.array((TILE, TILE + 1), float32)  # +1: no bank conflicts reading columns
+
+        acc = float32(0)
+        for t0 in range(0, inner, TILE):
+            # Guarded loads: zeros outside the matrices keep the sum exact.
+            A_tile[ty, tx] = A[b, row, t0 + tx] if row < n_rows and t0 + tx < inner else float32(0)
+            if TRANSPOSE_B:  # B is (n_cols, inner): tile element (k, n) = B[n, k]
+                n = cuda.blockIdx.x * TILE + ty
+                B_tile[tx, ty] = B[b, n, t0 + tx] if n < n_cols and t0 + tx < inner else float32(0)
+            else:  # B is (inner, n_cols)
+                B_tile[ty, tx] = B[b, t0 + ty, col] if t0 + ty < inner and col < n_cols else float32(0)
+            cuda.syncthreads()  # both tiles loaded
+            for kk in range(TILE):
+                acc += A_tile[ty, kk] * B_tile[kk, tx]
+            cuda.syncthreads()  # done reading before the next load overwrites
+        if row < n_rows and col < n_cols:
+            C[b, row, col] = float32(alpha) * acc
+
+    return cuda_kernel(kernel, f"standard_matmul_{'abt' if TRANSPOSE_B else 'ab'}_tile{TILE}")
+
+
+@lru_cache(maxsize=None)
+def make_row_softmax(SOFTMAX_THREADS, CAUSAL):
+    """P = softmax(mask(S)) row by row, plus lse; one block of threads per row."""
+
+    def kernel(S, P, lse):
+        row = cuda.blockIdx.x
+        b = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        n_k = S.shape[2]
+        NEG_INF = float32(-math.inf)
+        partial = cuda.shared.array(SOFTMAX_THREADS, float32)
+        # Keys a query may see: all, or j <= row when causal (top-left aligned).
+        visible = min(n_k, row + 1) if CAUSAL else n_k
+
+        # Row maximum: each thread strides over the row, then a tree reduction.
+        mx = NEG_INF
+        for c in range(t, visible, SOFTMAX_THREADS):
+            mx = max(mx, S[b, row, c])
+        partial[t] = mx
+        stride = SOFTMAX_THREADS // 2
+        while stride > 0:
+            cuda.syncthreads()  # the previous level is written
+            if t < stride:
+                partial[t] = max(partial[t], partial[t + stride])
+            stride //= 2
+        cuda.syncthreads()  # partial[0] is the row max
+        m = partial[0]
+        shift = m if m != NEG_INF else float32(0)
+        cuda.syncthreads()  # everyone read m before partial is reused
+
+        total = float32(0)
+        for c in range(t, visible, SOFTMAX_THREADS):
+            total += math.exp(S[b, row, c] - shift)
+        partial[t] = total
+        stride = SOFTMAX_THREADS // 2
+        while stride > 0:
+            cuda.syncthreads()
+            if t < stride:
+                partial[t] += partial[t + stride]
+            stride //= 2
+        cuda.syncthreads()  # partial[0] is the row sum
+        l = partial[0]
+
+        for c in range(t, n_k, SOFTMAX_THREADS):
+            P[b, row, c] = math.exp(S[b, row, c] - shift) / l if c < visible and l > float32(0) else float32(0)
+        if t == 0:
+            lse[b, row] = m + math.log(l) if l > float32(0) else NEG_INF
+
+    return cuda_kernel(kernel, f"standard_row_softmax_t{SOFTMAX_THREADS}" + ("_causal" if CAUSAL else ""))
+
+
+def standard_attention(q, k, v, o, lse, s, p, *, scale, causal):
+    """Algorithm 0 on device arrays; s and p are the (BH, N_q, N_k) HBM buffers."""
+    bh, n_q, d = q.shape
+    n_k = k.shape[1]
+    # Alg. 0, line 1: S = tau Q K^T, written to HBM.
+    launch(make_batched_matmul(MATMUL_TILE, True), (cdiv(n_k, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (q, k, s, scale))
+    # Alg. 0, line 2: read S, P = softmax(S), write P to HBM.
+    launch(make_row_softmax(ROW_THREADS, bool(causal)), (n_q, bh), ROW_THREADS, (s, p, lse))
+    # Alg. 0, line 3: read P and V, O = P V, write O.
+    launch(make_batched_matmul(MATMUL_TILE, False), (cdiv(d, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (p, v, o, 1.0))

@@ -1,0 +1,89 @@
+"""Hypothesis strategies: draw the problem's shape first, then its arrays.
+
+Sizes depend on where the tests run (the simulator runs every CUDA thread as
+a Python thread, so its shapes are tiny); ``SIZES`` holds both sets.
+Arrays come from a drawn seed and a drawn distribution rather than element
+by element: shapes still shrink, and large arrays stay cheap to draw.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from numba_flash import in_simulator
+from numba_flash.tiling import flash1_sram_elements
+
+
+@dataclass(frozen=True)
+class Sizes:
+    max_n: int          # N_q and N_k are drawn from 1..max_n
+    max_n_standard: int  # the same for Algorithm 0 (one simulated block per row of S)
+    max_d: int          # head dim from 1..max_d
+    max_batch_heads: int
+    max_block: int      # flash1's B_r and B_c from 1..max_block
+
+
+SIZES = Sizes(max_n=40, max_n_standard=12, max_d=16, max_batch_heads=3, max_block=16) if in_simulator() \
+    else Sizes(max_n=300, max_n_standard=300, max_d=128, max_batch_heads=12, max_block=64)
+
+#: Distributions of q, k, v entries: (name, sampler(rng, shape)).
+DISTRIBUTIONS = {
+    "normal": lambda rng, shape: rng.standard_normal(shape),
+    "uniform": lambda rng, shape: rng.uniform(-1.0, 1.0, shape),
+    # a few large entries among small ones: peaky softmax rows
+    "spiky": lambda rng, shape: rng.standard_normal(shape) * np.where(rng.random(shape) < 0.05, 8.0, 0.5),
+}
+
+
+@dataclass
+class Problem:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    causal: bool
+    scale: object  # None or a float
+    block_sizes: object  # None or (B_r, B_c)
+
+    @property
+    def effective_scale(self):
+        return 1.0 / np.sqrt(self.q.shape[-1]) if self.scale is None else self.scale
+
+
+def batch_shapes(max_batch_heads):
+    """Leading dims: () , (B,) or (B, H) with B*H <= max_batch_heads."""
+    return st.lists(st.integers(1, max_batch_heads), min_size=0, max_size=2).filter(
+        lambda dims: int(np.prod(dims)) <= max_batch_heads).map(tuple)
+
+
+def flash1_block_sizes(d, n_q, n_k):
+    """(B_r, B_c) that the literal kernel can run: anything whose tiles fit in 48 KiB."""
+    top = SIZES.max_block
+    return st.tuples(st.integers(1, top), st.integers(1, top)).filter(
+        lambda b: 4 * flash1_sram_elements(b[0], b[1], d) <= 48 * 1024)
+
+
+def arrays(draw, shape, dtype=np.float32):
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    kind = draw(st.sampled_from(sorted(DISTRIBUTIONS)))
+    rng = np.random.default_rng(seed)
+    return DISTRIBUTIONS[kind](rng, shape).astype(dtype)
+
+
+@st.composite
+def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None):
+    """A random attention problem for ``algorithm`` (shapes first, then data)."""
+    max_n = max_n or (SIZES.max_n_standard if algorithm == "standard" else SIZES.max_n)
+    batch = draw(batch_shapes(SIZES.max_batch_heads))
+    n_q = draw(st.integers(1, max_n))
+    n_k = draw(st.integers(1, max_n))
+    d = draw(st.integers(1, SIZES.max_d))
+    block_sizes = None
+    if algorithm == "flash1":
+        block_sizes = draw(st.one_of(st.none(), flash1_block_sizes(d, n_q, n_k)))
+    scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))
+    if causal is None:
+        causal = draw(st.booleans())
+    q = arrays(draw, batch + (n_q, d), dtype)
+    k = arrays(draw, batch + (n_k, d), dtype)
+    v = arrays(draw, batch + (n_k, d), dtype)
+    return Problem(q, k, v, causal, scale, block_sizes)

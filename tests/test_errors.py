@@ -1,0 +1,74 @@
+"""Bad input raises a clear ValueError/TypeError naming the argument, before any launch."""
+import math
+
+import numpy as np
+import pytest
+
+import numba_flash
+from numba_flash.kernels import flash1_forward, standard_attention
+
+Q = np.zeros((2, 8, 4), np.float32)
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Any kernel launch during these tests is a failure: errors come first."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the input was rejected")
+    monkeypatch.setattr(flash1_forward, "launch", forbidden)
+    monkeypatch.setattr(standard_attention, "launch", forbidden)
+
+
+CASES = [
+    # (description, args, kwargs, exception, words the message must contain)
+    ("q is a list", ([[1.0]], Q, Q), {}, TypeError, "q must be"),
+    ("k is a scalar", (Q, 1.0, Q), {}, TypeError, "k must be"),
+    ("v has one dim", (Q, Q, np.zeros(4, np.float32)), {}, ValueError, "v must have at least 2"),
+    ("q is empty", (np.zeros((0, 4), np.float32), Q[0], Q[0]), {}, ValueError, "q has an empty"),
+    ("k has empty head dim", (Q, np.zeros((2, 8, 0), np.float32), Q), {}, ValueError, "k has an empty"),
+    ("float64", (Q.astype(np.float64),) * 3, {}, TypeError, "dtype float64"),
+    ("int", (Q.astype(np.int32),) * 3, {}, TypeError, "dtype int32"),
+    ("mixed dtypes", (Q, Q, Q.astype(np.float16)), {"algorithm": "flash2"}, TypeError, "share one dtype"),
+    ("float16 for flash1", (Q.astype(np.float16),) * 3, {"algorithm": "flash1"}, TypeError, "flash2"),
+    ("leading dims differ", (Q, Q[:1], Q[:1]), {}, ValueError, "leading"),
+    ("N_k of k and v differ", (Q, Q, Q[:, :5]), {}, ValueError, "N_k"),
+    ("head dims differ", (Q, Q[..., :3], Q[..., :3]), {}, ValueError, "head dim"),
+    ("v head dim differs", (Q, Q, Q[..., :3]), {}, ValueError, "head dim"),
+    ("unknown algorithm", (Q, Q, Q), {"algorithm": "flash3"}, ValueError, "algorithm"),
+    ("nan scale", (Q, Q, Q), {"scale": math.nan}, ValueError, "scale"),
+    ("inf scale", (Q, Q, Q), {"scale": math.inf}, ValueError, "scale"),
+    ("string scale", (Q, Q, Q), {"scale": "0.5"}, TypeError, "scale"),
+    ("causal not bool", (Q, Q, Q), {"causal": 1}, TypeError, "causal"),
+    ("block size zero", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (0, 4)}, ValueError, "block_sizes"),
+    ("block size negative", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (4, -1)}, ValueError, "block_sizes"),
+    ("block sizes not a pair", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (4,)}, TypeError, "block_sizes"),
+    ("block sizes float", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (4.0, 4)}, TypeError, "block_sizes"),
+    ("block sizes too big for shared memory", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (64, 2048)},
+     ValueError, "shared memory"),
+    ("block rows beyond threads per block", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (2048, 1)},
+     ValueError, "threads per block"),
+    ("block sizes for standard", (Q, Q, Q), {"algorithm": "standard", "block_sizes": (4, 4)}, ValueError,
+     "block_sizes"),
+    ("dropout out of range", (Q, Q, Q), {"dropout_p": 1.0}, ValueError, "dropout_p"),
+    ("dropout not a number", (Q, Q, Q), {"dropout_p": "0.1"}, TypeError, "dropout_p"),
+    ("seed not an int", (Q, Q, Q), {"seed": 1.5}, TypeError, "seed"),
+]
+
+
+@pytest.mark.parametrize("description, args, kwargs, error, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_rejected_with_a_clear_message(description, args, kwargs, error, words):
+    kwargs.setdefault("algorithm", "flash1")
+    with pytest.raises(error, match=words):
+        numba_flash.attention(*args, **kwargs)
+
+
+def test_mixing_host_and_device_arrays_is_rejected():
+    from numba import cuda
+    with pytest.raises(TypeError, match="all be NumPy arrays or all CUDA arrays"):
+        numba_flash.attention(Q, cuda.to_device(Q), Q, algorithm="flash1")
+
+
+@pytest.mark.parametrize("kwargs", [{"dropout_p": 0.1}, {"block_mask": object()}])
+def test_features_of_later_issues_say_so(kwargs):
+    with pytest.raises(NotImplementedError):
+        numba_flash.attention(Q, Q, Q, algorithm="flash1", **kwargs)

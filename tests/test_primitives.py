@@ -1,0 +1,150 @@
+"""The warp-level primitives behind the fast kernels, against NumPy.
+
+In the simulator these check the Python twins; on the GPU, the inline-PTX
+intrinsics.  Both must agree with the PTX ISA's fragment layouts, which the
+kernels below spell out independently of ``primitives.py``.
+"""
+import numpy as np
+import pytest
+from numba import cuda, float32, uint32
+
+from numba_flash.kernels.primitives import (
+    f32_as_u32, mma_f16, mma_tf32, pack_half2, shfl_xor, tf32_round, u32_as_f32, unpack_half2,
+)
+
+
+def _tf32(x):
+    """NumPy model of tf32_round: nearest, ties away from zero, low 13 bits cleared."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+@cuda.jit
+def _mma_tf32_kernel(a, b, c, d, split):
+    lane = cuda.threadIdx.x
+    g, t = lane >> 2, lane & 3
+    a_vals = (a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4])
+    b_vals = (b[t, g], b[t + 4, g])
+    acc = (c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+    a_big = (tf32_round(a_vals[0]), tf32_round(a_vals[1]), tf32_round(a_vals[2]), tf32_round(a_vals[3]))
+    b_big = (tf32_round(b_vals[0]), tf32_round(b_vals[1]))
+    if split:
+        # 3xTF32: A B ~ A_big B_big + A_big B_small + A_small B_big
+        a_small = (tf32_round(a_vals[0] - u32_as_f32(a_big[0])), tf32_round(a_vals[1] - u32_as_f32(a_big[1])),
+                   tf32_round(a_vals[2] - u32_as_f32(a_big[2])), tf32_round(a_vals[3] - u32_as_f32(a_big[3])))
+        b_small = (tf32_round(b_vals[0] - u32_as_f32(b_big[0])), tf32_round(b_vals[1] - u32_as_f32(b_big[1])))
+        acc = mma_tf32(a_small[0], a_small[1], a_small[2], a_small[3], b_big[0], b_big[1],
+                       acc[0], acc[1], acc[2], acc[3])
+        acc = mma_tf32(a_big[0], a_big[1], a_big[2], a_big[3], b_small[0], b_small[1],
+                       acc[0], acc[1], acc[2], acc[3])
+    acc = mma_tf32(a_big[0], a_big[1], a_big[2], a_big[3], b_big[0], b_big[1],
+                   acc[0], acc[1], acc[2], acc[3])
+    d[g, 2 * t], d[g, 2 * t + 1] = acc[0], acc[1]
+    d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = acc[2], acc[3]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["1xtf32", "3xtf32"])
+def test_mma_tf32_matches_fragment_layout(split):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    _mma_tf32_kernel[1, 32](a, b, c, d, split)
+    exact = a.astype(np.float64) @ b.astype(np.float64) + c
+    if split:
+        # Dropping A_small B_small and rounding the small parts costs ~2^-21
+        # relative per product: float32-class accuracy.
+        scale = np.abs(a).astype(np.float64) @ np.abs(b) + np.abs(c)
+        assert np.all(np.abs(d - exact) <= 2e-6 * scale)
+    else:
+        # One tf32 product is as good as its rounded operands: compare with
+        # the exact product of those, and show it is far from float32 accuracy.
+        rounded = _tf32(a).astype(np.float64) @ _tf32(b).astype(np.float64) + c
+        np.testing.assert_allclose(d, rounded, rtol=1e-5, atol=1e-5)
+        assert np.abs(d - exact).max() > 1e-5
+
+
+@cuda.jit
+def _mma_f16_kernel(a, b, c, d):
+    lane = cuda.threadIdx.x
+    g, t = lane >> 2, lane & 3
+    a0 = pack_half2(a[g, 2 * t], a[g, 2 * t + 1])
+    a1 = pack_half2(a[g + 8, 2 * t], a[g + 8, 2 * t + 1])
+    a2 = pack_half2(a[g, 2 * t + 8], a[g, 2 * t + 9])
+    a3 = pack_half2(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9])
+    b0 = pack_half2(b[2 * t, g], b[2 * t + 1, g])
+    b1 = pack_half2(b[2 * t + 8, g], b[2 * t + 9, g])
+    acc = mma_f16(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+    d[g, 2 * t], d[g, 2 * t + 1] = acc[0], acc[1]
+    d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = acc[2], acc[3]
+
+
+def test_mma_f16_matches_fragment_layout():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((16, 16)).astype(np.float16).astype(np.float32)
+    b = rng.standard_normal((16, 8)).astype(np.float16).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    _mma_f16_kernel[1, 32](a, b, c, d)
+    # Inputs are exact halves, so only float32 accumulation error remains.
+    np.testing.assert_allclose(d, a.astype(np.float64) @ b + c, rtol=1e-5, atol=1e-5)
+
+
+@cuda.jit
+def _shfl_kernel(x, out):
+    lane = cuda.threadIdx.x % 32
+    warp = cuda.threadIdx.x // 32
+    for k in range(5):
+        out[k, warp * 32 + lane] = shfl_xor(x[warp * 32 + lane], 1 << k)
+
+
+def test_shfl_xor_swaps_lanes_within_each_warp():
+    x = np.arange(64, dtype=np.float32) * 1.5
+    out = np.zeros((5, 64), np.float32)
+    _shfl_kernel[1, 64](x, out)
+    lanes = np.arange(64)
+    for k in range(5):
+        np.testing.assert_array_equal(out[k], x[(lanes & ~31) | ((lanes & 31) ^ (1 << k))])
+
+
+@cuda.jit
+def _bits_kernel(x, bits, back, halves):
+    i = cuda.grid(1)
+    if i < x.size:
+        bits[i] = f32_as_u32(x[i])
+        back[i] = u32_as_f32(bits[i])
+        lo, hi = unpack_half2(pack_half2(x[i], -x[i]))
+        halves[i, 0] = lo
+        halves[i, 1] = hi
+
+
+def test_bit_casts_and_half_packing():
+    x = np.array([0.0, -0.0, 1.0, -2.5, 3.1415927, 1e-30, 65504.0, 7e4], np.float32)
+    bits = np.zeros(x.size, np.uint32)
+    back = np.zeros_like(x)
+    halves = np.zeros((x.size, 2), np.float32)
+    _bits_kernel[1, 32](x, bits, back, halves)
+    np.testing.assert_array_equal(bits, x.view(np.uint32))
+    np.testing.assert_array_equal(back.view(np.uint32), x.view(np.uint32))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(halves[:, 0], x.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(halves[:, 1], (-x).astype(np.float16).astype(np.float32))
+
+
+@cuda.jit
+def _round_kernel(x, out):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = tf32_round(x[i])
+
+
+def test_tf32_round_is_nearest_ties_away():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(200).astype(np.float32),
+                        # exact ties: the dropped bits are 0x1000
+                        (np.array([1.0, -3.0], np.float32).view(np.uint32) | 0x1000).view(np.float32)])
+    out = np.zeros(x.size, np.uint32)
+    _round_kernel[1, 256](x, out)
+    np.testing.assert_array_equal(out.view(np.float32), _tf32(x))
+    assert np.all(np.abs(out.view(np.float32) - x) <= np.abs(x) * 2.0 ** -11)

@@ -1,0 +1,57 @@
+"""The float64 reference and the NumPy tiling, checked against SciPy and each other."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy import special
+
+import reference
+from strategies import problems
+
+
+@given(problems(algorithm="flash1"))
+def test_reference_agrees_with_scipy(p):
+    q, k, v = (x.astype(np.float64) for x in (p.q, p.k, p.v))
+    s = p.effective_scale * q @ np.swapaxes(k, -1, -2)
+    allowed = reference.allowed_mask(q.shape[-2], k.shape[-2], causal=p.causal)
+    s = np.where(allowed, s, -np.inf)
+    out, lse = reference.attention(q, k, v, scale=p.scale, causal=p.causal)
+    np.testing.assert_allclose(out, special.softmax(s, axis=-1) @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, special.logsumexp(s, axis=-1), rtol=1e-12, atol=1e-12)
+
+
+@given(problems(algorithm="flash1"), st.tuples(st.integers(1, 50), st.integers(1, 50)))
+def test_tiled_algorithm_1_equals_reference(p, block_sizes):
+    q, k, v = (x.reshape((-1,) + x.shape[-2:]) for x in (p.q, p.k, p.v))
+    out, lse = reference.attention(q, k, v, scale=p.scale, causal=p.causal)
+    for h in range(q.shape[0]):
+        o_t, lse_t, l_t, m_t = reference.flash1_tiled(q[h], k[h], v[h], block_sizes=block_sizes,
+                                                      scale=p.scale, causal=p.causal)
+        np.testing.assert_allclose(o_t, out[h], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse_t, lse[h], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(m_t + np.log(l_t), lse[h], rtol=1e-12, atol=1e-12)
+
+
+def test_tiled_handles_rows_with_no_allowed_key():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 6, 4))
+    mask = np.ones((6, 6), bool)
+    mask[2] = False  # query 2 may see nothing
+    mask[4, :3] = False  # query 4 sees nothing in the first key block
+    out, lse = reference.attention(q, k, v, mask=mask)
+    o_t, lse_t, _, _ = reference.flash1_tiled(q, k, v, block_sizes=(2, 3), mask=mask)
+    assert np.all(out[2] == 0) and lse[2] == -np.inf
+    np.testing.assert_allclose(o_t, out, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse_t), np.isneginf(lse))
+
+
+@pytest.mark.parametrize("n_q, n_k", [(5, 3), (3, 5), (4, 4)])
+def test_causal_is_top_left_aligned(n_q, n_k):
+    allowed = reference.allowed_mask(n_q, n_k, causal=True)
+    for i in range(n_q):
+        assert list(np.flatnonzero(allowed[i])) == list(range(min(i + 1, n_k)))
+
+
+def test_softmax_of_all_masked_row_is_zero():
+    s = np.array([[-np.inf, -np.inf], [0.0, np.log(3.0)]])
+    np.testing.assert_allclose(reference.softmax(s), [[0, 0], [0.25, 0.75]])

@@ -1,0 +1,68 @@
+"""How far a kernel may be from the float64 reference, and why.
+
+All tolerances come from one forward error model, evaluated on the actual
+inputs (u is the unit roundoff of float32, 2^-24):
+
+1. Each logit s_ij = tau * q_i . k_j is a length-d dot product.  In float32
+   its error is at most (2d + 16) u |tau| sum_x |q_ix k_jx|: a factor 2 over
+   the textbook gamma_d covers tensor-core accumulation, and 16 u covers
+   the scaling and 3xTF32's per-product error (2^-21).  Call the largest
+   such bound ``ds``.
+2. Shifting a logit by ds moves its softmax weight by a relative factor of
+   at most exp(2 ds) - 1 (numerator and normaliser each move by exp(ds)).
+   exp/log, the online rescales (one per key block, at most N_k) and the
+   normaliser's sum add (N_k + 16) u.
+3. O_i = sum_j P_ij v_j: the weights' relative error times max|v|, plus the
+   length-N_k sum's (N_k + 4) u max|v|.
+
+For float16 inputs (exact halves, float32 arithmetic inside) the fast kernel
+also rounds P to float16 before the P V product (2^-11 relative per weight)
+and rounds O to float16 (2^-11 relative): both added below.
+
+lse = log sum_j exp(s_ij) moves by at most ds plus the sum's rounding.
+Bugs (a wrong mask, a missed rescale, a wrong lane) give errors orders of
+magnitude above these bounds; the tests would catch them.
+"""
+import numpy as np
+
+U32 = 2.0 ** -24
+U16 = 2.0 ** -11
+
+
+def logit_error(q, k, scale):
+    """Largest bound on |s_ij - s_ij(exact)| over all (i, j); step 1 above."""
+    q = np.abs(np.asarray(q, dtype=np.float64))
+    k = np.abs(np.asarray(k, dtype=np.float64))
+    d = q.shape[-1]
+    magnitude = abs(scale) * (q @ np.swapaxes(k, -1, -2))
+    return (2 * d + 16) * U32 * float(magnitude.max())
+
+
+def forward_tolerance(q, k, v, scale, dtype=np.float32):
+    """(tol_O, tol_lse): absolute bounds on the output and log-sum-exp errors."""
+    n_k = np.shape(k)[-2]
+    v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
+    ds = logit_error(q, k, scale)
+    weight_rel = np.expm1(2 * ds) + (n_k + 16) * U32
+    tol_o = (weight_rel + (n_k + 4) * U32) * v_max
+    tol_lse = ds + (n_k + 16) * U32
+    if np.dtype(dtype) == np.float16:
+        tol_o += 2 * U16 * v_max
+    return tol_o, tol_lse
+
+
+def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=np.float32):
+    """Compare a kernel's (O, lse) with the float64 reference under the model above."""
+    tol_o, tol_lse = forward_tolerance(q, k, v, scale, dtype)
+    out = np.asarray(out, dtype=np.float64)
+    assert np.all(np.isfinite(out)), "output has NaN or inf"
+    err_o = np.abs(out - ref_out).max()
+    assert err_o <= tol_o, f"max |O - O_ref| = {err_o:.3g} > tolerance {tol_o:.3g}"
+    if lse is not None:
+        lse = np.asarray(lse, dtype=np.float64)
+        empty = np.isneginf(ref_lse)
+        assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where no key is allowed"
+        assert not np.any(np.isnan(lse)), "lse has NaN"
+        err_lse = np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0.0)
+        assert err_lse <= tol_lse, f"max |lse - lse_ref| = {err_lse:.3g} > tolerance {tol_lse:.3g}"
+    return err_o
