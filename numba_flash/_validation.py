@@ -14,6 +14,7 @@ import numpy as np
 from . import _arrays
 from .device import device_limits
 from .kernels import flash1_forward as _flash1
+from .kernels import flash2_forward as _flash2
 from .tiling import line1_block_sizes
 
 ALGORITHMS = ("standard", "flash1", "flash2")
@@ -108,21 +109,17 @@ def check_scale(scale, head_dim):
     return float(scale)
 
 
-def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k):
-    """Explicit (B_r, B_c), or the algorithm's default; None for 'standard'."""
-    if algorithm == "standard":
-        if block_sizes is not None:
-            raise ValueError("block_sizes applies to the flash algorithms; algorithm='standard' "
-                             "materialises S and P and has no (B_r, B_c)")
-        return None
-    if block_sizes is None:
-        return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
+def _pair_of_positive_ints(block_sizes):
     if (not isinstance(block_sizes, (tuple, list)) or len(block_sizes) != 2
             or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block_sizes)):
         raise TypeError(f"block_sizes must be a pair of integers (B_r, B_c), got {block_sizes!r}")
     block_rows, block_cols = (int(b) for b in block_sizes)
     if block_rows <= 0 or block_cols <= 0:
         raise ValueError(f"block_sizes must be positive, got {(block_rows, block_cols)}")
+    return block_rows, block_cols
+
+
+def _check_flash1_blocks(block_rows, block_cols, head_dim):
     limits = device_limits()
     if block_rows > limits.max_threads_per_block:
         raise ValueError(f"block_sizes: B_r={block_rows} exceeds {limits.max_threads_per_block} threads per block "
@@ -131,6 +128,45 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k):
     if needed > limits.shared_bytes_per_block:
         raise ValueError(f"block_sizes {(block_rows, block_cols)} need {needed} bytes of shared memory for "
                          f"Q_i, K_j, V_j and S_ij at d={head_dim}; the limit is {limits.shared_bytes_per_block}")
+
+
+def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype):
+    limits = device_limits()
+    is_f16 = dtype == np.float16
+    layout = _flash2.Flash2Layout(block_rows, block_cols, head_dim, is_f16)
+    if block_rows % _flash2.ROWS_PER_WARP:
+        raise ValueError(f"block_sizes: flash2 needs B_r to be a multiple of {_flash2.ROWS_PER_WARP} "
+                         f"(one warp per 16 query rows), got {block_rows}")
+    if layout.threads > limits.max_threads_per_block:
+        raise ValueError(f"block_sizes: B_r={block_rows} needs {layout.threads} threads per block; "
+                         f"the limit is {limits.max_threads_per_block}")
+    step = 16 if is_f16 else 8
+    if block_cols % step:
+        raise ValueError(f"block_sizes: flash2 needs B_c to be a multiple of {step} for {dtype} "
+                         f"(the width of the tensor-core tiles), got {block_cols}")
+    if layout.shared_bytes > limits.shared_bytes_per_block_optin:
+        raise ValueError(f"block_sizes {(block_rows, block_cols)} need {layout.shared_bytes} bytes of shared "
+                         f"memory at d={head_dim} ({dtype}); the limit is {limits.shared_bytes_per_block_optin}")
+
+
+def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype):
+    """Explicit (B_r, B_c), or the algorithm's default; None for 'standard'."""
+    if algorithm == "standard":
+        if block_sizes is not None:
+            raise ValueError("block_sizes applies to the flash algorithms; algorithm='standard' "
+                             "materialises S and P and has no (B_r, B_c)")
+        return None
+    if algorithm == "flash2" and head_dim > _flash2.MAX_HEAD_DIM:
+        raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {_flash2.MAX_HEAD_DIM}")
+    if block_sizes is None:
+        if algorithm == "flash1":
+            return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
+        return _flash2.default_block_sizes(head_dim, dtype)
+    block_rows, block_cols = _pair_of_positive_ints(block_sizes)
+    if algorithm == "flash1":
+        _check_flash1_blocks(block_rows, block_cols, head_dim)
+    else:
+        _check_flash2_blocks(block_rows, block_cols, head_dim, dtype)
     return block_rows, block_cols
 
 
@@ -150,8 +186,6 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
         raise NotImplementedError("dropout_p > 0 is not implemented yet")
     if block_mask is not None:
         raise NotImplementedError("block_mask is not implemented yet")
-    block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k)
-    if algorithm == "flash2":
-        raise NotImplementedError("algorithm='flash2' is not implemented yet; use 'flash1' or 'standard'")
+    block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype)
     return AttentionCall(algorithm, tuple(batch_shape), n_q, n_k, head_dim, dtype, scale, bool(causal),
                          block_sizes, on_device)

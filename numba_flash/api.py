@@ -4,6 +4,7 @@ import numpy as np
 from . import _arrays
 from ._validation import check_attention_args
 from .kernels.flash1_forward import flash1_forward
+from .kernels.flash2_forward import flash2_forward
 from .kernels.standard_attention import standard_attention
 
 
@@ -14,7 +15,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     Parameters
     ----------
     q : array (..., N_q, d);  k, v : arrays (..., N_k, d)
-        Equal leading dims (batch, heads, ...).  All NumPy arrays (copied to
+        Equal leading dims (batch, heads, ...); float32, or float16 with
+        ``algorithm="flash2"`` (float32 accumulation, output float16).
+        All NumPy arrays (copied to
         the GPU and back; NumPy arrays are returned) or all CUDA arrays
         (anything with ``__cuda_array_interface__``: Numba, torch, CuPy;
         used in place, and Numba device arrays are returned).
@@ -27,10 +30,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     algorithm : {"flash2", "flash1", "standard"}
         "standard" is the paper's Algorithm 0 (S and P materialised in device
         memory), "flash1" its Algorithm 1 written literally, "flash2" the fast
-        FlashAttention-2 loop order.
+        FlashAttention-2 loop order on tensor cores (the default).
     block_sizes : (B_r, B_c), optional
-        Tile sizes for the flash algorithms; default: Algorithm 1's line 1
-        (``numba_flash.line1_block_sizes``).
+        Tile sizes for the flash algorithms.  flash1: any pair whose tiles
+        fit in 48 KiB of shared memory; default Algorithm 1's line 1
+        (``numba_flash.line1_block_sizes``).  flash2: B_r a multiple of 16,
+        B_c a multiple of 8 (float32) or 16 (float16), fitting in the
+        device's opt-in shared memory; default measured per (d, dtype).
     return_lse : bool
         Also return the row log-sum-exp lse = m + log(l) (float32, natural
         log); -inf for a row that may attend to no key (its output is 0).
@@ -52,11 +58,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         s = _arrays.empty((bh, n_q, n_k), np.float32)
         p = _arrays.empty((bh, n_q, n_k), np.float32)
         standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal)
-    else:
+    elif call.algorithm == "flash1":
         l = _arrays.empty((bh, n_q), np.float32)
         m = _arrays.empty((bh, n_q), np.float32)
         flash1_forward(q3, k3, v3, o, l, m, lse, scale=call.scale, causal=call.causal,
                        block_sizes=call.block_sizes)
+    else:
+        flash2_forward(q3, k3, v3, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes)
     out = _arrays.deliver(o, call.batch_shape, call.on_device)
     if return_lse:
         return out, _arrays.deliver(lse, call.batch_shape, call.on_device)

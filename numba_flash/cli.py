@@ -38,7 +38,13 @@ def demo(args):
     return 0
 
 
-ALGORITHMS_IN_DEMO = ("standard", "flash1")
+ALGORITHMS_IN_DEMO = ("standard", "flash1", "flash2")
+
+
+def bench(args):
+    from .bench import main as bench_main
+
+    return bench_main(args)
 
 
 def main(argv=None):
@@ -49,6 +55,17 @@ def main(argv=None):
                    help=f"problem shape (default {DEMO_SHAPE_GPU} on a GPU, {DEMO_SHAPE_SIMULATOR} in the simulator)")
     p.add_argument("--causal", action="store_true", help="causal masking")
     p.set_defaults(run=demo)
+
+    p = commands.add_parser("bench", help="time our kernels against torch's attention backends (GPU only)")
+    p.add_argument("--shape", type=int, nargs=4, action="append", metavar=("B", "H", "N", "D"),
+                   help="a problem shape; repeat for several (default: the four shapes of issue #3)")
+    p.add_argument("--dtypes", default="float32,float16", help="comma-separated: float32,float16")
+    p.add_argument("--algorithms", default="flash2", help="ours to time, comma-separated (flash2,flash1,standard)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median reported)")
+    p.add_argument("--out", default=None, help="folder for the CSV and markdown results")
+    p.add_argument("--tag", default="bench", help="file name stem of the results")
+    p.add_argument("--command", default=None, help="the command line to record in the results")
+    p.set_defaults(run=bench)
     args = parser.parse_args(argv)
     return args.run(args)
 

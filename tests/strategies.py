@@ -16,15 +16,21 @@ from numba_flash.tiling import flash1_sram_elements
 
 @dataclass(frozen=True)
 class Sizes:
-    max_n: int          # N_q and N_k are drawn from 1..max_n
-    max_n_standard: int  # the same for Algorithm 0 (one simulated block per row of S)
+    max_n: dict         # per algorithm: N_q and N_k are drawn from 1..max_n
     max_d: int          # head dim from 1..max_d
     max_batch_heads: int
     max_block: int      # flash1's B_r and B_c from 1..max_block
+    flash2_rows: tuple  # flash2's B_r choices (multiples of 16: one warp per 16 rows)
+    flash2_cols: tuple  # flash2's B_c choices (multiples of 16 work for both dtypes)
 
 
-SIZES = Sizes(max_n=40, max_n_standard=12, max_d=16, max_batch_heads=3, max_block=16) if in_simulator() \
-    else Sizes(max_n=300, max_n_standard=300, max_d=128, max_batch_heads=12, max_block=64)
+# In the simulator every CUDA thread is a Python thread and every warp-level
+# instruction a barrier: Algorithm 0 (a block per row of S) and flash2 (two
+# warps) get smaller problems there.
+SIZES = Sizes(max_n={"standard": 12, "flash1": 40, "flash2": 24}, max_d=16, max_batch_heads=3, max_block=16,
+              flash2_rows=(16, 32), flash2_cols=(8, 16, 32)) if in_simulator() else \
+    Sizes(max_n={"standard": 300, "flash1": 300, "flash2": 600}, max_d=128, max_batch_heads=12, max_block=64,
+          flash2_rows=(16, 48, 64, 128), flash2_cols=(8, 16, 48, 64))
 
 #: Distributions of q, k, v entries: (name, sampler(rng, shape)).
 DISTRIBUTIONS = {
@@ -37,6 +43,8 @@ DISTRIBUTIONS = {
 
 @dataclass
 class Problem:
+    """One call's inputs; ``scale=None`` means the default 1/sqrt(d)."""
+
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
@@ -62,6 +70,13 @@ def flash1_block_sizes(d, n_q, n_k):
         lambda b: 4 * flash1_sram_elements(b[0], b[1], d) <= 48 * 1024)
 
 
+def flash2_block_sizes(dtype):
+    """(B_r, B_c) for flash2: B_c a multiple of 16 for float16 (the k16 mma)."""
+    step = 16 if np.dtype(dtype) == np.float16 else 8
+    cols = [c for c in SIZES.flash2_cols if c % step == 0]
+    return st.tuples(st.sampled_from(SIZES.flash2_rows), st.sampled_from(cols))
+
+
 def arrays(draw, shape, dtype=np.float32):
     seed = draw(st.integers(0, 2 ** 32 - 1))
     kind = draw(st.sampled_from(sorted(DISTRIBUTIONS)))
@@ -72,7 +87,7 @@ def arrays(draw, shape, dtype=np.float32):
 @st.composite
 def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None):
     """A random attention problem for ``algorithm`` (shapes first, then data)."""
-    max_n = max_n or (SIZES.max_n_standard if algorithm == "standard" else SIZES.max_n)
+    max_n = max_n or SIZES.max_n[algorithm]
     batch = draw(batch_shapes(SIZES.max_batch_heads))
     n_q = draw(st.integers(1, max_n))
     n_k = draw(st.integers(1, max_n))
@@ -80,6 +95,8 @@ def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None):
     block_sizes = None
     if algorithm == "flash1":
         block_sizes = draw(st.one_of(st.none(), flash1_block_sizes(d, n_q, n_k)))
+    elif algorithm == "flash2":
+        block_sizes = draw(st.one_of(st.none(), flash2_block_sizes(dtype)))
     scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))
     if causal is None:
         causal = draw(st.booleans())

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import numba_flash
-from numba_flash.kernels import flash1_forward, standard_attention
+from numba_flash.kernels import flash1_forward, flash2_forward, standard_attention
 
 Q = np.zeros((2, 8, 4), np.float32)
 
@@ -17,6 +17,7 @@ def no_launch(monkeypatch):
         raise AssertionError("a kernel was launched before the input was rejected")
     monkeypatch.setattr(flash1_forward, "launch", forbidden)
     monkeypatch.setattr(standard_attention, "launch", forbidden)
+    monkeypatch.setattr(flash2_forward, "launch", forbidden)
 
 
 CASES = [
@@ -49,6 +50,18 @@ CASES = [
      ValueError, "threads per block"),
     ("block sizes for standard", (Q, Q, Q), {"algorithm": "standard", "block_sizes": (4, 4)}, ValueError,
      "block_sizes"),
+    ("flash2 rows not a multiple of 16", (Q, Q, Q), {"algorithm": "flash2", "block_sizes": (24, 16)},
+     ValueError, "multiple of 16"),
+    ("flash2 columns not a multiple of 8", (Q, Q, Q), {"algorithm": "flash2", "block_sizes": (16, 12)},
+     ValueError, "multiple of 8"),
+    ("flash2 float16 columns not a multiple of 16", (Q.astype(np.float16),) * 3,
+     {"algorithm": "flash2", "block_sizes": (16, 8)}, ValueError, "multiple of 16"),
+    ("flash2 too many threads", (Q, Q, Q), {"algorithm": "flash2", "block_sizes": (1024, 16)}, ValueError,
+     "threads per block"),
+    ("flash2 tiles beyond shared memory", (Q, Q, Q), {"algorithm": "flash2", "block_sizes": (128, 1024)},
+     ValueError, "shared memory"),
+    ("flash2 head dim too large", (np.zeros((8, 300), np.float32),) * 3, {"algorithm": "flash2"},
+     ValueError, "head dim"),
     ("dropout out of range", (Q, Q, Q), {"dropout_p": 1.0}, ValueError, "dropout_p"),
     ("dropout not a number", (Q, Q, Q), {"dropout_p": "0.1"}, TypeError, "dropout_p"),
     ("seed not an int", (Q, Q, Q), {"seed": 1.5}, TypeError, "seed"),

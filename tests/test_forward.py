@@ -7,110 +7,134 @@ from numba import cuda
 
 import numba_flash
 import reference
-from strategies import SIZES, problems
-from tolerances import assert_close_to_reference
+from strategies import problems
+from tolerances import U16, assert_close_to_reference
 
-ALGORITHMS = ["standard", "flash1"]
+# (algorithm, dtype) pairs: every algorithm in float32, the fast one also in float16.
+VARIANTS = [("standard", np.float32), ("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
+IDS = [f"{a}-{np.dtype(t).name}" for a, t in VARIANTS]
+variants = pytest.mark.parametrize("algorithm, dtype", VARIANTS, ids=IDS)
 
 
-def run(p, algorithm, **overrides):
+def attend(p, algorithm, q=None, k=None, v=None, **overrides):
     kwargs = dict(causal=p.causal, scale=p.scale, algorithm=algorithm, block_sizes=p.block_sizes,
                   return_lse=True)
     kwargs.update(overrides)
-    return numba_flash.attention(p.q, p.k, p.v, **kwargs)
+    return numba_flash.attention(p.q if q is None else q, p.k if k is None else k, p.v if v is None else v,
+                                 **kwargs)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@variants
 @given(data=st.data())
-def test_matches_float64_reference(algorithm, data):
-    p = data.draw(problems(algorithm=algorithm))
-    out, lse = run(p, algorithm)
+def test_matches_float64_reference(algorithm, dtype, data):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    out, lse = attend(p, algorithm)
     assert out.shape == p.q.shape and out.dtype == p.q.dtype
     assert lse.shape == p.q.shape[:-1] and lse.dtype == np.float32
     ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@variants
 @given(data=st.data())
-def test_permuting_keys_and_values_together_leaves_output_unchanged(algorithm, data):
-    p = data.draw(problems(algorithm=algorithm, causal=False))
-    perm = data.draw(st.permutations(range(p.k.shape[-2])))
-    out, lse = run(p, algorithm)
-    out_p, lse_p = numba_flash.attention(
-        p.q, p.k[..., perm, :], p.v[..., perm, :], scale=p.scale, algorithm=algorithm,
-        block_sizes=p.block_sizes, return_lse=True)
+def test_permuting_keys_and_values_together_leaves_output_unchanged(algorithm, dtype, data):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype, causal=False))
+    perm = np.array(data.draw(st.permutations(range(p.k.shape[-2]))))
+    out, lse = attend(p, algorithm)
+    out_p, lse_p = attend(p, algorithm, k=p.k[..., perm, :], v=p.v[..., perm, :])
     # Both are within the model's bound of the same exact answer.
     ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale)
-    assert_close_to_reference(out_p, lse_p, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale)
+    for o, l in ((out, lse), (out_p, lse_p)):
+        assert_close_to_reference(o, l, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@variants
 @given(data=st.data())
-def test_constant_value_rows_give_that_constant(algorithm, data):
-    p = data.draw(problems(algorithm=algorithm))
+def test_constant_value_rows_give_that_constant(algorithm, dtype, data):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     row = p.v.reshape(-1, p.v.shape[-1])[0]
-    v = np.broadcast_to(row, p.v.shape).copy()
-    out = numba_flash.attention(p.q, p.k, v, causal=p.causal, scale=p.scale, algorithm=algorithm,
-                                block_sizes=p.block_sizes)
-    # sum_j P_ij c = c because the weights sum to one: only rounding remains.
-    tol = 1e-6 * (1 + p.k.shape[-2] / 64) * np.abs(row).max()
-    np.testing.assert_allclose(out, np.broadcast_to(row, out.shape), rtol=0, atol=tol)
+    out, _ = attend(p, algorithm, v=np.broadcast_to(row, p.v.shape).copy())
+    # sum_j P_ij c = c because the weights sum to one: only rounding remains
+    # (float16 also rounds each weight and the output, 2^-11 each).
+    rel = 1e-6 * (1 + p.k.shape[-2] / 64) + (2 * U16 if dtype == np.float16 else 0.0)
+    np.testing.assert_allclose(out.astype(np.float64), np.broadcast_to(row, out.shape),
+                               rtol=0, atol=rel * np.abs(row.astype(np.float64)).max())
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@variants
 @given(data=st.data(), magnitude=st.sampled_from([1e2, 1e4]))
-def test_huge_logits_do_not_overflow(algorithm, data, magnitude):
-    p = data.draw(problems(algorithm=algorithm))
-    q = (p.q * magnitude).astype(np.float32)
-    out, lse = numba_flash.attention(q, p.k, p.v, causal=p.causal, scale=1.0, algorithm=algorithm,
-                                     block_sizes=p.block_sizes, return_lse=True)
+def test_huge_logits_do_not_overflow(algorithm, dtype, data, magnitude):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    if dtype == np.float16:
+        magnitude = 30.0  # float16 inputs top out at 65504; logits still reach the thousands
+    q = (p.q.astype(np.float32) * magnitude).astype(dtype)
+    out, lse = attend(p, algorithm, q=q, scale=1.0)
     assert np.all(np.isfinite(out)) and not np.any(np.isnan(lse))
     ref_out, ref_lse = reference.attention(q, p.k, p.v, scale=1.0, causal=p.causal)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, q, p.k, p.v, 1.0)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, q, p.k, p.v, 1.0, dtype)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@variants
 @given(data=st.data())
-def test_heads_are_computed_independently_and_deterministically(algorithm, data):
-    p = data.draw(problems(algorithm=algorithm))
-    out, lse = run(p, algorithm)
-    again, lse_again = run(p, algorithm)
+def test_heads_are_computed_independently_and_deterministically(algorithm, dtype, data):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    out, lse = attend(p, algorithm)
+    again, lse_again = attend(p, algorithm)
     np.testing.assert_array_equal(out, again)
     np.testing.assert_array_equal(lse, lse_again)
     q, k, v = (x.reshape((-1,) + x.shape[-2:]) for x in (p.q, p.k, p.v))
-    flat = out.reshape((-1,) + out.shape[-2:])
     h = data.draw(st.integers(0, q.shape[0] - 1))
-    alone = numba_flash.attention(q[h], k[h], v[h], causal=p.causal, scale=p.scale, algorithm=algorithm,
-                                  block_sizes=p.block_sizes)
-    np.testing.assert_array_equal(alone, flat[h])
+    alone, alone_lse = attend(p, algorithm, q=q[h], k=k[h], v=v[h])
+    np.testing.assert_array_equal(alone, out.reshape(q.shape)[h])
+    np.testing.assert_array_equal(alone_lse, lse.reshape(q.shape[:-1])[h])
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_causal_with_more_queries_than_keys(algorithm):
+@variants
+@pytest.mark.parametrize("n_q, n_k", [(9, 4), (4, 9), (33, 17)])
+def test_causal_is_top_left_aligned_when_lengths_differ(algorithm, dtype, n_q, n_k):
     rng = np.random.default_rng(7)
-    q = rng.standard_normal((2, 9, 8)).astype(np.float32)
-    k, v = rng.standard_normal((2, 2, 4, 8)).astype(np.float32)
+    q = rng.standard_normal((2, n_q, 8)).astype(dtype)
+    k, v = rng.standard_normal((2, 2, n_k, 8)).astype(dtype)
     out, lse = numba_flash.attention(q, k, v, causal=True, algorithm=algorithm, return_lse=True)
     ref_out, ref_lse = reference.attention(q, k, v, causal=True)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, 1 / np.sqrt(8))
-    # Queries 3..8 see all four keys: identical to non-causal attention there.
+    assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, 1 / np.sqrt(8), dtype)
+    # Queries i >= N_k - 1 see every key: identical to non-causal attention there.
     full = numba_flash.attention(q, k, v, algorithm=algorithm)
-    np.testing.assert_allclose(out[:, 3:], full[:, 3:], atol=1e-6)
+    tail = slice(n_k - 1, None)
+    np.testing.assert_allclose(out[:, tail].astype(np.float64), full[:, tail], atol=4 * U16 if dtype == np.float16 else 1e-6)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_cuda_arrays_stay_on_the_device(algorithm):
+@variants
+def test_cuda_arrays_stay_on_the_device(algorithm, dtype):
     rng = np.random.default_rng(8)
-    q, k, v = rng.standard_normal((3, 2, 10, 8)).astype(np.float32)
+    q, k, v = rng.standard_normal((3, 2, 10, 8)).astype(dtype)
     host_out, host_lse = numba_flash.attention(q, k, v, algorithm=algorithm, return_lse=True)
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     dev_out, dev_lse = numba_flash.attention(dq, dk, dv, algorithm=algorithm, return_lse=True)
     assert not isinstance(dev_out, np.ndarray) and not isinstance(dev_lse, np.ndarray)
-    assert dev_out.shape == q.shape and dev_lse.shape == q.shape[:-1]
+    assert dev_out.shape == q.shape and dev_lse.shape == q.shape[:-1] and dev_out.dtype == dtype
     np.testing.assert_array_equal(dev_out.copy_to_host(), host_out)
     np.testing.assert_array_equal(dev_lse.copy_to_host(), host_lse)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_dim", [1, 3, 72, 160, 256])
+def test_flash2_head_dims_beyond_the_common_ones(dtype, head_dim):
+    rng = np.random.default_rng(head_dim)
+    n = 5 if numba_flash.in_simulator() else 200
+    q, k, v = (rng.standard_normal((2, n, head_dim)).astype(dtype) for _ in range(3))
+    for causal in (False, True):
+        out, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True)
+        ref_out, ref_lse = reference.attention(q, k, v, causal=causal)
+        assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, 1 / np.sqrt(head_dim), dtype)
+
+
+def test_flash2_is_the_default_algorithm(monkeypatch):
+    from numba_flash import api
+    called = []
+    monkeypatch.setattr(api, "flash2_forward", lambda *a, **kw: called.append(True))
+    numba_flash.attention(*(np.ones((2, 4, 8), np.float32),) * 3)
+    assert called
 
 
 def test_return_lse_false_returns_only_the_output():

@@ -23,6 +23,8 @@ lse = log sum_j exp(s_ij) moves by at most ds plus the sum's rounding.
 Bugs (a wrong mask, a missed rescale, a wrong lane) give errors orders of
 magnitude above these bounds; the tests would catch them.
 """
+import os
+
 import numpy as np
 
 U32 = 2.0 ** -24
@@ -55,6 +57,7 @@ def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=
     """Compare a kernel's (O, lse) with the float64 reference under the model above."""
     tol_o, tol_lse = forward_tolerance(q, k, v, scale, dtype)
     out = np.asarray(out, dtype=np.float64)
+    _log_error(dtype, np.abs(out - ref_out).max(initial=0.0), tol_o)
     assert np.all(np.isfinite(out)), "output has NaN or inf"
     err_o = np.abs(out - ref_out).max()
     assert err_o <= tol_o, f"max |O - O_ref| = {err_o:.3g} > tolerance {tol_o:.3g}"
@@ -66,3 +69,11 @@ def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=
         err_lse = np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0.0)
         assert err_lse <= tol_lse, f"max |lse - lse_ref| = {err_lse:.3g} > tolerance {tol_lse:.3g}"
     return err_o
+
+
+def _log_error(dtype, err, tol):
+    """With NUMBA_FLASH_ERROR_LOG set, append each comparison's error (for the GPU report)."""
+    path = os.environ.get("NUMBA_FLASH_ERROR_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{np.dtype(dtype).name} {err:.6g} {tol:.6g}\n")

@@ -41,6 +41,8 @@ __all__ = [
     "mma_f16",
     "shfl_xor",
     "exp2",
+    "load_word",
+    "store_word",
 ]
 
 WARP_SIZE = 32
@@ -135,6 +137,43 @@ if not config.ENABLE_CUDASIM:
         "m16n8k16.row.col.f32.f16.f16.f32",
         "D = A B + C for one warp: A 16x16, B 16x8 as packed float16 pairs, C and D float32.")
 
+    def _element_pointer(context, builder, arrty, arr, index, indexty):
+        from numba.cuda.np.arrayobj import make_array
+
+        data = make_array(arrty)(context, builder, arr).data
+        index = context.cast(builder, index, indexty, types.intp)
+        return builder.gep(data, [index], inbounds=True)
+
+    @intrinsic
+    def load_word(typingctx, arr, index):
+        """``arr[index]`` for a 1-D array and an index known to be in range.
+
+        Plain indexing makes Numba wrap negative indices (a compare and a
+        select on 64-bit values) before every access, which also keeps the
+        compiler from folding constant offsets; the fast kernels address
+        shared memory hundreds of times per tile and use this instead.
+        """
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.load(_element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
+
+        return arr.dtype(arr, index), codegen
+
+    @intrinsic
+    def store_word(typingctx, arr, index, value):
+        """``arr[index] = value`` for a 1-D array and an index known to be in range."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+            builder.store(value, _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
+            return context.get_dummy_value()
+
+        return types.void(arr, index, value), codegen
+
     @cuda.jit(device=True, inline=True)
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
@@ -147,38 +186,49 @@ if not config.ENABLE_CUDASIM:
 
 else:
     # ------------------------------------------------------------------
-    # Simulator twins.  Each warp gets a "room" where its 32 threads post a
-    # value, wait for each other, read everyone's values and wait again
-    # (the second wait keeps a fast thread from overwriting a slot that a
-    # slow one has not read yet).
+    # Simulator twins.  Each warp gets a "room": its 32 threads post their
+    # registers, and the last to arrive at the room's barrier computes the
+    # warp-wide result once (the barrier's action) before all are released
+    # to read their lane's part.  Posts alternate between two buffers, so a
+    # fast thread's next post cannot overwrite values a slow thread has not
+    # read yet: to post twice it must pass a barrier that waits for the slow
+    # one.
     # ------------------------------------------------------------------
     _ROOMS_LOCK = threading.Lock()
 
     class _WarpRoom:
-        def __init__(self, parties):
-            self.slots = [None] * WARP_SIZE
-            self.barrier = threading.Barrier(parties, timeout=600)
+        def __init__(self):
+            self.posts = [[None] * WARP_SIZE, [None] * WARP_SIZE]
+            self.results = [None, None]
+            self.calls = [0] * WARP_SIZE
+            self.compute = None
+            self.barrier = threading.Barrier(WARP_SIZE, action=self._act, timeout=600)
+            self._parity = 0
 
-    def _exchange(value):
-        """Post ``value`` for this lane; return all 32 lanes' values."""
+        def _act(self):
+            parity = self._parity
+            self.results[parity] = self.compute(self.posts[parity])
+            self._parity ^= 1
+
+    def _warp_op(value, compute):
+        """Post ``value``; ``compute(all 32 posts)`` runs once; return this lane's result."""
         me = threading.current_thread()
         block = me._manager
-        warp = me.thread_id // WARP_SIZE
         with _ROOMS_LOCK:
             rooms = block.__dict__.setdefault("_numba_flash_warp_rooms", {})
-            key = (tuple(me.blockIdx), warp)
+            key = (tuple(me.blockIdx), me.thread_id // WARP_SIZE)
             room = rooms.get(key)
             if room is None:
-                threads_in_block = int(np.prod(block._block_dim))
-                if threads_in_block % WARP_SIZE:
+                if int(np.prod(block._block_dim)) % WARP_SIZE:
                     raise RuntimeError("warp primitives need whole warps (blockDim a multiple of 32)")
-                room = rooms[key] = _WarpRoom(WARP_SIZE)
+                room = rooms[key] = _WarpRoom()
         lane = me.thread_id % WARP_SIZE
-        room.slots[lane] = value
+        parity = room.calls[lane] & 1
+        room.calls[lane] += 1
+        room.posts[parity][lane] = value
+        room.compute = compute
         room.barrier.wait()
-        seen = list(room.slots)
-        room.barrier.wait()
-        return seen, lane
+        return room.results[parity][lane]
 
     def f32_as_u32(x):
         """The bits of a float32, as uint32."""
@@ -203,51 +253,73 @@ else:
         lo, hi = np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float32)
         return lo, hi
 
+    def load_word(arr, index):
+        """``arr[index]`` for a 1-D array and an index known to be in range."""
+        if index < 0:
+            raise IndexError(f"load_word: negative index {index}")
+        return arr[index]
+
+    def store_word(arr, index, value):
+        """``arr[index] = value`` for a 1-D array and an index known to be in range."""
+        if index < 0:
+            raise IndexError(f"store_word: negative index {index}")
+        arr[index] = value
+
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
-        seen, lane = _exchange(value)
-        return seen[lane ^ lane_mask]
+        return _warp_op(value, lambda posts: [posts[lane ^ lane_mask] for lane in range(WARP_SIZE)])
 
-    def _tf32_value(bits):
-        bits = int(bits) & 0xFFFFFFFF
-        if bits & TF32_DROPPED_BITS:
+    # Where each lane's registers sit in the warp's matrices (PTX ISA layouts).
+    _LANES = np.arange(WARP_SIZE)
+    _G, _T = _LANES >> 2, _LANES & 3
+
+    def _unpack(posts, count):
+        return np.array([p[:count] for p in posts], dtype=np.int64).astype(np.uint32)
+
+    def _as_tf32(bits):
+        if np.any(bits & TF32_DROPPED_BITS):
             # The hardware would silently ignore these bits; a kernel that
             # passes them has skipped tf32_round, which is a bug.
-            raise ValueError(f"mma_tf32 operand 0x{bits:08x} is not a tf32 bit pattern")
-        return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+            raise ValueError("mma_tf32 operand is not a tf32 bit pattern")
+        return bits.view(np.float32).astype(np.float64)
 
-    def _half_pair(bits):
-        return [float(h) for h in np.array([int(bits) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16)]
-
-    def _accumulate(c, a, b, lane):
+    def _accumulate(posts, a, b):
         d = a @ b
-        g, t = lane >> 2, lane & 3
-        return (np.float32(c[0] + d[g, 2 * t]), np.float32(c[1] + d[g, 2 * t + 1]),
-                np.float32(c[2] + d[g + 8, 2 * t]), np.float32(c[3] + d[g + 8, 2 * t + 1]))
+        c = np.array([p[6:] for p in posts], dtype=np.float64)
+        out = c + np.stack([d[_G, 2 * _T], d[_G, 2 * _T + 1], d[_G + 8, 2 * _T], d[_G + 8, 2 * _T + 1]], axis=1)
+        return [tuple(np.float32(x) for x in row) for row in out]
+
+    def _mma_tf32_warp(posts):
+        regs = _unpack(posts, 6)
+        a = np.zeros((16, 8))
+        b = np.zeros((8, 8))
+        a[_G, _T], a[_G + 8, _T] = _as_tf32(regs[:, 0]), _as_tf32(regs[:, 1])
+        a[_G, _T + 4], a[_G + 8, _T + 4] = _as_tf32(regs[:, 2]), _as_tf32(regs[:, 3])
+        b[_T, _G], b[_T + 4, _G] = _as_tf32(regs[:, 4]), _as_tf32(regs[:, 5])
+        return _accumulate(posts, a, b)
+
+    def _halves(words):
+        """(32,) uint32 -> (32, 2) float64: low half, high half."""
+        return np.ascontiguousarray(words).view(np.float16).reshape(-1, 2).astype(np.float64)
+
+    def _mma_f16_warp(posts):
+        regs = _unpack(posts, 6)
+        a = np.zeros((16, 16))
+        b = np.zeros((16, 8))
+        for reg, (row_off, col_off) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
+            pair = _halves(regs[:, reg])
+            a[_G + row_off, 2 * _T + col_off] = pair[:, 0]
+            a[_G + row_off, 2 * _T + col_off + 1] = pair[:, 1]
+        for reg, row_off in enumerate([0, 8]):
+            pair = _halves(regs[:, 4 + reg])
+            b[2 * _T + row_off, _G] = pair[:, 0]
+            b[2 * _T + row_off + 1, _G] = pair[:, 1]
+        return _accumulate(posts, a, b)
 
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """D = A B + C for one warp: A 16x8, B 8x8 in tf32 bit patterns, C and D float32."""
-        seen, lane = _exchange((a0, a1, a2, a3, b0, b1))
-        a = np.zeros((16, 8))
-        b = np.zeros((8, 8))
-        for src, (r0, r1, r2, r3, s0, s1) in enumerate(seen):
-            g, t = src >> 2, src & 3
-            a[g, t], a[g + 8, t] = _tf32_value(r0), _tf32_value(r1)
-            a[g, t + 4], a[g + 8, t + 4] = _tf32_value(r2), _tf32_value(r3)
-            b[t, g], b[t + 4, g] = _tf32_value(s0), _tf32_value(s1)
-        return _accumulate((c0, c1, c2, c3), a, b, lane)
+        return _warp_op((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _mma_tf32_warp)
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """D = A B + C for one warp: A 16x16, B 16x8 as packed float16 pairs, C and D float32."""
-        seen, lane = _exchange((a0, a1, a2, a3, b0, b1))
-        a = np.zeros((16, 16))
-        b = np.zeros((16, 8))
-        for src, (r0, r1, r2, r3, s0, s1) in enumerate(seen):
-            g, t = src >> 2, src & 3
-            a[g, 2 * t:2 * t + 2] = _half_pair(r0)
-            a[g + 8, 2 * t:2 * t + 2] = _half_pair(r1)
-            a[g, 2 * t + 8:2 * t + 10] = _half_pair(r2)
-            a[g + 8, 2 * t + 8:2 * t + 10] = _half_pair(r3)
-            b[2 * t:2 * t + 2, g] = _half_pair(s0)
-            b[2 * t + 8:2 * t + 10, g] = _half_pair(s1)
-        return _accumulate((c0, c1, c2, c3), a, b, lane)
+        return _warp_op((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _mma_f16_warp)

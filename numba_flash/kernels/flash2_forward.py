@@ -1,0 +1,392 @@
+"""FlashAttention-2 forward (Dao, 2023) on tensor cores: the fast kernel.
+
+The loop order is FlashAttention-2's: one thread block per (query block,
+batch*head), an outer loop that is the grid, and an inner loop over key/value
+blocks.  The running statistics m_i, l_i and the output accumulator acc stay
+in registers for the whole inner loop; O is divided by l once at the end and
+O and lse are written once.  With ``causal``, key blocks entirely above the
+diagonal are never visited and only blocks that cross it are masked element
+by element.
+
+How it is fast, and what each trick costs in clarity:
+
+* **Tensor cores from Numba.**  numba-cuda exposes no matrix instructions,
+  so ``primitives.py`` emits PTX ``mma.sync`` through intrinsics.  Each warp
+  owns 16 query rows and computes its 16 x BLOCK_N slice of S = Q K^T and its
+  16 x d slice of O += P V as 16x8 tiles, one ``mma`` per tile and k-step.
+* **float32 stays float32 (3xTF32).**  A tensor-core product of float32
+  inputs rounds them to tf32 (10 mantissa bits, ~3e-4 relative error).  We
+  split every operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi) and
+  accumulate lo*hi + hi*lo + hi*hi, dropping lo*lo (~2^-22 relative): float32
+  accuracy for three mma per tile (the trick CUTLASS calls "3xTF32").  The
+  split happens once, when a tile enters shared memory.
+* **float16** uses ``mma.m16n8k16`` with float32 accumulation.  P is rounded
+  to float16 for the P V product, as in FlashAttention-2.
+* **P never leaves registers.**  The accumulator fragment of S (rows g, g+8;
+  columns 2t, 2t+1 of each 8-wide tile) is reused as the A operand of P V.
+  For float16 it matches the k16 A layout exactly; for tf32 (k8) the A
+  columns are t and t+4, so we *renumber the keys inside the k-step*: k-index
+  t stands for key 2t and t+4 for key 2t+1, and V's B fragment is read with
+  the same renumbering.  A sum over keys does not care about their order.
+* **exp2**: logits are scaled by scale*log2(e) so that softmax uses exp2
+  (one ``ex2.approx`` instruction); lse is converted back to natural log.
+* **Row statistics by shuffles**: the four lanes that share a row reduce
+  max and sum with two ``shfl_xor`` (simulated in the simulator).
+* **No bank conflicts**: shared rows are padded so that the 32 lanes of a
+  fragment load hit 32 different banks (strides = 4 mod 32 words, and 8 mod
+  32 for the float16 V layout).
+
+Layouts of the mma fragments are in ``primitives.py``.  Notation: a warp's
+lane is 4*g + t; ``s_acc[nt]`` holds S rows (g, g+8) x columns (2t, 2t+1) of
+key tile nt; ``o_acc[dt]`` the same for head-dim tile dt of O.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32
+from numba.cuda.types import float16
+
+from ._launch import cdiv, cuda_kernel, launch
+from .primitives import (exp2, load_word, mma_f16, mma_tf32, pack_half2, shfl_xor, store_word, tf32_round,
+                         u32_as_f32)
+
+LOG2_E = 1.4426950408889634
+ROWS_PER_WARP = 16
+MAX_HEAD_DIM = 256
+
+#: Default (BLOCK_M, BLOCK_N) per dtype for head dims up to the key's bound.
+#: Provisional: to be replaced by the H200 measurements of
+#: experiments/tune_flash2.py.
+DEFAULT_BLOCK_SIZES = {
+    "float32": [(64, (64, 64)), (128, (64, 32)), (256, (32, 32))],
+    "float16": [(64, (64, 64)), (128, (64, 64)), (256, (64, 32))],
+}
+
+
+def default_block_sizes(head_dim, dtype):
+    """The tuned (BLOCK_M, BLOCK_N) for this head dim and dtype."""
+    for bound, blocks in DEFAULT_BLOCK_SIZES[np.dtype(dtype).name]:
+        if head_dim <= bound:
+            return blocks
+    raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
+
+
+def _padded_stride(words, residue):
+    """The smallest stride >= words that is congruent to residue mod 32 (banks)."""
+    return words + (residue - words) % 32
+
+
+@dataclass(frozen=True)
+class Flash2Layout:
+    """Compile-time shape of one flash2 specialisation and its shared memory."""
+
+    block_m: int
+    block_n: int
+    head_dim: int
+    is_f16: bool
+
+    @property
+    def warps(self):
+        return self.block_m // ROWS_PER_WARP
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def k_step(self):
+        """Depth of one mma: 8 for tf32, 16 for float16."""
+        return 16 if self.is_f16 else 8
+
+    @property
+    def d_pad(self):
+        """Head dim rounded up to the mma depth; the padding columns hold zeros."""
+        return cdiv(self.head_dim, self.k_step) * self.k_step
+
+    @property
+    def qk_stride(self):
+        """Words per row of the Q and K tiles (tf32 words, or float16 pairs)."""
+        return _padded_stride(self.d_pad // 2 if self.is_f16 else self.d_pad, 4)
+
+    @property
+    def v_stride(self):
+        """Words per row of the V tile (float16: one row holds a pair of keys)."""
+        return _padded_stride(self.d_pad, 8 if self.is_f16 else 4)
+
+    @property
+    def shared_words(self):
+        if self.is_f16:  # Q, K as float16 pairs along d; V as pairs along keys
+            return (self.block_m + self.block_n) * self.qk_stride + self.block_n // 2 * self.v_stride
+        # hi and lo halves of Q, K and V
+        return 2 * (self.block_m * self.qk_stride + self.block_n * (self.qk_stride + self.v_stride))
+
+    @property
+    def shared_bytes(self):
+        return 4 * self.shared_words
+
+
+@cuda.jit(device=True, inline=True)
+def split_tf32(x):
+    """x = hi + lo, both as tf32 bit patterns (3xTF32)."""
+    hi = tf32_round(x)
+    return hi, tf32_round(x - u32_as_f32(hi))
+
+
+@cuda.jit(device=True, inline=True)
+def mma_3xtf32(a_hi0, a_hi1, a_hi2, a_hi3, a_lo0, a_lo1, a_lo2, a_lo3,
+               b_hi0, b_hi1, b_lo0, b_lo1, c0, c1, c2, c3):
+    """C + A B in float32 accuracy from three tf32 mma: lo*hi + hi*lo + hi*hi."""
+    c0, c1, c2, c3 = mma_tf32(a_lo0, a_lo1, a_lo2, a_lo3, b_hi0, b_hi1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = mma_tf32(a_hi0, a_hi1, a_hi2, a_hi3, b_lo0, b_lo1, c0, c1, c2, c3)
+    return mma_tf32(a_hi0, a_hi1, a_hi2, a_hi3, b_hi0, b_hi1, c0, c1, c2, c3)
+
+
+@cuda.jit(device=True, inline=True)
+def cdiv_device(a, b):
+    return (a + b - 1) // b
+
+
+@lru_cache(maxsize=None)
+def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
+    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype).
+
+    D_PAD is the head dim rounded up to the mma depth (8 for tf32, 16 for
+    float16): head dims that round to the same D_PAD share one compiled
+    kernel, which reads the true d from the arrays and zero-fills the rest.
+    """
+    layout = Flash2Layout(BLOCK_M, BLOCK_N, D_PAD, IS_F16)
+    assert layout.d_pad == D_PAD, "D_PAD must be a multiple of the mma depth"
+    THREADS = layout.threads
+    QK_STRIDE = layout.qk_stride
+    V_STRIDE = layout.v_stride
+    N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
+    D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
+    QK_STEPS = D_PAD // layout.k_step
+    # Offsets (in 32-bit words) of the tiles in dynamic shared memory.
+    if IS_F16:
+        Q_W = 0
+        K_W = BLOCK_M * QK_STRIDE
+        V_W = K_W + BLOCK_N * QK_STRIDE
+    else:
+        Q_HI = 0
+        Q_LO = BLOCK_M * QK_STRIDE
+        K_HI = 2 * BLOCK_M * QK_STRIDE
+        K_LO = K_HI + BLOCK_N * QK_STRIDE
+        V_HI = K_LO + BLOCK_N * QK_STRIDE
+        V_LO = V_HI + BLOCK_N * V_STRIDE
+
+    def kernel(Q, K, V, O, LSE, scale_log2):
+        # Q, O: (BH, N_q, d); K, V: (BH, N_k, d); LSE: (BH, N_q) float32.
+        n_q = Q.shape[1]
+        n_k = K.shape[1]
+        head_dim = Q.shape[2]
+        bh = cuda.blockIdx.y
+        # Causal blocks further down have more keys to visit: start them first.
+        q_block = (cdiv_device(n_q, BLOCK_M) - 1 - cuda.blockIdx.x) if CAUSAL else cuda.blockIdx.x
+        q0 = q_block * BLOCK_M
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane >> 2
+        t = lane & 3
+        row0 = warp * ROWS_PER_WARP + g          # this lane's rows: row0 and row0 + 8
+        NEG_INF = float32(-math.inf)
+        c_log2 = float32(scale_log2)             # softmax scale times log2(e)
+        smem = cuda.shared.array(0, uint32)
+
+        # ---- load Q_i once: it stays in shared memory for the whole loop ----
+        if IS_F16:
+            for e in range(tid, BLOCK_M * (D_PAD // 2), THREADS):
+                r = e // (D_PAD // 2)
+                c = 2 * (e % (D_PAD // 2))
+                x0 = float32(Q[bh, q0 + r, c]) if q0 + r < n_q and c < head_dim else float32(0)
+                x1 = float32(Q[bh, q0 + r, c + 1]) if q0 + r < n_q and c + 1 < head_dim else float32(0)
+                store_word(smem, Q_W + r * QK_STRIDE + c // 2, pack_half2(x0, x1))
+        else:
+            for e in range(tid, BLOCK_M * D_PAD, THREADS):
+                r = e // D_PAD
+                c = e % D_PAD
+                x = Q[bh, q0 + r, c] if q0 + r < n_q and c < head_dim else float32(0)
+                hi, lo = split_tf32(x)
+                store_word(smem, Q_HI + r * QK_STRIDE + c, hi)
+                store_word(smem, Q_LO + r * QK_STRIDE + c, lo)
+
+        m_i = cuda.local.array(2, float32)       # running max (log2 units) of rows row0, row0 + 8
+        l_i = cuda.local.array(2, float32)       # running sum, this lane's columns only
+        acc = cuda.local.array((D_TILES, 4), float32)
+        s_acc = cuda.local.array((N_TILES, 4), float32)
+        for h in range(2):
+            m_i[h] = NEG_INF
+            l_i[h] = float32(0)
+        for dt in range(D_TILES):
+            for e in range(4):
+                acc[dt, e] = float32(0)
+
+        n_blocks = cdiv_device(n_k, BLOCK_N)
+        if CAUSAL:  # key blocks beyond the last row of this query block see nothing
+            n_blocks = min(n_blocks, cdiv_device(min(q0 + BLOCK_M, n_q), BLOCK_N))
+        for j in range(n_blocks):
+            k0 = j * BLOCK_N
+            cuda.syncthreads()  # everyone is done with the previous K_j, V_j (and Q_i is stored)
+            # ---- load K_j and V_j ----
+            if IS_F16:
+                for e in range(tid, BLOCK_N * (D_PAD // 2), THREADS):
+                    r = e // (D_PAD // 2)
+                    c = 2 * (e % (D_PAD // 2))
+                    x0 = float32(K[bh, k0 + r, c]) if k0 + r < n_k and c < head_dim else float32(0)
+                    x1 = float32(K[bh, k0 + r, c + 1]) if k0 + r < n_k and c + 1 < head_dim else float32(0)
+                    store_word(smem, K_W + r * QK_STRIDE + c // 2, pack_half2(x0, x1))
+                # V as pairs of keys (2r, 2r+1) per word: the B layout of m16n8k16.
+                for e in range(tid, (BLOCK_N // 2) * D_PAD, THREADS):
+                    r = e // D_PAD
+                    c = e % D_PAD
+                    key = k0 + 2 * r
+                    x0 = float32(V[bh, key, c]) if key < n_k and c < head_dim else float32(0)
+                    x1 = float32(V[bh, key + 1, c]) if key + 1 < n_k and c < head_dim else float32(0)
+                    store_word(smem, V_W + r * V_STRIDE + c, pack_half2(x0, x1))
+            else:
+                for e in range(tid, BLOCK_N * D_PAD, THREADS):
+                    r = e // D_PAD
+                    c = e % D_PAD
+                    inside = k0 + r < n_k and c < head_dim
+                    hi, lo = split_tf32(K[bh, k0 + r, c] if inside else float32(0))
+                    store_word(smem, K_HI + r * QK_STRIDE + c, hi)
+                    store_word(smem, K_LO + r * QK_STRIDE + c, lo)
+                    hi, lo = split_tf32(V[bh, k0 + r, c] if inside else float32(0))
+                    store_word(smem, V_HI + r * V_STRIDE + c, hi)
+                    store_word(smem, V_LO + r * V_STRIDE + c, lo)
+            cuda.syncthreads()  # K_j, V_j complete
+
+            # ---- S = Q_i K_j^T for this warp's 16 rows ----
+            for nt in range(N_TILES):
+                for e in range(4):
+                    s_acc[nt, e] = float32(0)
+            for ks in range(QK_STEPS):
+                if IS_F16:
+                    a_row = Q_W + row0 * QK_STRIDE + ks * 8 + t
+                    a0 = load_word(smem, a_row)
+                    a1 = load_word(smem, a_row + 8 * QK_STRIDE)
+                    a2 = load_word(smem, a_row + 4)
+                    a3 = load_word(smem, a_row + 8 * QK_STRIDE + 4)
+                    for nt in range(N_TILES):
+                        b_row = K_W + (nt * 8 + g) * QK_STRIDE + ks * 8 + t
+                        s0, s1, s2, s3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4),
+                                                 s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3])
+                        s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3] = s0, s1, s2, s3
+                else:
+                    a_row = row0 * QK_STRIDE + ks * 8 + t
+                    ah0 = load_word(smem, Q_HI + a_row)
+                    ah1 = load_word(smem, Q_HI + a_row + 8 * QK_STRIDE)
+                    ah2 = load_word(smem, Q_HI + a_row + 4)
+                    ah3 = load_word(smem, Q_HI + a_row + 8 * QK_STRIDE + 4)
+                    al0 = load_word(smem, Q_LO + a_row)
+                    al1 = load_word(smem, Q_LO + a_row + 8 * QK_STRIDE)
+                    al2 = load_word(smem, Q_LO + a_row + 4)
+                    al3 = load_word(smem, Q_LO + a_row + 8 * QK_STRIDE + 4)
+                    for nt in range(N_TILES):
+                        b_row = (nt * 8 + g) * QK_STRIDE + ks * 8 + t
+                        s0, s1, s2, s3 = mma_3xtf32(
+                            ah0, ah1, ah2, ah3, al0, al1, al2, al3,
+                            load_word(smem, K_HI + b_row), load_word(smem, K_HI + b_row + 4), load_word(smem, K_LO + b_row), load_word(smem, K_LO + b_row + 4),
+                            s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3])
+                        s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3] = s0, s1, s2, s3
+
+            # ---- online softmax: scale to log2 units, mask, new max, P = exp2(S - m) ----
+            # Only the last key block (ragged) and blocks crossing the diagonal need masks.
+            masked = k0 + BLOCK_N > n_k or (CAUSAL and k0 + BLOCK_N - 1 > q0)
+            for h in range(2):
+                row = q0 + row0 + 8 * h
+                m_tile = NEG_INF
+                for nt in range(N_TILES):
+                    for e in range(2):
+                        x = s_acc[nt, 2 * h + e] * c_log2
+                        if masked:
+                            key = k0 + nt * 8 + 2 * t + e
+                            if key >= n_k or (CAUSAL and key > row):
+                                x = NEG_INF
+                        s_acc[nt, 2 * h + e] = x
+                        m_tile = max(m_tile, x)
+                # The four lanes of a row hold different columns: combine them.
+                m_tile = max(m_tile, shfl_xor(m_tile, 1))
+                m_tile = max(m_tile, shfl_xor(m_tile, 2))
+                m_new = max(m_i[h], m_tile)
+                # A row that has seen no allowed key keeps m = -inf; shifting by
+                # 0 instead makes every exp2 below exactly 0 rather than NaN.
+                shift = m_new if m_new != NEG_INF else float32(0)
+                alpha = exp2(m_i[h] - shift)
+                row_sum = float32(0)
+                for nt in range(N_TILES):
+                    for e in range(2):
+                        p = exp2(s_acc[nt, 2 * h + e] - shift)
+                        s_acc[nt, 2 * h + e] = p
+                        row_sum += p
+                l_i[h] = alpha * l_i[h] + row_sum
+                m_i[h] = m_new
+                for dt in range(D_TILES):
+                    acc[dt, 2 * h] *= alpha
+                    acc[dt, 2 * h + 1] *= alpha
+
+            # ---- acc += P V_j, with P straight from the S registers ----
+            if IS_F16:
+                for ks in range(BLOCK_N // 16):
+                    a0 = pack_half2(s_acc[2 * ks, 0], s_acc[2 * ks, 1])
+                    a1 = pack_half2(s_acc[2 * ks, 2], s_acc[2 * ks, 3])
+                    a2 = pack_half2(s_acc[2 * ks + 1, 0], s_acc[2 * ks + 1, 1])
+                    a3 = pack_half2(s_acc[2 * ks + 1, 2], s_acc[2 * ks + 1, 3])
+                    for dt in range(D_TILES):
+                        b_row = V_W + (ks * 8 + t) * V_STRIDE + dt * 8 + g
+                        o0, o1, o2, o3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4 * V_STRIDE),
+                                                 acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = o0, o1, o2, o3
+            else:
+                for ks in range(N_TILES):
+                    # k-index t <-> key 2t (c0, c2) and t + 4 <-> key 2t + 1 (c1, c3).
+                    ah0, al0 = split_tf32(s_acc[ks, 0])
+                    ah1, al1 = split_tf32(s_acc[ks, 2])
+                    ah2, al2 = split_tf32(s_acc[ks, 1])
+                    ah3, al3 = split_tf32(s_acc[ks, 3])
+                    for dt in range(D_TILES):
+                        b_row = (ks * 8 + 2 * t) * V_STRIDE + dt * 8 + g
+                        o0, o1, o2, o3 = mma_3xtf32(
+                            ah0, ah1, ah2, ah3, al0, al1, al2, al3,
+                            load_word(smem, V_HI + b_row), load_word(smem, V_HI + b_row + V_STRIDE),
+                            load_word(smem, V_LO + b_row), load_word(smem, V_LO + b_row + V_STRIDE),
+                            acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = o0, o1, o2, o3
+
+        # ---- epilogue: O_i = acc / l_i, lse = m + log l, written once ----
+        for h in range(2):
+            l_row = l_i[h]
+            l_row += shfl_xor(l_row, 1)
+            l_row += shfl_xor(l_row, 2)
+            row = q0 + row0 + 8 * h
+            inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
+            if row < n_q:
+                for dt in range(D_TILES):
+                    for e in range(2):
+                        col = dt * 8 + 2 * t + e
+                        if col < head_dim:
+                            if IS_F16:
+                                O[bh, row, col] = float16(acc[dt, 2 * h + e] * inv_l)
+                            else:
+                                O[bh, row, col] = acc[dt, 2 * h + e] * inv_l
+                if t == 0:
+                    LSE[bh, row] = (m_i[h] * float32(1 / LOG2_E) + math.log(l_row)
+                                    if l_row > float32(0) else NEG_INF)
+
+    name = (f"flash2_forward_m{BLOCK_M}_n{BLOCK_N}_d{D_PAD}_{'f16' if IS_F16 else 'f32'}"
+            + ("_causal" if CAUSAL else ""))
+    return cuda_kernel(kernel, name, fastmath=True)
+
+
+def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes):
+    """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d)."""
+    block_m, block_n = block_sizes
+    is_f16 = q.dtype.itemsize == 2
+    layout = Flash2Layout(block_m, block_n, q.shape[2], is_f16)
+    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16)
+    grid = (cdiv(q.shape[1], block_m), q.shape[0])
+    launch(kernel, grid, layout.threads, (q, k, v, o, lse, scale * LOG2_E),
+           dynamic_shared_bytes=layout.shared_bytes)
