@@ -119,6 +119,27 @@ def format_table(rows, baseline="flash2"):
     return "\n".join(lines)
 
 
+def target_summary(rows):
+    """Issue #3's float32 targets, checked on these rows (lines of text)."""
+    lines = []
+    ms = {(r.shape, r.dtype, r.causal, r.implementation): r.ms for r in rows}
+    for (shape, dtype, causal, impl), ours in ms.items():
+        if impl != "flash2" or dtype != "float32":
+            continue
+        for baseline, target in (("torch-math", 2.0), ("torch-efficient", 1.0)):
+            theirs = ms.get((shape, dtype, causal, baseline), float("nan"))
+            if not np.isnan(theirs):
+                ratio = theirs / ours
+                lines.append(f"{shape} causal={causal}: flash2 is {ratio:.2f}x {baseline} "
+                             f"(target {target:.1f}x: {'met' if ratio >= target else 'missed'})")
+    for (shape, dtype, causal, impl), ours in ms.items():
+        if impl == "flash2" and causal and shape[2] == 8192:
+            full = ms.get((shape, dtype, False, "flash2"))
+            if full:
+                lines.append(f"{shape} {dtype}: causal is {full / ours:.2f}x faster than non-causal (target 1.6x)")
+    return lines
+
+
 def write_results(rows, out_dir, tag, command):
     os.makedirs(out_dir, exist_ok=True)
     stamp = datetime.date.today().isoformat()
@@ -133,7 +154,8 @@ def write_results(rows, out_dir, tag, command):
                              "" if np.isnan(r.ms) else f"{r.tflops:.2f}", r.note])
     md_path = os.path.join(out_dir, f"{tag}.md")
     with open(md_path, "w") as f:
-        f.write(f"# Forward attention benchmark\n\n{header}\n{format_table(rows)}\n")
+        f.write(f"# Forward attention benchmark\n\n{header}\n{format_table(rows)}\n\n## Targets (issue #3)\n\n")
+        f.write("".join(f"- {line}\n" for line in target_summary(rows)))
     return csv_path, md_path
 
 
@@ -155,6 +177,7 @@ def main(args):
                                     and r.causal == causal]).split("\n", 2)[2], flush=True)
     table = format_table(rows)
     print(table)
+    print("\n".join(target_summary(rows)))
     if args.out:
         paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench")
         print("wrote", *paths)

@@ -23,6 +23,6 @@ from numba import config  # noqa: E402
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)
 settings.register_profile("sim", max_examples=12, derandomize=True, **_common)
-settings.register_profile("gpu", max_examples=30, **_common)
+settings.register_profile("gpu", max_examples=20, **_common)
 settings.register_profile("thorough", max_examples=500, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "sim" if config.ENABLE_CUDASIM else "gpu"))

@@ -148,7 +148,9 @@ def make_flash1_forward(BR, BC, D, CAUSAL):
 def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes):
     """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d)."""
     block_rows, block_cols = block_sizes
-    kernel = make_flash1_forward(block_rows, block_cols, q.shape[2], bool(causal))
+    # Plain ints: a NumPy integer would reach the kernel as a run-time value,
+    # not the compile-time constant the shared-array shapes need.
+    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal))
     launch(kernel, q.shape[0], block_rows, (q, k, v, o, l, m, lse, scale))
 
 

@@ -49,19 +49,19 @@ from numba import cuda, float32, uint32
 from numba.cuda.types import float16
 
 from ._launch import cdiv, cuda_kernel, launch
-from .primitives import (exp2, load_word, mma_f16, mma_tf32, pack_half2, shfl_xor, store_word, tf32_round,
-                         u32_as_f32)
+from .primitives import (exp2, load_vec4, load_word, mma_f16, mma_tf32, pack_half2, shfl_xor, store_vec4,
+                         store_word, tf32_round, u32_as_f32)
 
 LOG2_E = 1.4426950408889634
 ROWS_PER_WARP = 16
 MAX_HEAD_DIM = 256
 
-#: Default (BLOCK_M, BLOCK_N) per dtype for head dims up to the key's bound.
-#: Provisional: to be replaced by the H200 measurements of
-#: experiments/tune_flash2.py.
+#: Default (BLOCK_M, BLOCK_N) per dtype, for head dims up to each bound.
+#: From experiments/tune_flash2.py on the H200 (see experiments/results/
+#: tune_flash2.md): 128-row query blocks were fastest at d = 64 and 128.
 DEFAULT_BLOCK_SIZES = {
-    "float32": [(64, (64, 64)), (128, (64, 32)), (256, (32, 32))],
-    "float16": [(64, (64, 64)), (128, (64, 64)), (256, (64, 32))],
+    "float32": [(64, (128, 32)), (128, (128, 32)), (256, (32, 32))],
+    "float16": [(64, (128, 64)), (128, (128, 64)), (256, (64, 32))],
 }
 
 
@@ -149,12 +149,15 @@ def cdiv_device(a, b):
 
 
 @lru_cache(maxsize=None)
-def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
-    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype).
+def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
+    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype, VEC).
 
     D_PAD is the head dim rounded up to the mma depth (8 for tf32, 16 for
     float16): head dims that round to the same D_PAD share one compiled
-    kernel, which reads the true d from the arrays and zero-fills the rest.
+    kernel, which is told the true d and zero-fills the rest.  VEC: rows
+    start on 16-byte boundaries (d a multiple of 4 float32 / 8 float16 and
+    aligned arrays), so tiles move in 16-byte loads; otherwise element by
+    element.
     """
     layout = Flash2Layout(BLOCK_M, BLOCK_N, D_PAD, IS_F16)
     assert layout.d_pad == D_PAD, "D_PAD must be a multiple of the mma depth"
@@ -164,6 +167,16 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
     N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
     QK_STEPS = D_PAD // layout.k_step
+    # Tiles move between device memory and shared memory in chunks of four
+    # 32-bit words: 4 float32, or 8 float16 (as 4 packed pairs).
+    ROW_CHUNKS = D_PAD // (8 if IS_F16 else 4)
+    Q_ITERS = cdiv(BLOCK_M * ROW_CHUNKS, THREADS)
+    K_ITERS = cdiv(BLOCK_N * ROW_CHUNKS, THREADS)
+    # float16 V is stored as pairs of keys, so one unit is two rows' chunks.
+    V_UNITS = (BLOCK_N // 2 if IS_F16 else BLOCK_N) * ROW_CHUNKS
+    V_ITERS = cdiv(V_UNITS, THREADS)
+    V_WORDS = 8 if IS_F16 else 4
+    WORD = uint32 if IS_F16 else float32
     # Offsets (in 32-bit words) of the tiles in dynamic shared memory.
     if IS_F16:
         Q_W = 0
@@ -177,11 +190,41 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
         V_HI = K_LO + BLOCK_N * QK_STRIDE
         V_LO = V_HI + BLOCK_N * V_STRIDE
 
-    def kernel(Q, K, V, O, LSE, scale_log2):
-        # Q, O: (BH, N_q, d); K, V: (BH, N_k, d); LSE: (BH, N_q) float32.
-        n_q = Q.shape[1]
-        n_k = K.shape[1]
-        head_dim = Q.shape[2]
+    @cuda.jit(device=True, inline=True)
+    def load_chunk(X, row_start, c, head_dim, row_ok):
+        """Words c/4 .. c/4 + 3 of a row (columns c.. of float32, c.. c+7 of float16), zeros outside."""
+        if IS_F16:
+            if VEC:  # X is the float16 data viewed as uint32 pairs; d is a multiple of 8
+                if row_ok and c < head_dim:
+                    return load_vec4(X, (row_start + c) // 2)
+                return uint32(0), uint32(0), uint32(0), uint32(0)
+            h = cuda.local.array(8, float32)
+            for i in range(8):
+                h[i] = float32(load_word(X, row_start + c + i)) if row_ok and c + i < head_dim else float32(0)
+            return (pack_half2(h[0], h[1]), pack_half2(h[2], h[3]),
+                    pack_half2(h[4], h[5]), pack_half2(h[6], h[7]))
+        if VEC:  # d is a multiple of 4: a chunk is wholly inside the row or wholly padding
+            if row_ok and c < head_dim:
+                return load_vec4(X, row_start + c)
+            return float32(0), float32(0), float32(0), float32(0)
+        x = cuda.local.array(4, float32)
+        for i in range(4):
+            x[i] = load_word(X, row_start + c + i) if row_ok and c + i < head_dim else float32(0)
+        return x[0], x[1], x[2], x[3]
+
+    @cuda.jit(device=True, inline=True)
+    def store_split(base_hi, base_lo, w0, w1, w2, w3, smem):
+        """Four float32 into shared memory as tf32 hi and lo halves (3xTF32)."""
+        h0, l0 = split_tf32(w0)
+        h1, l1 = split_tf32(w1)
+        h2, l2 = split_tf32(w2)
+        h3, l3 = split_tf32(w3)
+        store_vec4(smem, base_hi, h0, h1, h2, h3)
+        store_vec4(smem, base_lo, l0, l1, l2, l3)
+
+    def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2):
+        # Q, O: flat (BH * N_q * d); K, V: flat (BH * N_k * d); LSE: (BH, N_q) float32.
+        # With VEC and float16 the flat arrays are uint32 views (pairs of halves).
         bh = cuda.blockIdx.y
         # Causal blocks further down have more keys to visit: start them first.
         q_block = (cdiv_device(n_q, BLOCK_M) - 1 - cuda.blockIdx.x) if CAUSAL else cuda.blockIdx.x
@@ -197,26 +240,24 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
         smem = cuda.shared.array(0, uint32)
 
         # ---- load Q_i once: it stays in shared memory for the whole loop ----
-        if IS_F16:
-            for e in range(tid, BLOCK_M * (D_PAD // 2), THREADS):
-                r = e // (D_PAD // 2)
-                c = 2 * (e % (D_PAD // 2))
-                x0 = float32(Q[bh, q0 + r, c]) if q0 + r < n_q and c < head_dim else float32(0)
-                x1 = float32(Q[bh, q0 + r, c + 1]) if q0 + r < n_q and c + 1 < head_dim else float32(0)
-                store_word(smem, Q_W + r * QK_STRIDE + c // 2, pack_half2(x0, x1))
-        else:
-            for e in range(tid, BLOCK_M * D_PAD, THREADS):
-                r = e // D_PAD
-                c = e % D_PAD
-                x = Q[bh, q0 + r, c] if q0 + r < n_q and c < head_dim else float32(0)
-                hi, lo = split_tf32(x)
-                store_word(smem, Q_HI + r * QK_STRIDE + c, hi)
-                store_word(smem, Q_LO + r * QK_STRIDE + c, lo)
+        for i in range(Q_ITERS):
+            e = tid + i * THREADS
+            if e < BLOCK_M * ROW_CHUNKS:
+                r = e // ROW_CHUNKS
+                w0, w1, w2, w3 = load_chunk(Q, (bh * n_q + q0 + r) * head_dim, (e % ROW_CHUNKS) * (8 if IS_F16 else 4),
+                                            head_dim, q0 + r < n_q)
+                if IS_F16:
+                    store_vec4(smem, Q_W + r * QK_STRIDE + 4 * (e % ROW_CHUNKS), w0, w1, w2, w3)
+                else:
+                    at = r * QK_STRIDE + 4 * (e % ROW_CHUNKS)
+                    store_split(Q_HI + at, Q_LO + at, w0, w1, w2, w3, smem)
 
         m_i = cuda.local.array(2, float32)       # running max (log2 units) of rows row0, row0 + 8
         l_i = cuda.local.array(2, float32)       # running sum, this lane's columns only
         acc = cuda.local.array((D_TILES, 4), float32)
         s_acc = cuda.local.array((N_TILES, 4), float32)
+        k_next = cuda.local.array((K_ITERS, 4), WORD)       # the next K tile, in flight
+        v_next = cuda.local.array((V_ITERS, V_WORDS), WORD)  # the next V tile, in flight
         for h in range(2):
             m_i[h] = NEG_INF
             l_i[h] = float32(0)
@@ -227,38 +268,69 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
         n_blocks = cdiv_device(n_k, BLOCK_N)
         if CAUSAL:  # key blocks beyond the last row of this query block see nothing
             n_blocks = min(n_blocks, cdiv_device(min(q0 + BLOCK_M, n_q), BLOCK_N))
-        for j in range(n_blocks):
+        # Software pipeline: iteration j stores tile j (fetched during
+        # iteration j - 1) into shared memory, starts the global loads of
+        # tile j + 1 into registers, and computes on tile j while they fly.
+        # Iteration -1 only fetches tile 0.
+        for j in range(-1, n_blocks):
+            if j >= 0:
+                cuda.syncthreads()  # everyone is done with tile j - 1 (and Q_i is stored)
+                for i in range(K_ITERS):
+                    e = tid + i * THREADS
+                    if e < BLOCK_N * ROW_CHUNKS:
+                        at = (e // ROW_CHUNKS) * QK_STRIDE + 4 * (e % ROW_CHUNKS)
+                        if IS_F16:
+                            store_vec4(smem, K_W + at, k_next[i, 0], k_next[i, 1], k_next[i, 2], k_next[i, 3])
+                        else:
+                            store_split(K_HI + at, K_LO + at, k_next[i, 0], k_next[i, 1], k_next[i, 2],
+                                        k_next[i, 3], smem)
+                for i in range(V_ITERS):
+                    e = tid + i * THREADS
+                    if e < V_UNITS:
+                        at = (e // ROW_CHUNKS) * V_STRIDE + V_WORDS * (e % ROW_CHUNKS)
+                        if IS_F16:
+                            # Rows 2r and 2r+1 interleaved: word (key pair r, column c)
+                            # holds V[2r, c] low and V[2r+1, c] high (m16n8k16's B layout).
+                            for w in range(4):
+                                a = v_next[i, w]
+                                b = v_next[i, 4 + w]
+                                v_next[i, w] = (a & 0xFFFF) | (b << 16)            # column 2w
+                                v_next[i, 4 + w] = (a >> 16) | (b & 0xFFFF0000)    # column 2w + 1
+                            store_vec4(smem, V_W + at, v_next[i, 0], v_next[i, 4], v_next[i, 1], v_next[i, 5])
+                            store_vec4(smem, V_W + at + 4, v_next[i, 2], v_next[i, 6], v_next[i, 3], v_next[i, 7])
+                        else:
+                            store_split(V_HI + at, V_LO + at, v_next[i, 0], v_next[i, 1], v_next[i, 2],
+                                        v_next[i, 3], smem)
+                cuda.syncthreads()  # tile j complete in shared memory
+            if j + 1 < n_blocks:
+                # ---- fetch tile j + 1 into registers (no wait: used next iteration) ----
+                k1 = (j + 1) * BLOCK_N
+                for i in range(K_ITERS):
+                    e = tid + i * THREADS
+                    r = e // ROW_CHUNKS
+                    w0, w1, w2, w3 = load_chunk(K, (bh * n_k + k1 + r) * head_dim,
+                                                (e % ROW_CHUNKS) * (8 if IS_F16 else 4), head_dim,
+                                                e < BLOCK_N * ROW_CHUNKS and k1 + r < n_k)
+                    k_next[i, 0], k_next[i, 1], k_next[i, 2], k_next[i, 3] = w0, w1, w2, w3
+                for i in range(V_ITERS):
+                    e = tid + i * THREADS
+                    c = (e % ROW_CHUNKS) * (8 if IS_F16 else 4)
+                    if IS_F16:  # key pair r: rows 2r and 2r + 1
+                        key = k1 + 2 * (e // ROW_CHUNKS)
+                        w0, w1, w2, w3 = load_chunk(V, (bh * n_k + key) * head_dim, c, head_dim,
+                                                    e < V_UNITS and key < n_k)
+                        v_next[i, 0], v_next[i, 1], v_next[i, 2], v_next[i, 3] = w0, w1, w2, w3
+                        w0, w1, w2, w3 = load_chunk(V, (bh * n_k + key + 1) * head_dim, c, head_dim,
+                                                    e < V_UNITS and key + 1 < n_k)
+                        v_next[i, 4], v_next[i, 5], v_next[i, 6], v_next[i, 7] = w0, w1, w2, w3
+                    else:
+                        key = k1 + e // ROW_CHUNKS
+                        w0, w1, w2, w3 = load_chunk(V, (bh * n_k + key) * head_dim, c, head_dim,
+                                                    e < V_UNITS and key < n_k)
+                        v_next[i, 0], v_next[i, 1], v_next[i, 2], v_next[i, 3] = w0, w1, w2, w3
+            if j < 0:
+                continue
             k0 = j * BLOCK_N
-            cuda.syncthreads()  # everyone is done with the previous K_j, V_j (and Q_i is stored)
-            # ---- load K_j and V_j ----
-            if IS_F16:
-                for e in range(tid, BLOCK_N * (D_PAD // 2), THREADS):
-                    r = e // (D_PAD // 2)
-                    c = 2 * (e % (D_PAD // 2))
-                    x0 = float32(K[bh, k0 + r, c]) if k0 + r < n_k and c < head_dim else float32(0)
-                    x1 = float32(K[bh, k0 + r, c + 1]) if k0 + r < n_k and c + 1 < head_dim else float32(0)
-                    store_word(smem, K_W + r * QK_STRIDE + c // 2, pack_half2(x0, x1))
-                # V as pairs of keys (2r, 2r+1) per word: the B layout of m16n8k16.
-                for e in range(tid, (BLOCK_N // 2) * D_PAD, THREADS):
-                    r = e // D_PAD
-                    c = e % D_PAD
-                    key = k0 + 2 * r
-                    x0 = float32(V[bh, key, c]) if key < n_k and c < head_dim else float32(0)
-                    x1 = float32(V[bh, key + 1, c]) if key + 1 < n_k and c < head_dim else float32(0)
-                    store_word(smem, V_W + r * V_STRIDE + c, pack_half2(x0, x1))
-            else:
-                for e in range(tid, BLOCK_N * D_PAD, THREADS):
-                    r = e // D_PAD
-                    c = e % D_PAD
-                    inside = k0 + r < n_k and c < head_dim
-                    hi, lo = split_tf32(K[bh, k0 + r, c] if inside else float32(0))
-                    store_word(smem, K_HI + r * QK_STRIDE + c, hi)
-                    store_word(smem, K_LO + r * QK_STRIDE + c, lo)
-                    hi, lo = split_tf32(V[bh, k0 + r, c] if inside else float32(0))
-                    store_word(smem, V_HI + r * V_STRIDE + c, hi)
-                    store_word(smem, V_LO + r * V_STRIDE + c, lo)
-            cuda.syncthreads()  # K_j, V_j complete
-
             # ---- S = Q_i K_j^T for this warp's 16 rows ----
             for nt in range(N_TILES):
                 for e in range(4):
@@ -364,29 +436,49 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16):
             row = q0 + row0 + 8 * h
             inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
             if row < n_q:
+                out_row = (bh * n_q + row) * head_dim
                 for dt in range(D_TILES):
-                    for e in range(2):
-                        col = dt * 8 + 2 * t + e
+                    col = dt * 8 + 2 * t
+                    o0 = acc[dt, 2 * h] * inv_l
+                    o1 = acc[dt, 2 * h + 1] * inv_l
+                    if IS_F16 and VEC:  # columns col, col + 1 as one packed pair
                         if col < head_dim:
-                            if IS_F16:
-                                O[bh, row, col] = float16(acc[dt, 2 * h + e] * inv_l)
-                            else:
-                                O[bh, row, col] = acc[dt, 2 * h + e] * inv_l
+                            store_word(O, (out_row + col) // 2, pack_half2(o0, o1))
+                    else:
+                        if col < head_dim:
+                            store_word(O, out_row + col, float16(o0) if IS_F16 else o0)
+                        if col + 1 < head_dim:
+                            store_word(O, out_row + col + 1, float16(o1) if IS_F16 else o1)
                 if t == 0:
                     LSE[bh, row] = (m_i[h] * float32(1 / LOG2_E) + math.log(l_row)
                                     if l_row > float32(0) else NEG_INF)
 
     name = (f"flash2_forward_m{BLOCK_M}_n{BLOCK_N}_d{D_PAD}_{'f16' if IS_F16 else 'f32'}"
-            + ("_causal" if CAUSAL else ""))
+            + ("_causal" if CAUSAL else "") + ("" if VEC else "_scalar"))
     return cuda_kernel(kernel, name, fastmath=True)
+
+
+def _flat(x, as_pairs):
+    """x (BH, N, d) as a flat array; float16 data as uint32 pairs when ``as_pairs``."""
+    flat = x.reshape(x.size)
+    return flat.view(np.uint32) if as_pairs else flat
+
+
+def _aligned16(x):
+    """True if the array's data starts on a 16-byte boundary (always true in the simulator)."""
+    pointer = getattr(x, "device_ctypes_pointer", None)
+    return pointer is None or pointer.value is None or pointer.value % 16 == 0
 
 
 def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes):
     """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d)."""
-    block_m, block_n = block_sizes
+    block_m, block_n = int(block_sizes[0]), int(block_sizes[1])  # plain ints: compile-time constants
+    bh, n_q, head_dim = (int(n) for n in q.shape)
+    n_k = int(k.shape[1])
     is_f16 = q.dtype.itemsize == 2
-    layout = Flash2Layout(block_m, block_n, q.shape[2], is_f16)
-    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16)
-    grid = (cdiv(q.shape[1], block_m), q.shape[0])
-    launch(kernel, grid, layout.threads, (q, k, v, o, lse, scale * LOG2_E),
-           dynamic_shared_bytes=layout.shared_bytes)
+    layout = Flash2Layout(block_m, block_n, head_dim, is_f16)
+    vec = head_dim % (8 if is_f16 else 4) == 0 and all(_aligned16(x) for x in (q, k, v, o))
+    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec)
+    grid = (cdiv(n_q, block_m), bh)
+    args = tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E)
+    launch(kernel, grid, layout.threads, args, dynamic_shared_bytes=layout.shared_bytes)

@@ -43,6 +43,8 @@ __all__ = [
     "exp2",
     "load_word",
     "store_word",
+    "load_vec4",
+    "store_vec4",
 ]
 
 WARP_SIZE = 32
@@ -174,6 +176,43 @@ if not config.ENABLE_CUDASIM:
 
         return types.void(arr, index, value), codegen
 
+    @intrinsic
+    def load_vec4(typingctx, arr, index):
+        """``arr[index:index + 4]`` as one 16-byte load (index a multiple of 4, data 16-byte aligned)."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype.bitwidth == 32
+                and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            arrty = sig.args[0]
+            element = context.get_value_type(arrty.dtype)
+            ptr = _element_pointer(context, builder, arrty, args[0], args[1], sig.args[1])
+            vector = builder.load(builder.bitcast(ptr, ir.VectorType(element, 4).as_pointer()), align=16)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_element(vector, ir.Constant(_I32, i)) for i in range(4)])
+
+        return types.UniTuple(arr.dtype, 4)(arr, index), codegen
+
+    @intrinsic
+    def store_vec4(typingctx, arr, index, a, b, c, d):
+        """``arr[index:index + 4] = a, b, c, d`` as one 16-byte store (index a multiple of 4, aligned)."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype.bitwidth == 32
+                and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            arrty = sig.args[0]
+            element = context.get_value_type(arrty.dtype)
+            vector = ir.Constant(ir.VectorType(element, 4), ir.Undefined)
+            for i in range(4):
+                value = context.cast(builder, args[2 + i], sig.args[2 + i], arrty.dtype)
+                vector = builder.insert_element(vector, value, ir.Constant(_I32, i))
+            ptr = _element_pointer(context, builder, arrty, args[0], args[1], sig.args[1])
+            builder.store(vector, builder.bitcast(ptr, ir.VectorType(element, 4).as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return types.void(arr, index, a, b, c, d), codegen
+
     @cuda.jit(device=True, inline=True)
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
@@ -264,6 +303,18 @@ else:
         if index < 0:
             raise IndexError(f"store_word: negative index {index}")
         arr[index] = value
+
+    def load_vec4(arr, index):
+        """``arr[index:index + 4]`` as one 16-byte load (index a multiple of 4, data 16-byte aligned)."""
+        if index < 0 or index % 4:
+            raise IndexError(f"load_vec4: index {index} is not a non-negative multiple of 4")
+        return arr[index], arr[index + 1], arr[index + 2], arr[index + 3]
+
+    def store_vec4(arr, index, a, b, c, d):
+        """``arr[index:index + 4] = a, b, c, d`` as one 16-byte store (index a multiple of 4, aligned)."""
+        if index < 0 or index % 4:
+            raise IndexError(f"store_vec4: index {index} is not a non-negative multiple of 4")
+        arr[index], arr[index + 1], arr[index + 2], arr[index + 3] = a, b, c, d
 
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""

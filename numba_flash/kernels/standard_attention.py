@@ -31,6 +31,7 @@ ROW_THREADS = 8 if in_simulator() else 128
 @lru_cache(maxsize=None)
 def make_batched_matmul(TILE, TRANSPOSE_B):
     """C[b] = alpha A[b] B[b] (or A[b] B[b]^T), float32, for a batch of matrices."""
+    PADDED = TILE + 1  # a padded row: reading a column touches TILE different banks
 
     def kernel(A, B, C, alpha):
         b = cuda.blockIdx.z
@@ -42,7 +43,7 @@ def make_batched_matmul(TILE, TRANSPOSE_B):
         n_rows = C.shape[1]
         n_cols = C.shape[2]
         A_tile = cuda.shared.array((TILE, TILE), float32)
-        B_tile = cuda.shared.array((TILE, TILE + 1), float32)  # +1: no bank conflicts reading columns
+        B_tile = cuda.shared.array((TILE, PADDED), float32)
 
         acc = float32(0)
         for t0 in range(0, inner, TILE):
