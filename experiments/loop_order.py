@@ -47,6 +47,8 @@ def measure(algorithm, bh, n, d, repeats):
     rng = np.random.default_rng(0)
     q, k, v = (cuda.to_device(rng.standard_normal((bh, n, d)).astype(np.float32)) for _ in range(3))
     run = lambda: numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=BLOCKS)  # noqa: E731
+    numba_flash.attention(q[:, :1], k[:, :1], v[:, :1], algorithm=algorithm, block_sizes=BLOCKS)  # compile
+    cuda.synchronize()
     start = time.perf_counter()
     run()
     cuda.synchronize()
@@ -59,7 +61,15 @@ def measure(algorithm, bh, n, d, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny grid (simulator pipeline check)")
+    parser.add_argument("--from-log", metavar="LOG", help="rebuild the outputs from the rows a run printed")
+    parser.add_argument("--note", default="", help="a sentence to add to the markdown (with --from-log)")
+    parser.add_argument("--device", default=None, help="the device the logged run used (with --from-log)")
     args = parser.parse_args(argv)
+    if args.from_log:
+        import ast
+        rows = [ast.literal_eval(line) for line in open(args.from_log) if line.startswith("{")]
+        write(rows, os.path.join(RESULTS, "loop_order"), 132, False, args.note, args.device)
+        return
     batch_heads, lengths, d, repeats = ((1, 2), (16, 32), 16, 1) if args.quick else (BATCH_HEADS, LENGTHS, HEAD_DIM, 5)
     sms = numba_flash.device_limits().multiprocessors
     rows = []
@@ -79,9 +89,9 @@ def main(argv=None):
     write(rows, stem, sms, args.quick)
 
 
-def write(rows, stem, sms, quick):
+def write(rows, stem, sms, quick, note="", device=None):
     os.makedirs(os.path.dirname(stem), exist_ok=True)
-    device = numba_flash.device_limits().name
+    device = device or numba_flash.device_limits().name
     command = "python3 experiments/loop_order.py" + (" --quick" if quick else "")
     with open(stem + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -91,18 +101,15 @@ def write(rows, stem, sms, quick):
         f.write(f"# Loop order: flash1 (outer K/V) vs flash2 (outer Q)\n\nCommand: `{command}`  \n"
                 f"Device: {device} ({sms} SMs)  \nDate: {datetime.date.today()}  \n"
                 f"d = {rows[0]['d']}, float32, tiles (B_r, B_c) = {BLOCKS}, median of CUDA-event timings.\n\n"
+                + (f"{note}\n\n" if note else "") +
                 "| N | batch*heads | flash1 ms | flash1 TFLOP/s | flash2 ms | flash2 TFLOP/s | flash2 speed-up |\n"
                 "|---|---|---|---|---|---|---|\n")
         by_key = {(r["n"], r["batch_heads"], r["algorithm"]): r for r in rows}
-        for (n, bh, algorithm), r2 in by_key.items():
-            if algorithm != "flash2":
-                continue
-            r = by_key.get((n, bh, "flash1"))
-            if r is None:
-                f.write(f"| {n} | {bh} | (skipped: too slow) | | {r2['ms']} | {r2['tflops']} | |\n")
-            else:
-                f.write(f"| {n} | {bh} | {r['ms']} | {r['tflops']} | {r2['ms']} | {r2['tflops']} | "
-                        f"{r['ms'] / r2['ms']:.1f}x |\n")
+        for n, bh in sorted({(r["n"], r["batch_heads"]) for r in rows}):
+            r1, r2 = by_key.get((n, bh, "flash1")), by_key.get((n, bh, "flash2"))
+            cells = [f"{r['ms']} | {r['tflops']}" if r else "not measured |" for r in (r1, r2)]
+            ratio = f"{r1['ms'] / r2['ms']:.1f}x" if r1 and r2 else ""
+            f.write(f"| {n} | {bh} | {cells[0]} | {cells[1]} | {ratio} |\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -117,6 +124,8 @@ def write(rows, stem, sms, quick):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"N = {n}")
         ax.axvline(sms, color="gray", linestyle="--", label=f"{sms} SMs")
         ax.set_xscale("log", base=2)
+        if algorithm == "flash1":  # log-log: throughput proportional to batch*heads is a slope-1 line
+            ax.set_yscale("log")
         ax.set_xlabel("batch x heads (thread blocks of flash1)")
         ax.set_ylabel("achieved TFLOP/s")
         ax.set_title(f"{algorithm}: {'outer K/V loop, 1 block per head' if algorithm == 'flash1' else 'outer Q loop, 1 block per query block'}",

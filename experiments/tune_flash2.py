@@ -46,7 +46,14 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small problem (pipeline check)")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--dtypes", default="float32,float16")
+    parser.add_argument("--from-log", metavar="LOG", help="rebuild the outputs from the rows a run printed")
+    parser.add_argument("--device", default=None, help="the device the logged run used (with --from-log)")
     args = parser.parse_args(argv)
+    if args.from_log:
+        write(rows_from_log(args.from_log), "python3 experiments/tune_flash2.py", "(4,16,4096,d)", device=args.device,
+              note=f"Rebuilt with --from-log from the rows printed by a run that its time limit cut short "
+                   f"(the remaining candidates were not measured).")
+        return
     from numba import cuda
     from numba_flash.timing import time_ms
 
@@ -70,29 +77,42 @@ def main(argv=None):
                 rows.append(dict(dtype=dtype, d=d, block_m=block_m, block_n=block_n, ms=round(ms, 4),
                                  tflops=round(tflops, 2), max_err=f"{err:.2e}", regs=regs, local_bytes=spill))
                 print(rows[-1], flush=True)
+    write(rows, "python3 experiments/tune_flash2.py" + (" --quick" if args.quick else ""),
+          "(1,2,64,d)" if args.quick else "(4,16,4096,d)", "_quick" if args.quick else "")
+
+
+def write(rows, command, problem, suffix="", note="", device=None):
+    """CSV and markdown of the sweep, with the fastest tile per (dtype, d)."""
     os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, "tune_flash2" + ("_quick" if args.quick else ""))
+    stem = os.path.join(RESULTS, "tune_flash2" + suffix)
     with open(stem + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    best = {}
     with open(stem + ".md", "w") as f:
-        f.write(f"# flash2 tile shapes\n\nCommand: `python3 experiments/tune_flash2.py{' --quick' if args.quick else ''}`  \n"
-                f"Device: {numba_flash.device_limits().name}  \nDate: {datetime.date.today()}  \n"
-                f"Problem: (B,H,N,d) = {('(1,2,64,d)' if args.quick else '(4,16,4096,d)')}, non-causal; "
-                f"max_err is against float64 at (2,300,d) causal.\n\n")
-        f.write("| dtype | d | BLOCK_M | BLOCK_N | ms | TFLOP/s | max err | regs | local bytes |\n|---|---|---|---|---|---|---|---|---|\n")
-        best = {}
+        f.write(f"# flash2 tile shapes\n\nCommand: `{command}`  \n"
+                f"Device: {device or numba_flash.device_limits().name}  \n"
+                f"Date: {datetime.date.today()}  \n"
+                f"Problem: (B,H,N,d) = {problem}, non-causal; max_err is against float64 at (2,300,d) causal.\n"
+                + (f"\n{note}\n" if note else "") + "\n")
+        f.write("| dtype | d | BLOCK_M | BLOCK_N | ms | TFLOP/s | max err | regs | local bytes |\n"
+                "|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             f.write(f"| {r['dtype']} | {r['d']} | {r['block_m']} | {r['block_n']} | {r['ms']} | {r['tflops']} | "
                     f"{r['max_err']} | {r['regs']} | {r['local_bytes']} |\n")
             key = (r["dtype"], r["d"])
-            if key not in best or r["ms"] < best[key]["ms"]:
+            if key not in best or float(r["ms"]) < float(best[key]["ms"]):
                 best[key] = r
         f.write("\nFastest per (dtype, d): " + "; ".join(
             f"{k[0]} d={k[1]}: ({v['block_m']}, {v['block_n']}) {v['tflops']} TFLOP/s" for k, v in best.items()) + "\n")
     print("best:", {k: (v["block_m"], v["block_n"], v["tflops"]) for k, v in best.items()})
 
+
+def rows_from_log(path):
+    """The rows a run printed (one dict per line): rebuild outputs of a run cut short."""
+    import ast
+    return [ast.literal_eval(line) for line in open(path) if line.startswith("{")]
 
 if __name__ == "__main__":
     main()
