@@ -57,8 +57,17 @@ ROWS_PER_WARP = 16
 MAX_HEAD_DIM = 256
 
 #: Default (BLOCK_M, BLOCK_N) per dtype, for head dims up to each bound.
-#: From experiments/tune_flash2.py on the H200 (see experiments/results/
-#: tune_flash2.md): 128-row query blocks were fastest at d = 64 and 128.
+#: Measured with experiments/tune_flash2.py on the H200, (B,H,N,d) =
+#: (4,16,4096,d), non-causal (experiments/results/tune_flash2.md), TFLOP/s:
+#:   float32 d=64:  (64,32) 39.0  (128,32) 48.0  (128,64) 45.4  (256,32) 49.9
+#:   float32 d=128: (64,32) 33.9  (128,32) 47.8  ((128,64) does not fit)
+#:   float16 d=64:  (64,64) 110  (128,32) 130  (128,64) 147  (128,128) 45  (256,64) 137
+#:   float16 d=128: (64,64) 132  (128,32) 137  (the sweep's time ran out here)
+#: (256,32) edged out (128,32) at float32 d=64 by 4% but was not in the
+#: benchmark run, so the default stays the tile the published numbers used;
+#: float16 d=128 keeps (128,64), which the benchmark measured at 166 TFLOP/s
+#: at (2,16,8192,128).  d > 128 is not tuned: those tiles fit the shared
+#: memory, and the accumulators of d = 256 (128 registers) already spill.
 DEFAULT_BLOCK_SIZES = {
     "float32": [(64, (128, 32)), (128, (128, 32)), (256, (32, 32))],
     "float16": [(64, (128, 64)), (128, (128, 64)), (256, (64, 32))],
