@@ -1,0 +1,128 @@
+"""Block masks: which (query block, key block) tiles of S may be non-zero.
+
+Algorithm 5 of the paper (block-sparse FlashAttention) skips whole tiles
+chosen in advance.  A ``BlockMask`` holds that choice: a boolean ``layout``
+of shape (T_r, T_c), or (..., T_r, T_c) with leading dims that broadcast
+against the batch dims of q, and the ``block_size`` (B_r, B_c) it is
+expressed in.  Element (i, j) of the attention matrix is allowed iff
+``layout[..., i // B_r, j // B_c]``.
+
+    >>> import numpy as np
+    >>> bm = BlockMask(np.array([[True, False], [True, True]]), (2, 3))
+    >>> bm.to_dense(4, 5).astype(int)
+    array([[1, 1, 1, 0, 0],
+           [1, 1, 1, 0, 0],
+           [1, 1, 1, 1, 1],
+           [1, 1, 1, 1, 1]])
+    >>> bm.density
+    0.75
+
+Masks combine with ``&`` and ``|`` (same block size; layouts broadcast), and
+``numba_flash.masks`` has generators for the usual patterns.
+"""
+import numbers
+
+import numpy as np
+
+
+def _block_size(block_size):
+    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block_size)):
+        raise TypeError(f"block_size must be a pair of integers (B_r, B_c), got {block_size!r}")
+    block_rows, block_cols = (int(b) for b in block_size)
+    if block_rows <= 0 or block_cols <= 0:
+        raise ValueError(f"block_size must be positive, got {(block_rows, block_cols)}")
+    return block_rows, block_cols
+
+
+class BlockMask:
+    """A boolean tile layout at a given block size; see the module docstring."""
+
+    def __init__(self, layout, block_size):
+        layout = np.asarray(layout)
+        if layout.dtype != np.bool_:
+            raise ValueError(f"layout must be boolean, got dtype {layout.dtype}")
+        if layout.ndim < 2:
+            raise ValueError(f"layout must have shape (..., T_r, T_c), got {layout.shape}")
+        if 0 in layout.shape:
+            raise ValueError(f"layout has an empty dimension: shape {layout.shape}")
+        self._layout = layout.copy()
+        self._layout.flags.writeable = False
+        self._block_size = _block_size(block_size)
+
+    @property
+    def layout(self):
+        """Boolean (..., T_r, T_c), read-only."""
+        return self._layout
+
+    @property
+    def block_size(self):
+        """(B_r, B_c): rows and columns of the attention matrix per layout entry."""
+        return self._block_size
+
+    @property
+    def density(self):
+        """Fraction of non-zero blocks."""
+        return float(self._layout.mean())
+
+    def __repr__(self):
+        return (f"BlockMask(layout shape {self._layout.shape}, block_size {self._block_size}, "
+                f"density {self.density:.3f})")
+
+    def grid_for(self, n_q, n_k):
+        """(T_r, T_c) that an (n_q, n_k) attention matrix needs at this block size."""
+        block_rows, block_cols = self._block_size
+        return -(-n_q // block_rows), -(-n_k // block_cols)
+
+    def check_covers(self, n_q, n_k):
+        """Raise ValueError unless the layout is exactly the grid of an (n_q, n_k) matrix."""
+        needed = self.grid_for(n_q, n_k)
+        if self._layout.shape[-2:] != needed:
+            raise ValueError(f"block_mask: a layout of {self._layout.shape[-2:]} blocks of {self._block_size} "
+                             f"does not match N_q={n_q}, N_k={n_k}, which need {needed} blocks")
+
+    def to_dense(self, n_q, n_k):
+        """Boolean (..., n_q, n_k): element (i, j) allowed iff its block is."""
+        self.check_covers(n_q, n_k)
+        block_rows, block_cols = self._block_size
+        rows = np.arange(n_q) // block_rows
+        cols = np.arange(n_k) // block_cols
+        return self._layout[..., rows[:, None], cols[None, :]]
+
+    def nonzero_key_blocks(self):
+        """For every query block, the key blocks to visit (what the kernels iterate).
+
+        Returns (offsets, indices): ``indices[offsets[..., i]:offsets[..., i + 1]]``
+        lists, in increasing order, the key blocks j with ``layout[..., i, j]``.
+        ``offsets`` has shape (..., T_r + 1); ``indices`` is flat (int32), and the
+        offsets of each leading index continue where the previous ended.
+        """
+        counts = self._layout.sum(axis=-1)
+        flat_offsets = np.concatenate([[0], np.cumsum(counts.ravel())]).astype(np.int64)
+        t_r = self._layout.shape[-2]
+        starts = flat_offsets[:-1].reshape(counts.shape)
+        offsets = np.concatenate([starts, (starts[..., -1] + counts[..., -1])[..., None]], axis=-1)
+        indices = np.nonzero(self._layout.reshape(-1, self._layout.shape[-1]))[1].astype(np.int32)
+        assert offsets.shape[-1] == t_r + 1
+        return offsets, indices
+
+    def _combine(self, other, op, symbol):
+        if not isinstance(other, BlockMask):
+            return NotImplemented
+        if other.block_size != self.block_size:
+            raise ValueError(f"cannot combine masks of block sizes {self.block_size} and {other.block_size} "
+                             f"with {symbol}")
+        return BlockMask(op(self._layout, other._layout), self._block_size)
+
+    def __and__(self, other):
+        return self._combine(other, np.logical_and, "&")
+
+    def __or__(self, other):
+        return self._combine(other, np.logical_or, "|")
+
+    def __eq__(self, other):
+        if not isinstance(other, BlockMask):
+            return NotImplemented
+        return self.block_size == other.block_size and np.array_equal(self._layout, other._layout)
+
+    __hash__ = None
