@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import _arrays
+from .block_mask import BlockMask
 from .device import device_limits
 from .kernels import flash1_forward as _flash1
 from .kernels import flash2_forward as _flash2
@@ -40,6 +41,7 @@ class AttentionCall:
     causal: bool
     block_sizes: Optional[Tuple[int, int]]
     on_device: bool
+    block_mask: Optional[BlockMask] = None
 
     @property
     def batch_heads(self):
@@ -170,6 +172,23 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype):
     return block_rows, block_cols
 
 
+def check_block_mask(block_mask, batch_shape, n_q, n_k):
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
+    block_mask.check_covers(n_q, n_k)
+    leading = block_mask.layout.shape[:-2]
+    try:
+        broadcast = np.broadcast_shapes(leading, tuple(batch_shape))
+    except ValueError:
+        broadcast = None
+    if broadcast != tuple(batch_shape):
+        raise ValueError(f"block_mask: layout leading dims {leading} do not broadcast to the batch dims "
+                         f"{tuple(batch_shape)} of q")
+    return block_mask
+
+
 def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed, algorithm, block_sizes):
     """Validate a call to ``attention``; see its docstring for the rules."""
     batch_shape, n_q, n_k, head_dim, dtype, on_device = check_qkv(q, k, v, algorithm)
@@ -184,8 +203,13 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p != 0.0:
         raise NotImplementedError("dropout_p > 0 is not implemented yet")
-    if block_mask is not None:
-        raise NotImplementedError("block_mask is not implemented yet")
+    block_mask = check_block_mask(block_mask, batch_shape, n_q, n_k)
+    if block_mask is not None and algorithm == "flash1":
+        # Algorithm 5 as written: the kernel's tiles are the mask's blocks.
+        if block_sizes is not None and tuple(block_sizes) != block_mask.block_size:
+            raise ValueError(f"block_sizes {tuple(block_sizes)} differ from the block mask's {block_mask.block_size}; "
+                             f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks")
+        block_sizes = block_mask.block_size
     block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype)
     return AttentionCall(algorithm, tuple(batch_shape), n_q, n_k, head_dim, dtype, scale, bool(causal),
-                         block_sizes, on_device)
+                         block_sizes, on_device, block_mask)

@@ -1,5 +1,6 @@
 """The public API of numba-flash."""
 import numpy as np
+from numba import cuda
 
 from . import _arrays
 from ._validation import check_attention_args
@@ -40,8 +41,16 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     return_lse : bool
         Also return the row log-sum-exp lse = m + log(l) (float32, natural
         log); -inf for a row that may attend to no key (its output is 0).
-    block_mask, dropout_p, seed
-        Reserved for block-sparse attention and dropout (not implemented yet).
+    block_mask : numba_flash.BlockMask, optional
+        Block-sparse attention (the paper's Algorithm 5): element (i, j) is
+        allowed iff ``layout[..., i // B_r, j // B_c]``; the layout's leading
+        dims broadcast to q's batch dims and its grid must be exactly
+        (ceil(N_q / B_r), ceil(N_k / B_c)).  Combines with ``causal`` (AND).
+        flash1 runs with tiles equal to the mask's blocks and skips zero
+        tiles; flash2 visits, per query tile, only the key tiles that touch
+        a non-zero block (any tile shape); standard masks S element-wise.
+    dropout_p, seed
+        Reserved for dropout (not implemented yet).
 
     Returns
     -------
@@ -54,17 +63,25 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
     o = _arrays.empty((bh, n_q, d), call.dtype)
     lse = _arrays.empty((bh, n_q), np.float32)
+    layout = None
+    if call.block_mask is not None:  # one (T_r, T_c) layout per batch*head
+        grid = call.block_mask.grid_for(n_q, n_k)
+        layout = np.ascontiguousarray(
+            np.broadcast_to(call.block_mask.layout, call.batch_shape + grid).reshape((bh,) + grid))
     if call.algorithm == "standard":
         s = _arrays.empty((bh, n_q, n_k), np.float32)
         p = _arrays.empty((bh, n_q, n_k), np.float32)
-        standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal)
+        mask = None if layout is None else (cuda.to_device(layout.view(np.uint8)), call.block_mask.block_size)
+        standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal, mask=mask)
     elif call.algorithm == "flash1":
         l = _arrays.empty((bh, n_q), np.float32)
         m = _arrays.empty((bh, n_q), np.float32)
         flash1_forward(q3, k3, v3, o, l, m, lse, scale=call.scale, causal=call.causal,
-                       block_sizes=call.block_sizes)
+                       block_sizes=call.block_sizes,
+                       mask=None if layout is None else cuda.to_device(layout.view(np.uint8)))
     else:
-        flash2_forward(q3, k3, v3, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes)
+        flash2_forward(q3, k3, v3, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes,
+                       mask=None if layout is None else (layout, call.block_mask.block_size))
     out = _arrays.deliver(o, call.batch_shape, call.on_device)
     if return_lse:
         return out, _arrays.deliver(lse, call.batch_shape, call.on_device)

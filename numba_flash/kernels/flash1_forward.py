@@ -1,5 +1,9 @@
 """FlashAttention forward, Algorithm 1 of Dao et al. (2022), written literally.
 
+With a block mask it is Algorithm 5 (block-sparse FlashAttention): the
+inner iteration runs only ``if M_ij != 0``, and the kernel's tiles are the
+mask's blocks.
+
 One thread block per (batch, head) runs the paper's two loops in the paper's
 order: the outer loop over key/value blocks j, the inner loop over query
 blocks i.  O, l and m live in device memory (HBM); every inner iteration
@@ -26,7 +30,7 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ._launch import cuda_kernel, launch
+from ._launch import cuda_kernel, launch, no_mask_layout
 
 
 def shared_bytes(block_rows, block_cols, head_dim):
@@ -35,11 +39,12 @@ def shared_bytes(block_rows, block_cols, head_dim):
 
 
 @lru_cache(maxsize=None)
-def make_flash1_forward(BR, BC, D, CAUSAL):
-    """Algorithm 1 specialised to B_r = BR, B_c = BC, head dim D (compile-time constants)."""
+def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK):
+    """Algorithm 1 (or 5, with HAS_MASK) for B_r = BR, B_c = BC, head dim D (compile-time constants)."""
 
-    def kernel(Q, K, V, O, l, m, lse, scale):
-        # Q, O: (BH, N_q, D); K, V: (BH, N_k, D); l, m, lse: (BH, N_q), float32.
+    def kernel(Q, K, V, O, l, m, lse, scale, M):
+        # Q, O: (BH, N_q, D); K, V: (BH, N_k, D); l, m, lse: (BH, N_q), float32;
+        # M: (BH, T_r, T_c) uint8 block mask (Algorithm 5), read only if HAS_MASK.
         bh = cuda.blockIdx.x
         r = cuda.threadIdx.x
         n_q = Q.shape[1]
@@ -77,6 +82,10 @@ def make_flash1_forward(BR, BC, D, CAUSAL):
 
             # Alg. 1, line 7: inner loop over query blocks.
             for i in range(T_r):
+                # Alg. 5, line 8: if M_ij != 0 (the same for every thread of the
+                # block, so the barriers below are reached by all or none).
+                if HAS_MASK and M[bh, i, j] == 0:
+                    continue
                 # Alg. 1, line 8: load Q_i (all threads) ...
                 cuda.syncthreads()  # nobody still reads the previous Q_i
                 for e in range(r, BR * D, BR):
@@ -141,17 +150,22 @@ def make_flash1_forward(BR, BC, D, CAUSAL):
             if row < n_q:
                 lse[bh, row] = m[bh, row] + math.log(l[bh, row]) if l[bh, row] > float32(0) else NEG_INF
 
-    name = f"flash1_forward_Br{BR}_Bc{BC}_d{D}" + ("_causal" if CAUSAL else "")
+    name = f"flash1_forward_Br{BR}_Bc{BC}_d{D}" + ("_causal" if CAUSAL else "") + ("_sparse" if HAS_MASK else "")
     return cuda_kernel(kernel, name)
 
 
-def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes):
-    """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d)."""
+def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=None):
+    """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
+
+    mask: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
+    ``block_sizes`` (Algorithm 5).
+    """
     block_rows, block_cols = block_sizes
     # Plain ints: a NumPy integer would reach the kernel as a run-time value,
     # not the compile-time constant the shared-array shapes need.
-    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal))
-    launch(kernel, q.shape[0], block_rows, (q, k, v, o, l, m, lse, scale))
+    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal), mask is not None)
+    launch(kernel, q.shape[0], block_rows,
+           (q, k, v, o, l, m, lse, scale, no_mask_layout() if mask is None else mask))
 
 
 __all__ = ["flash1_forward", "make_flash1_forward", "shared_bytes"]

@@ -48,7 +48,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 from numba.cuda.types import float16
 
-from ._launch import cdiv, cuda_kernel, launch
+from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
 from .primitives import (exp2, load_vec4, load_word, mma_f16, mma_tf32, pack_half2, shfl_xor, store_vec4,
                          store_word, tf32_round, u32_as_f32)
 
@@ -158,15 +158,17 @@ def cdiv_device(a, b):
 
 
 @lru_cache(maxsize=None)
-def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
-    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype, VEC).
+def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK):
+    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype, VEC, mask).
 
     D_PAD is the head dim rounded up to the mma depth (8 for tf32, 16 for
     float16): head dims that round to the same D_PAD share one compiled
     kernel, which is told the true d and zero-fills the rest.  VEC: rows
     start on 16-byte boundaries (d a multiple of 4 float32 / 8 float16 and
     aligned arrays), so tiles move in 16-byte loads; otherwise element by
-    element.
+    element.  HAS_MASK: a block mask lists, per query tile, the key tiles to
+    visit (see ``key_tile_lists``); only tiles the mask covers partly are
+    masked element by element.
     """
     layout = Flash2Layout(BLOCK_M, BLOCK_N, D_PAD, IS_F16)
     assert layout.d_pad == D_PAD, "D_PAD must be a multiple of the mma depth"
@@ -231,9 +233,13 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
         store_vec4(smem, base_hi, h0, h1, h2, h3)
         store_vec4(smem, base_lo, l0, l1, l2, l3)
 
-    def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2):
+    def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols):
         # Q, O: flat (BH * N_q * d); K, V: flat (BH * N_k * d); LSE: (BH, N_q) float32.
         # With VEC and float16 the flat arrays are uint32 views (pairs of halves).
+        # With HAS_MASK: key tiles of query tile qt of head bh are
+        # tile_entries[tile_offsets[bh, qt]:tile_offsets[bh, qt + 1]] >> 1 (low bit:
+        # partly masked); M: (BH, T_r, T_c) uint8 block mask in blocks of
+        # (mask_rows, mask_cols).
         bh = cuda.blockIdx.y
         # Causal blocks further down have more keys to visit: start them first.
         q_block = (cdiv_device(n_q, BLOCK_M) - 1 - cuda.blockIdx.x) if CAUSAL else cuda.blockIdx.x
@@ -274,9 +280,14 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
             for e in range(4):
                 acc[dt, e] = float32(0)
 
-        n_blocks = cdiv_device(n_k, BLOCK_N)
-        if CAUSAL:  # key blocks beyond the last row of this query block see nothing
-            n_blocks = min(n_blocks, cdiv_device(min(q0 + BLOCK_M, n_q), BLOCK_N))
+        if HAS_MASK:  # the host listed the key tiles this query tile visits
+            first = tile_offsets[bh, q_block]
+            n_blocks = tile_offsets[bh, q_block + 1] - first
+        else:
+            first = 0
+            n_blocks = cdiv_device(n_k, BLOCK_N)
+            if CAUSAL:  # key blocks beyond the last row of this query block see nothing
+                n_blocks = min(n_blocks, cdiv_device(min(q0 + BLOCK_M, n_q), BLOCK_N))
         # Software pipeline: iteration j stores tile j (fetched during
         # iteration j - 1) into shared memory, starts the global loads of
         # tile j + 1 into registers, and computes on tile j while they fly.
@@ -313,7 +324,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
                 cuda.syncthreads()  # tile j complete in shared memory
             if j + 1 < n_blocks:
                 # ---- fetch tile j + 1 into registers (no wait: used next iteration) ----
-                k1 = (j + 1) * BLOCK_N
+                k1 = ((load_word(tile_entries, first + j + 1) >> 1) if HAS_MASK else j + 1) * BLOCK_N
                 for i in range(K_ITERS):
                     e = tid + i * THREADS
                     r = e // ROW_CHUNKS
@@ -339,7 +350,13 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
                         v_next[i, 0], v_next[i, 1], v_next[i, 2], v_next[i, 3] = w0, w1, w2, w3
             if j < 0:
                 continue
-            k0 = j * BLOCK_N
+            if HAS_MASK:
+                entry = load_word(tile_entries, first + j)
+                k0 = (entry >> 1) * BLOCK_N
+                partly_masked = (entry & 1) != 0
+            else:
+                k0 = j * BLOCK_N
+                partly_masked = False
             # ---- S = Q_i K_j^T for this warp's 16 rows ----
             for nt in range(N_TILES):
                 for e in range(4):
@@ -376,7 +393,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
 
             # ---- online softmax: scale to log2 units, mask, new max, P = exp2(S - m) ----
             # Only the last key block (ragged) and blocks crossing the diagonal need masks.
-            masked = k0 + BLOCK_N > n_k or (CAUSAL and k0 + BLOCK_N - 1 > q0)
+            masked = k0 + BLOCK_N > n_k or (CAUSAL and k0 + BLOCK_N - 1 > q0) or partly_masked
             for h in range(2):
                 row = q0 + row0 + 8 * h
                 m_tile = NEG_INF
@@ -386,6 +403,8 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
                         if masked:
                             key = k0 + nt * 8 + 2 * t + e
                             if key >= n_k or (CAUSAL and key > row):
+                                x = NEG_INF
+                            elif HAS_MASK and (row >= n_q or M[bh, row // mask_rows, key // mask_cols] == 0):
                                 x = NEG_INF
                         s_acc[nt, 2 * h + e] = x
                         m_tile = max(m_tile, x)
@@ -463,8 +482,14 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC):
                                     if l_row > float32(0) else NEG_INF)
 
     name = (f"flash2_forward_m{BLOCK_M}_n{BLOCK_N}_d{D_PAD}_{'f16' if IS_F16 else 'f32'}"
-            + ("_causal" if CAUSAL else "") + ("" if VEC else "_scalar"))
+            + ("_causal" if CAUSAL else "") + ("" if VEC else "_scalar") + ("_sparse" if HAS_MASK else ""))
     return cuda_kernel(kernel, name, fastmath=True)
+
+
+@lru_cache(maxsize=None)
+def no_tile_lists():
+    """Placeholder tile lists for the dense kernel, which never reads them."""
+    return cuda.to_device(np.zeros((1, 2), np.int32)), cuda.to_device(np.zeros(1, np.int32))
 
 
 def _flat(x, as_pairs):
@@ -479,15 +504,63 @@ def _aligned16(x):
     return pointer is None or pointer.value is None or pointer.value % 16 == 0
 
 
-def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes):
-    """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d)."""
+def key_tile_lists(layout, mask_block, tile, n_q, n_k, causal):
+    """For each (head, query tile), the key tiles flash2 visits under a block mask.
+
+    layout: (BH, T_r, T_c) bool, in blocks of mask_block = (B_r, B_c); tile:
+    the kernel's (BLOCK_M, BLOCK_N), which need not match the mask's blocks.
+    A kernel tile is visited if any mask block it overlaps is non-zero (and,
+    when causal, if any of its keys is not above every one of its rows); it is
+    *partly masked* unless every mask block it overlaps is non-zero, and then
+    the kernel checks each element against the layout.  Returns (offsets
+    (BH, T_q + 1) int32, entries int32 = key tile * 2 + partly-masked bit).
+    """
+    (mask_rows, mask_cols), (block_m, block_n) = mask_block, tile
+    heads = layout.shape[0]
+    # 2-D prefix sums count the non-zero mask blocks in any rectangle.
+    prefix = np.zeros((heads, layout.shape[1] + 1, layout.shape[2] + 1), np.int64)
+    prefix[:, 1:, 1:] = layout.cumsum(1).cumsum(2)
+    q_first = np.arange(0, n_q, block_m)
+    q_last = np.minimum(q_first + block_m, n_q) - 1
+    k_first = np.arange(0, n_k, block_n)
+    k_last = np.minimum(k_first + block_n, n_k) - 1
+    r0, r1 = q_first // mask_rows, q_last // mask_rows + 1
+    c0, c1 = k_first // mask_cols, k_last // mask_cols + 1
+    nonzero = (prefix[:, r1][:, :, c1] - prefix[:, r0][:, :, c1] - prefix[:, r1][:, :, c0]
+               + prefix[:, r0][:, :, c0])
+    covered = (r1 - r0)[:, None] * (c1 - c0)[None, :]
+    visit = nonzero > 0
+    if causal:
+        visit &= k_first[None, None, :] <= q_last[None, :, None]
+    counts = visit.sum(axis=2)
+    offsets = np.zeros((heads, len(q_first) + 1), np.int64)
+    offsets[:, 1:] = counts.cumsum(axis=1)
+    offsets += (np.concatenate([[0], counts.sum(axis=1).cumsum()[:-1]]))[:, None]
+    _, _, key_tiles = np.nonzero(visit)
+    partly = (nonzero < covered[None])[visit]
+    return offsets.astype(np.int32), (key_tiles * 2 + partly).astype(np.int32)
+
+
+def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None):
+    """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
+
+    mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) bool
+    NumPy array (the host builds the tile lists from it).
+    """
     block_m, block_n = int(block_sizes[0]), int(block_sizes[1])  # plain ints: compile-time constants
     bh, n_q, head_dim = (int(n) for n in q.shape)
     n_k = int(k.shape[1])
     is_f16 = q.dtype.itemsize == 2
     layout = Flash2Layout(block_m, block_n, head_dim, is_f16)
     vec = head_dim % (8 if is_f16 else 4) == 0 and all(_aligned16(x) for x in (q, k, v, o))
-    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec)
+    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec, mask is not None)
     grid = (cdiv(n_q, block_m), bh)
-    args = tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E)
+    if mask is None:
+        sparse = no_tile_lists() + (no_mask_layout(), 1, 1)
+    else:
+        block_layout, (mask_rows, mask_cols) = mask
+        offsets, entries = key_tile_lists(block_layout, (mask_rows, mask_cols), (block_m, block_n), n_q, n_k, causal)
+        sparse = (cuda.to_device(offsets), cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
+                  cuda.to_device(np.ascontiguousarray(block_layout, dtype=np.uint8)), mask_rows, mask_cols)
+    args = tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E) + sparse
     launch(kernel, grid, layout.threads, args, dynamic_shared_bytes=layout.shared_bytes)

@@ -9,8 +9,9 @@ memory as the paper's baseline does:
 
 The two products share one 16x16 shared-memory tiled kernel (the numba-cuda
 matmul example, batched, with an optional transpose of B).  Masking happens
-in the softmax kernel, which sees every score: causal entries and nothing
-else are set to -inf there, and an all-masked row yields P = 0, lse = -inf.
+in the softmax kernel, which sees every score: entries that the causal mask
+or the block mask (element (i, j) allowed iff layout[i // B_r, j // B_c])
+forbids count as -inf there, and an all-masked row yields P = 0, lse = -inf.
 """
 import math
 from functools import lru_cache
@@ -18,7 +19,7 @@ from functools import lru_cache
 from numba import cuda, float32
 
 from ..device import in_simulator
-from ._launch import cdiv, cuda_kernel, launch
+from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
 
 # Launch shapes.  The simulator runs every CUDA thread as a Python thread, so
 # it gets smaller blocks; the kernels' logic is the same for any of these.
@@ -64,11 +65,18 @@ def make_batched_matmul(TILE, TRANSPOSE_B):
     return cuda_kernel(kernel, f"standard_matmul_{'abt' if TRANSPOSE_B else 'ab'}_tile{TILE}")
 
 
+@cuda.jit(device=True, inline=True)
+def block_allowed(layout, b, row, col, block_rows, block_cols):
+    """Whether the block mask allows element (row, col) of head b."""
+    return layout[b, row // block_rows, col // block_cols] != 0
+
+
 @lru_cache(maxsize=None)
-def make_row_softmax(SOFTMAX_THREADS, CAUSAL):
+def make_row_softmax(SOFTMAX_THREADS, CAUSAL, HAS_MASK):
     """P = softmax(mask(S)) row by row, plus lse; one block of threads per row."""
 
-    def kernel(S, P, lse):
+    def kernel(S, P, lse, layout, block_rows, block_cols):
+        # layout: (BH, T_r, T_c) uint8 block mask in blocks of (block_rows, block_cols).
         row = cuda.blockIdx.x
         b = cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -81,7 +89,8 @@ def make_row_softmax(SOFTMAX_THREADS, CAUSAL):
         # Row maximum: each thread strides over the row, then a tree reduction.
         mx = NEG_INF
         for c in range(t, visible, SOFTMAX_THREADS):
-            mx = max(mx, S[b, row, c])
+            if not HAS_MASK or block_allowed(layout, b, row, c, block_rows, block_cols):
+                mx = max(mx, S[b, row, c])
         partial[t] = mx
         stride = SOFTMAX_THREADS // 2
         while stride > 0:
@@ -96,7 +105,8 @@ def make_row_softmax(SOFTMAX_THREADS, CAUSAL):
 
         total = float32(0)
         for c in range(t, visible, SOFTMAX_THREADS):
-            total += math.exp(S[b, row, c] - shift)
+            if not HAS_MASK or block_allowed(layout, b, row, c, block_rows, block_cols):
+                total += math.exp(S[b, row, c] - shift)
         partial[t] = total
         stride = SOFTMAX_THREADS // 2
         while stride > 0:
@@ -108,20 +118,29 @@ def make_row_softmax(SOFTMAX_THREADS, CAUSAL):
         l = partial[0]
 
         for c in range(t, n_k, SOFTMAX_THREADS):
-            P[b, row, c] = math.exp(S[b, row, c] - shift) / l if c < visible and l > float32(0) else float32(0)
+            keep = c < visible and l > float32(0)
+            if HAS_MASK and keep:
+                keep = block_allowed(layout, b, row, c, block_rows, block_cols)
+            P[b, row, c] = math.exp(S[b, row, c] - shift) / l if keep else float32(0)
         if t == 0:
             lse[b, row] = m + math.log(l) if l > float32(0) else NEG_INF
 
-    return cuda_kernel(kernel, f"standard_row_softmax_t{SOFTMAX_THREADS}" + ("_causal" if CAUSAL else ""))
+    name = f"standard_row_softmax_t{SOFTMAX_THREADS}" + ("_causal" if CAUSAL else "") + ("_masked" if HAS_MASK else "")
+    return cuda_kernel(kernel, name)
 
 
-def standard_attention(q, k, v, o, lse, s, p, *, scale, causal):
-    """Algorithm 0 on device arrays; s and p are the (BH, N_q, N_k) HBM buffers."""
+def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None):
+    """Algorithm 0 on device arrays; s and p are the (BH, N_q, N_k) HBM buffers.
+
+    mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) uint8 device array.
+    """
     bh, n_q, d = q.shape
     n_k = k.shape[1]
     # Alg. 0, line 1: S = tau Q K^T, written to HBM.
     launch(make_batched_matmul(MATMUL_TILE, True), (cdiv(n_k, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (q, k, s, scale))
     # Alg. 0, line 2: read S, P = softmax(S), write P to HBM.
-    launch(make_row_softmax(ROW_THREADS, bool(causal)), (n_q, bh), ROW_THREADS, (s, p, lse))
+    layout, (block_rows, block_cols) = mask if mask is not None else (no_mask_layout(), (1, 1))
+    launch(make_row_softmax(ROW_THREADS, bool(causal), mask is not None), (n_q, bh), ROW_THREADS,
+           (s, p, lse, layout, block_rows, block_cols))
     # Alg. 0, line 3: read P and V, O = P V, write O.
     launch(make_batched_matmul(MATMUL_TILE, False), (cdiv(d, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (p, v, o, 1.0))

@@ -1,0 +1,108 @@
+"""Block-sparse attention (Algorithm 5): every algorithm honours any BlockMask exactly."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import numba_flash
+import reference
+from numba_flash import BlockMask
+from numba_flash.kernels.flash2_forward import key_tile_lists
+from strategies import flash2_block_sizes, problems
+from tolerances import assert_close_to_reference
+
+VARIANTS = [("standard", np.float32), ("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
+IDS = [f"{a}-{np.dtype(t).name}" for a, t in VARIANTS]
+
+#: Kinds of layout: random density, and the corner cases a kernel can get wrong.
+LAYOUT_KINDS = ("random", "all_zero", "all_one", "empty_rows", "empty_columns", "single_block")
+
+
+@st.composite
+def block_masks(draw, batch_shape, n_q, n_k, max_block=12):
+    """A BlockMask for (n_q, n_k) with leading dims that broadcast to batch_shape."""
+    block_size = (draw(st.integers(1, max_block)), draw(st.integers(1, max_block)))
+    kind = draw(st.sampled_from(LAYOUT_KINDS))
+    if kind == "single_block":
+        block_size = (max(block_size[0], n_q), max(block_size[1], n_k))
+    grid = (-(-n_q // block_size[0]), -(-n_k // block_size[1]))
+    # Leading dims: none, the batch dims, or ones where the batch has dims.
+    leading = draw(st.sampled_from([(), batch_shape, tuple(1 for _ in batch_shape)]))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    layout = rng.random(leading + grid) < draw(st.floats(0.1, 0.9))
+    if kind == "all_zero":
+        layout[...] = False
+    elif kind in ("all_one", "single_block"):
+        layout[...] = True
+    elif kind == "empty_rows":
+        layout[..., rng.integers(0, grid[0]), :] = False
+    elif kind == "empty_columns":
+        layout[..., :, rng.integers(0, grid[1])] = False
+    return BlockMask(layout, block_size)
+
+
+@pytest.mark.parametrize("algorithm, dtype", VARIANTS, ids=IDS)
+@given(data=st.data())
+def test_block_mask_matches_the_element_level_definition(algorithm, dtype, data):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    n_q, n_k = p.q.shape[-2], p.k.shape[-2]
+    bm = data.draw(block_masks(p.q.shape[:-2], n_q, n_k))
+    # flash1 runs with tiles equal to the mask's blocks; flash2 with any tiles.
+    block_sizes = data.draw(flash2_block_sizes(dtype)) if algorithm == "flash2" else None
+    out, lse = numba_flash.attention(p.q, p.k, p.v, causal=p.causal, scale=p.scale, block_mask=bm,
+                                     algorithm=algorithm, block_sizes=block_sizes, return_lse=True)
+    dense = bm.to_dense(n_q, n_k)
+    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, mask=dense)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype)
+    # A row that may attend to nothing gives exactly 0 (and lse = -inf, checked above).
+    assert np.all(out[np.isneginf(ref_lse)] == 0)
+
+
+def test_all_zero_mask_gives_zeros_and_minus_infinity():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 10, 8)).astype(np.float32) for _ in range(3))
+    bm = BlockMask(np.zeros((4, 3), bool), (3, 4))
+    for algorithm in ("standard", "flash1", "flash2"):
+        out, lse = numba_flash.attention(q, k, v, block_mask=bm, algorithm=algorithm, return_lse=True)
+        assert np.all(out == 0) and np.all(np.isneginf(lse)), algorithm
+
+
+def test_flash2_visits_only_listed_tiles():
+    # Mask blocks (4, 4) under kernel tiles (16, 8): a tile is visited iff it
+    # touches a non-zero block, and flagged for element masking unless every
+    # block it touches is non-zero.
+    layout = np.zeros((1, 8, 8), bool)
+    layout[0, 0, 0] = True                  # inside query tile 0, key tile 0 (partly)
+    layout[0, 4:8, 2:4] = True              # query tile 1, key tile 1 exactly (fully)
+    offsets, entries = key_tile_lists(layout, (4, 4), (16, 8), 32, 32, causal=False)
+    assert offsets.tolist() == [[0, 1, 2]]
+    assert entries.tolist() == [0 * 2 + 1, 1 * 2 + 0]
+
+
+def test_flash2_tile_lists_respect_causality():
+    layout = np.ones((1, 4, 4), bool)
+    offsets, entries = key_tile_lists(layout, (8, 8), (16, 16), 32, 32, causal=True)
+    tiles = [sorted(e >> 1 for e in entries[offsets[0, i]:offsets[0, i + 1]]) for i in range(2)]
+    assert tiles == [[0], [0, 1]]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"block_mask": np.ones((2, 2), bool)}, TypeError, "BlockMask"),
+    ({"block_mask": BlockMask(np.ones((3, 3), bool), (4, 4))}, ValueError, "does not match"),
+    ({"block_mask": BlockMask(np.ones((5, 2, 2), bool), (4, 4))}, ValueError, "broadcast"),
+    ({"block_mask": BlockMask(np.ones((2, 2), bool), (4, 4)), "algorithm": "flash1", "block_sizes": (2, 2)},
+     ValueError, "mask's blocks"),
+])
+def test_bad_masks_are_rejected(kwargs, error, words):
+    q = np.zeros((2, 8, 4), np.float32)
+    with pytest.raises(error, match=words):
+        numba_flash.attention(q, q, q, **kwargs)
+
+
+def test_block_mask_validates_its_own_input():
+    with pytest.raises(ValueError, match="boolean"):
+        BlockMask(np.ones((2, 2), np.int32), (2, 2))
+    with pytest.raises(ValueError, match="block_size"):
+        BlockMask(np.ones((2, 2), bool), (0, 2))
+    with pytest.raises(ValueError, match="block sizes"):
+        BlockMask(np.ones((2, 2), bool), (2, 2)) & BlockMask(np.ones((2, 2), bool), (2, 1))
