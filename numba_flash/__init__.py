@@ -11,10 +11,11 @@ if _in_simulator():
 
     _simulator.install()
 
-from .api import attention  # noqa: E402
+from .api import attention, attention_backward  # noqa: E402
 from .block_mask import BlockMask  # noqa: E402
+from .dropout import dropout_mask  # noqa: E402
 from .device import device_limits, in_simulator  # noqa: E402
 from .tiling import line1_block_sizes  # noqa: E402
 
-__all__ = ["attention", "BlockMask", "device_limits", "in_simulator", "line1_block_sizes"]
+__all__ = ["attention", "attention_backward", "BlockMask", "device_limits", "dropout_mask", "in_simulator", "line1_block_sizes"]
 __version__ = "0.1.0"

@@ -39,6 +39,14 @@ def as_heads(x, on_device):
     return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n, d))
 
 
+def as_rows(x, on_device):
+    """View a per-row statistic x (..., N) as (batch*heads, N) on the device."""
+    n = x.shape[-1]
+    if on_device:
+        return (x if in_simulator() else cuda.as_cuda_array(x)).reshape(-1, n)
+    return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n))
+
+
 def empty(shape, dtype):
     return cuda.device_array(shape, dtype=dtype)
 

@@ -14,11 +14,13 @@ import numpy as np
 from . import _arrays
 from .block_mask import BlockMask
 from .device import device_limits
+from .kernels import flash1_backward as _flash1_backward
 from .kernels import flash1_forward as _flash1
 from .kernels import flash2_forward as _flash2
-from .tiling import line1_block_sizes
+from .tiling import flash1_backward_block_sizes, line1_block_sizes
 
 ALGORITHMS = ("standard", "flash1", "flash2")
+BACKWARD_ALGORITHMS = ("flash1", "flash2")
 #: dtypes each algorithm accepts (the fast kernel also takes float16).
 DTYPES = {
     "standard": (np.dtype(np.float32),),
@@ -42,6 +44,8 @@ class AttentionCall:
     block_sizes: Optional[Tuple[int, int]]
     on_device: bool
     block_mask: Optional[BlockMask] = None
+    dropout_p: float = 0.0
+    seed: int = 0
 
     @property
     def batch_heads(self):
@@ -72,10 +76,10 @@ def _c_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
-def check_qkv(q, k, v, algorithm):
+def check_qkv(q, k, v, algorithm, algorithms=ALGORITHMS):
     """Shapes, dtypes and kinds of q, k, v; returns (batch_shape, n_q, n_k, d, dtype, on_device)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm not in algorithms:
+        raise ValueError(f"algorithm must be one of {algorithms}, got {algorithm!r}")
     (q_shape, q_dtype, q_dev), (k_shape, k_dtype, k_dev), (v_shape, v_dtype, v_dev) = (
         _shape_and_dtype(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
     if not q_dev == k_dev == v_dev:
@@ -121,15 +125,16 @@ def _pair_of_positive_ints(block_sizes):
     return block_rows, block_cols
 
 
-def _check_flash1_blocks(block_rows, block_cols, head_dim):
+def _check_flash1_blocks(block_rows, block_cols, head_dim, backward):
     limits = device_limits()
     if block_rows > limits.max_threads_per_block:
         raise ValueError(f"block_sizes: B_r={block_rows} exceeds {limits.max_threads_per_block} threads per block "
                          f"(flash1 gives each query row of a block its own thread)")
-    needed = _flash1.shared_bytes(block_rows, block_cols, head_dim)
+    needed = (_flash1_backward if backward else _flash1).shared_bytes(block_rows, block_cols, head_dim)
     if needed > limits.shared_bytes_per_block:
+        tiles = "Q_i, dO_i, K_j, V_j, dK_j, dV_j, P_ij and dS_ij" if backward else "Q_i, K_j, V_j and S_ij"
         raise ValueError(f"block_sizes {(block_rows, block_cols)} need {needed} bytes of shared memory for "
-                         f"Q_i, K_j, V_j and S_ij at d={head_dim}; the limit is {limits.shared_bytes_per_block}")
+                         f"{tiles} at d={head_dim}; the limit is {limits.shared_bytes_per_block}")
 
 
 def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype):
@@ -151,7 +156,7 @@ def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype):
                          f"memory at d={head_dim} ({dtype}); the limit is {limits.shared_bytes_per_block_optin}")
 
 
-def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype):
+def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward=False):
     """Explicit (B_r, B_c), or the algorithm's default; None for 'standard'."""
     if algorithm == "standard":
         if block_sizes is not None:
@@ -162,11 +167,13 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype):
         raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {_flash2.MAX_HEAD_DIM}")
     if block_sizes is None:
         if algorithm == "flash1":
+            if backward:
+                return flash1_backward_block_sizes(head_dim, n_q=n_q, n_k=n_k)
             return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
         return _flash2.default_block_sizes(head_dim, dtype)
     block_rows, block_cols = _pair_of_positive_ints(block_sizes)
     if algorithm == "flash1":
-        _check_flash1_blocks(block_rows, block_cols, head_dim)
+        _check_flash1_blocks(block_rows, block_cols, head_dim, backward)
     else:
         _check_flash2_blocks(block_rows, block_cols, head_dim, dtype)
     return block_rows, block_cols
@@ -189,20 +196,22 @@ def check_block_mask(block_mask, batch_shape, n_q, n_k):
     return block_mask
 
 
-def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed, algorithm, block_sizes):
-    """Validate a call to ``attention``; see its docstring for the rules."""
-    batch_shape, n_q, n_k, head_dim, dtype, on_device = check_qkv(q, k, v, algorithm)
+def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed, algorithm, block_sizes,
+                         backward=False):
+    """Validate a call to ``attention`` (or the shared part of ``attention_backward``)."""
+    batch_shape, n_q, n_k, head_dim, dtype, on_device = check_qkv(
+        q, k, v, algorithm, BACKWARD_ALGORITHMS if backward else ALGORITHMS)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     scale = check_scale(scale, head_dim)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet")
     block_mask = check_block_mask(block_mask, batch_shape, n_q, n_k)
     if block_mask is not None and algorithm == "flash1":
         # Algorithm 5 as written: the kernel's tiles are the mask's blocks.
@@ -210,6 +219,24 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
             raise ValueError(f"block_sizes {tuple(block_sizes)} differ from the block mask's {block_mask.block_size}; "
                              f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks")
         block_sizes = block_mask.block_size
-    block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype)
+    block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward)
     return AttentionCall(algorithm, tuple(batch_shape), n_q, n_k, head_dim, dtype, scale, bool(causal),
-                         block_sizes, on_device, block_mask)
+                         block_sizes, on_device, block_mask, float(dropout_p), int(seed))
+
+
+def check_backward_args(q, k, v, o, lse, do, **options):
+    """Validate a call to ``attention_backward``: q, k, v as for ``attention``, then o, lse, do."""
+    call = check_attention_args(q, k, v, backward=True, **options)
+    if call.algorithm == "flash2":
+        raise NotImplementedError("the flash2 backward is not implemented yet; use algorithm='flash1'")
+    q_shape = call.batch_shape + (call.n_q, call.head_dim)
+    for name, x, shape, dtype in (("o", o, q_shape, call.dtype), ("do", do, q_shape, call.dtype),
+                                  ("lse", lse, call.batch_shape + (call.n_q,), np.dtype(np.float32))):
+        x_shape, x_dtype, x_dev = _shape_and_dtype(name, x)
+        if x_dev != call.on_device:
+            raise TypeError(f"{name} must be a {'CUDA' if call.on_device else 'NumPy'} array like q, k and v")
+        if tuple(x_shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x_shape)}")
+        if x_dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {x_dtype}")
+    return call

@@ -3,7 +3,9 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from ._validation import check_attention_args
+from ._validation import check_attention_args, check_backward_args
+from .dropout import kernel_args as dropout_kernel_args
+from .kernels.flash1_backward import flash1_backward
 from .kernels.flash1_forward import flash1_forward
 from .kernels.flash2_forward import flash2_forward
 from .kernels.standard_attention import standard_attention
@@ -49,8 +51,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         flash1 runs with tiles equal to the mask's blocks and skips zero
         tiles; flash2 visits, per query tile, only the key tiles that touch
         a non-zero block (any tile shape); standard masks S element-wise.
-    dropout_p, seed
-        Reserved for dropout (not implemented yet).
+    dropout_p, seed : float in [0, 1), int in [0, 2**64)
+        Dropout on the attention weights (Algorithm 2): each entry of P is
+        dropped with probability dropout_p and the kept ones scaled by
+        1/(1 - dropout_p); lse is that of the undropped weights.  Which
+        entries are kept is a pure function of (seed, batch*head index,
+        query row, key column): ``numba_flash.dropout_mask(shape, p, seed)``
+        returns that mask on the host, bit for bit.
 
     Returns
     -------
@@ -63,26 +70,66 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
     o = _arrays.empty((bh, n_q, d), call.dtype)
     lse = _arrays.empty((bh, n_q), np.float32)
-    layout = None
-    if call.block_mask is not None:  # one (T_r, T_c) layout per batch*head
-        grid = call.block_mask.grid_for(n_q, n_k)
-        layout = np.ascontiguousarray(
-            np.broadcast_to(call.block_mask.layout, call.batch_shape + grid).reshape((bh,) + grid))
+    layout = _per_head_layout(call)
+    dropout = _dropout_args(call)
     if call.algorithm == "standard":
         s = _arrays.empty((bh, n_q, n_k), np.float32)
         p = _arrays.empty((bh, n_q, n_k), np.float32)
         mask = None if layout is None else (cuda.to_device(layout.view(np.uint8)), call.block_mask.block_size)
-        standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal, mask=mask)
+        standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal, mask=mask,
+                           dropout=dropout)
     elif call.algorithm == "flash1":
         l = _arrays.empty((bh, n_q), np.float32)
         m = _arrays.empty((bh, n_q), np.float32)
         flash1_forward(q3, k3, v3, o, l, m, lse, scale=call.scale, causal=call.causal,
                        block_sizes=call.block_sizes,
-                       mask=None if layout is None else cuda.to_device(layout.view(np.uint8)))
+                       mask=None if layout is None else cuda.to_device(layout.view(np.uint8)), dropout=dropout)
     else:
         flash2_forward(q3, k3, v3, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes,
-                       mask=None if layout is None else (layout, call.block_mask.block_size))
+                       mask=None if layout is None else (layout, call.block_mask.block_size), dropout=dropout)
     out = _arrays.deliver(o, call.batch_shape, call.on_device)
     if return_lse:
         return out, _arrays.deliver(lse, call.batch_shape, call.on_device)
     return out
+
+
+def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
+                       algorithm="flash2", block_sizes=None):
+    """Gradients (dq, dk, dv) of sum(O * do) for O = attention(q, k, v, ...).
+
+    ``o`` and ``lse`` are what ``attention(..., return_lse=True)`` returned
+    for the same arguments (the backward recomputes P from q, k and lse and
+    never materialises N x N); ``do`` is dL/dO.  causal, scale, block_mask,
+    dropout_p and seed must be those of the forward call (dropout regenerates
+    the same mask from the seed).  Results have the shapes, dtype and kind
+    (NumPy or CUDA) of q, k, v.
+
+    algorithm: "flash1" is Algorithm 4 written literally (float32);
+    "flash2", the fast backward, is not implemented yet.
+    """
+    call = check_backward_args(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
+                               dropout_p=dropout_p, seed=seed, algorithm=algorithm, block_sizes=block_sizes)
+    q3, k3, v3, o3, do3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v, o, do))
+    bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
+    lse2 = _arrays.as_rows(lse, call.on_device)
+    dq = _arrays.empty((bh, n_q, d), call.dtype)
+    dk = _arrays.empty((bh, n_k, d), call.dtype)
+    dv = _arrays.empty((bh, n_k, d), call.dtype)
+    layout = _per_head_layout(call)
+    flash1_backward(q3, k3, v3, o3, do3, lse2, dq, dk, dv, scale=call.scale, causal=call.causal,
+                    block_sizes=call.block_sizes,
+                    mask=None if layout is None else cuda.to_device(layout.view(np.uint8)), dropout=_dropout_args(call))
+    return tuple(_arrays.deliver(x, call.batch_shape, call.on_device) for x in (dq, dk, dv))
+
+
+def _per_head_layout(call):
+    """The block mask's layout broadcast to one (T_r, T_c) grid per batch*head (bool), or None."""
+    if call.block_mask is None:
+        return None
+    grid = call.block_mask.grid_for(call.n_q, call.n_k)
+    return np.ascontiguousarray(
+        np.broadcast_to(call.block_mask.layout, call.batch_shape + grid).reshape((call.batch_heads,) + grid))
+
+
+def _dropout_args(call):
+    return dropout_kernel_args(call.dropout_p, call.seed) if call.dropout_p > 0 else None

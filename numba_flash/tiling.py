@@ -59,3 +59,28 @@ def line1_block_sizes(head_dim, *, sram_bytes=None, dtype=np.float32, n_q=None, 
         else:
             block_rows -= 1
     return block_rows, block_cols
+
+
+def flash1_backward_sram_elements(block_rows, block_cols, head_dim):
+    """Elements the literal backward keeps in shared memory: Q_i, dO_i, K_j, V_j, dK_j, dV_j, P_ij, dS_ij."""
+    return (2 * block_rows + 4 * block_cols) * head_dim + 2 * block_rows * block_cols
+
+
+def flash1_backward_block_sizes(head_dim, *, sram_bytes=None, dtype=np.float32, n_q=None, n_k=None):
+    """(B_r, B_c) for Algorithm 4: line 1's blocks, shrunk until the backward's tiles fit.
+
+    The backward keeps twice as many tiles on chip as the forward (Q_i, dO_i,
+    K_j, V_j, dK_j, dV_j, P_ij, dS_ij), so line 1's sizes do not fit; we
+    shrink B_c and B_r alternately (keeping them balanced) until they do.
+    """
+    m_elements = int(device_limits().shared_bytes_per_block if sram_bytes is None else sram_bytes)
+    m_elements //= np.dtype(dtype).itemsize
+    block_rows, block_cols = line1_block_sizes(head_dim, sram_bytes=sram_bytes, dtype=dtype, n_q=n_q, n_k=n_k)
+    while flash1_backward_sram_elements(block_rows, block_cols, head_dim) > m_elements:
+        if block_cols >= block_rows and block_cols > 1:
+            block_cols -= 1
+        elif block_rows > 1:
+            block_rows -= 1
+        else:
+            raise ValueError(f"head dim {head_dim} is too large for the backward's tiles in {m_elements} elements")
+    return block_rows, block_cols

@@ -144,3 +144,17 @@ def test_return_lse_false_returns_only_the_output():
     q = np.ones((4, 8), np.float32)
     out = numba_flash.attention(q, q, q, algorithm="flash1")
     assert isinstance(out, np.ndarray) and out.shape == (4, 8)
+
+
+@variants
+@given(data=st.data(), dropout_p=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2 ** 64 - 1))
+def test_dropout_drops_exactly_the_generated_mask(algorithm, dtype, data, dropout_p, seed):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    out, lse = attend(p, algorithm, dropout_p=dropout_p, seed=seed)
+    keep = numba_flash.dropout_mask(p.q.shape[:-1] + (p.k.shape[-2],), dropout_p, seed)
+    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, dropout_keep=keep,
+                                           dropout_p=dropout_p)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype,
+                              weight_scale=1 / (1 - dropout_p))
+    again, _ = attend(p, algorithm, dropout_p=dropout_p, seed=seed)
+    np.testing.assert_array_equal(out, again)

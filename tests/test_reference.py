@@ -55,3 +55,40 @@ def test_causal_is_top_left_aligned(n_q, n_k):
 def test_softmax_of_all_masked_row_is_zero():
     s = np.array([[-np.inf, -np.inf], [0.0, np.log(3.0)]])
     np.testing.assert_allclose(reference.softmax(s), [[0, 0], [0.25, 0.75]])
+
+
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.booleans(),
+       st.sampled_from([0.0, 0.4]), st.integers(0, 2 ** 32 - 1))
+def test_reference_gradients_match_finite_differences(heads, n_q, n_k, d, causal, dropout_p, seed):
+    rng = np.random.default_rng(seed)
+    q, do = rng.standard_normal((2, heads, n_q, d))
+    k, v = rng.standard_normal((2, heads, n_k, d))
+    mask = rng.random((n_q, n_k)) < 0.7
+    keep = rng.random((heads, n_q, n_k)) >= dropout_p
+    options = dict(causal=causal, mask=mask, dropout_keep=keep, dropout_p=dropout_p)
+
+    def loss(**x):
+        args = {"q": q, "k": k, "v": v} | x
+        return np.sum(reference.attention(args["q"], args["k"], args["v"], **options)[0] * do)
+
+    grads = reference.attention_backward(q, k, v, do, **options)
+    eps = 1e-6
+    for name, x, grad in zip("qkv", (q, k, v), grads):
+        numeric = np.zeros_like(x)
+        for index in np.ndindex(x.shape):
+            up, down = x.copy(), x.copy()
+            up[index] += eps
+            down[index] -= eps
+            numeric[index] = (loss(**{name: up}) - loss(**{name: down})) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=f"d{name}")
+
+
+def test_reference_dropout_scales_kept_weights_and_keeps_lse():
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((3, 4, 6, 2))
+    keep = rng.random((4, 6, 6)) >= 0.5
+    out, lse = reference.attention(q, k, v, dropout_keep=keep, dropout_p=0.5)
+    plain, plain_lse = reference.attention(q, k, v)
+    p = reference.softmax(reference.masked_scores(q, k))
+    np.testing.assert_allclose(out, (p * keep * 2.0) @ v, rtol=1e-12)
+    np.testing.assert_array_equal(lse, plain_lse)

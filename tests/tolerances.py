@@ -40,10 +40,14 @@ def logit_error(q, k, scale):
     return (2 * d + 16) * U32 * float(magnitude.max())
 
 
-def forward_tolerance(q, k, v, scale, dtype=np.float32):
-    """(tol_O, tol_lse): absolute bounds on the output and log-sum-exp errors."""
+def forward_tolerance(q, k, v, scale, dtype=np.float32, weight_scale=1.0):
+    """(tol_O, tol_lse): absolute bounds on the output and log-sum-exp errors.
+
+    weight_scale: the largest dropout weight 1/(1 - p) (1 without dropout);
+    the weights of O = (P * Z) V, and so their errors, grow by that factor.
+    """
     n_k = np.shape(k)[-2]
-    v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
+    v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max()) * weight_scale
     ds = logit_error(q, k, scale)
     weight_rel = np.expm1(2 * ds) + (n_k + 16) * U32
     tol_o = (weight_rel + (n_k + 4) * U32) * v_max
@@ -53,9 +57,9 @@ def forward_tolerance(q, k, v, scale, dtype=np.float32):
     return tol_o, tol_lse
 
 
-def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=np.float32):
+def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=np.float32, weight_scale=1.0):
     """Compare a kernel's (O, lse) with the float64 reference under the model above."""
-    tol_o, tol_lse = forward_tolerance(q, k, v, scale, dtype)
+    tol_o, tol_lse = forward_tolerance(q, k, v, scale, dtype, weight_scale)
     out = np.asarray(out, dtype=np.float64)
     _log_error(dtype, np.abs(out - ref_out).max(initial=0.0), tol_o)
     assert np.all(np.isfinite(out)), "output has NaN or inf"
@@ -77,3 +81,31 @@ def _log_error(dtype, err, tol):
     if path:
         with open(path, "a") as f:
             f.write(f"{np.dtype(dtype).name} {err:.6g} {tol:.6g}\n")
+
+
+def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0):
+    """(tol_dQ, tol_dK, tol_dV): first-order bounds on the gradient errors, from the inputs.
+
+    ``weights`` is the reference P (undropped, float64).  With e_P the
+    relative error of a weight (as in the forward model: logits, exp and the
+    float32 lse the backward starts from), B_dP = max |dO_i . v_j| summed
+    magnitudes and B_D = max |dO_i . O_i| likewise, each dS entry is off by at
+    most P_ij Z (e_P (B_dP + B_D) + e_dP + e_D) with e_dP, e_D the dot
+    products' (d + 8) u rounding.  dQ sums N_k such entries with weights
+    summing to 1 per row; dK and dV sum over queries, where a column's
+    weights add up to at most the largest column sum of P.
+    """
+    q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
+    d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    finite_lse = np.max(np.abs(np.where(weights.sum(-1) > 0, np.log(np.maximum(weights.sum(-1), 1e-300)), 0)))
+    e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse)
+    e_p = np.expm1(2 * e_s) + 16 * U32
+    b_dp = float((do @ np.swapaxes(v, -1, -2)).max())
+    b_d = float(np.sum(do * o, axis=-1).max())
+    e_dp, e_d = (d + 8) * U32 * b_dp, (d + 8) * U32 * b_d
+    per_weight = weight_scale * (e_p * (b_dp + b_d) + e_dp + e_d)
+    column_sum = float(weights.sum(axis=-2).max())
+    tol_dq = abs(scale) * k.max() * (per_weight + (n_k + 4) * U32 * weight_scale * (b_dp + b_d))
+    tol_dk = abs(scale) * q.max() * column_sum * (per_weight + (n_q + 4) * U32 * weight_scale * (b_dp + b_d))
+    tol_dv = do.max() * column_sum * weight_scale * (e_p + (n_q + 4) * U32)
+    return tol_dq, tol_dk, tol_dv

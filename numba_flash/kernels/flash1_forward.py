@@ -23,13 +23,17 @@ where it happens:
   the paper's exp(m_i - m_new) would be exp(-inf + inf) = NaN there, so we
   define such rescale factors as 0;
 * after the loops each thread writes lse = m + log(l) for its rows, the one
-  statistic FlashAttention-2 and the backward pass keep.
+  statistic FlashAttention-2 and the backward pass keep;
+* with dropout (Algorithm 2, lines 14-15), Pt_ij is dropped and rescaled
+  after lt_ij is summed, so l and m see the undropped values; the mask comes
+  from the counter-based generator of ``numba_flash.dropout`` (nothing stored).
 """
 import math
 from functools import lru_cache
 
 from numba import cuda, float32
 
+from ..dropout import NO_DROPOUT, dropout_weight
 from ._launch import cuda_kernel, launch, no_mask_layout
 
 
@@ -39,12 +43,13 @@ def shared_bytes(block_rows, block_cols, head_dim):
 
 
 @lru_cache(maxsize=None)
-def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK):
-    """Algorithm 1 (or 5, with HAS_MASK) for B_r = BR, B_c = BC, head dim D (compile-time constants)."""
+def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
+    """Algorithm 1 (5 with HAS_MASK, 2's dropout with HAS_DROPOUT) for B_r = BR, B_c = BC, head dim D."""
 
-    def kernel(Q, K, V, O, l, m, lse, scale, M):
+    def kernel(Q, K, V, O, l, m, lse, scale, M, keep_threshold, keep_scale, seed0, seed1):
         # Q, O: (BH, N_q, D); K, V: (BH, N_k, D); l, m, lse: (BH, N_q), float32;
-        # M: (BH, T_r, T_c) uint8 block mask (Algorithm 5), read only if HAS_MASK.
+        # M: (BH, T_r, T_c) uint8 block mask (Algorithm 5), read only if HAS_MASK;
+        # dropout keeps an entry iff its generator word >= keep_threshold.
         bh = cuda.blockIdx.x
         r = cuda.threadIdx.x
         n_q = Q.shape[1]
@@ -126,6 +131,12 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK):
 
                     # Alg. 1, line 11: m_new = max(m_i, mt_ij),
                     # l_new = exp(m_i - m_new) l_i + exp(mt_ij - m_new) lt_ij.
+                    # Alg. 2, lines 14-15: Pt_ij^dropped = dropout(Pt_ij), after lt_ij.
+                    if HAS_DROPOUT:
+                        for c in range(BC):
+                            S_ij[r, c] *= dropout_weight(bh, row, j * BC + c, keep_threshold, keep_scale,
+                                                         seed0, seed1)
+
                     m_new = max(m_i, mt_ij)
                     alpha = math.exp(m_i - m_new) if m_i != NEG_INF else float32(0)
                     beta = math.exp(mt_ij - m_new) if mt_ij != NEG_INF else float32(0)
@@ -150,22 +161,25 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK):
             if row < n_q:
                 lse[bh, row] = m[bh, row] + math.log(l[bh, row]) if l[bh, row] > float32(0) else NEG_INF
 
-    name = f"flash1_forward_Br{BR}_Bc{BC}_d{D}" + ("_causal" if CAUSAL else "") + ("_sparse" if HAS_MASK else "")
+    name = (f"flash1_forward_Br{BR}_Bc{BC}_d{D}" + ("_causal" if CAUSAL else "") + ("_sparse" if HAS_MASK else "")
+            + ("_dropout" if HAS_DROPOUT else ""))
     return cuda_kernel(kernel, name)
 
 
-def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=None):
+def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=None, dropout=None):
     """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
 
     mask: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
-    ``block_sizes`` (Algorithm 5).
+    ``block_sizes`` (Algorithm 5); dropout: None or ``numba_flash.dropout.kernel_args``.
     """
     block_rows, block_cols = block_sizes
     # Plain ints: a NumPy integer would reach the kernel as a run-time value,
     # not the compile-time constant the shared-array shapes need.
-    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal), mask is not None)
+    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal), mask is not None,
+                                 dropout is not None)
     launch(kernel, q.shape[0], block_rows,
-           (q, k, v, o, l, m, lse, scale, no_mask_layout() if mask is None else mask))
+           (q, k, v, o, l, m, lse, scale, no_mask_layout() if mask is None else mask)
+           + (NO_DROPOUT if dropout is None else dropout))
 
 
 __all__ = ["flash1_forward", "make_flash1_forward", "shared_bytes"]

@@ -48,6 +48,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 from numba.cuda.types import float16
 
+from ..dropout import NO_DROPOUT, philox_device
 from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
 from .primitives import (exp2, load_vec4, load_word, mma_f16, mma_tf32, pack_half2, shfl_xor, store_vec4,
                          store_word, tf32_round, u32_as_f32)
@@ -158,8 +159,8 @@ def cdiv_device(a, b):
 
 
 @lru_cache(maxsize=None)
-def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK):
-    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype, VEC, mask).
+def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, HAS_DROPOUT):
+    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype, VEC, mask, dropout).
 
     D_PAD is the head dim rounded up to the mma depth (8 for tf32, 16 for
     float16): head dims that round to the same D_PAD share one compiled
@@ -168,7 +169,8 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK):
     aligned arrays), so tiles move in 16-byte loads; otherwise element by
     element.  HAS_MASK: a block mask lists, per query tile, the key tiles to
     visit (see ``key_tile_lists``); only tiles the mask covers partly are
-    masked element by element.
+    masked element by element.  HAS_DROPOUT: Algorithm 2's dropout on P,
+    regenerated from ``numba_flash.dropout``'s counter-based generator.
     """
     layout = Flash2Layout(BLOCK_M, BLOCK_N, D_PAD, IS_F16)
     assert layout.d_pad == D_PAD, "D_PAD must be a multiple of the mma depth"
@@ -233,7 +235,8 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK):
         store_vec4(smem, base_hi, h0, h1, h2, h3)
         store_vec4(smem, base_lo, l0, l1, l2, l3)
 
-    def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols):
+    def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
+               keep_threshold, keep_scale, seed0, seed1):
         # Q, O: flat (BH * N_q * d); K, V: flat (BH * N_k * d); LSE: (BH, N_q) float32.
         # With VEC and float16 the flat arrays are uint32 views (pairs of halves).
         # With HAS_MASK: key tiles of query tile qt of head bh are
@@ -428,6 +431,22 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK):
                     acc[dt, 2 * h] *= alpha
                     acc[dt, 2 * h + 1] *= alpha
 
+            if HAS_DROPOUT:
+                # Algorithm 2, lines 14-15: drop P after l is summed (l and m see
+                # the undropped values).  A lane's two columns 2t, 2t + 1 share one
+                # generator call: they are words 2(t & 1) and 2(t & 1) + 1 of
+                # the group of four keys they belong to.
+                for h in range(2):
+                    row = q0 + row0 + 8 * h
+                    for nt in range(N_TILES):
+                        key = k0 + nt * 8 + 2 * t
+                        w0, w1, w2, w3 = philox_device(uint32(key // 4), uint32(row), uint32(bh), uint32(0),
+                                                       uint32(seed0), uint32(seed1))
+                        first = w2 if t & 1 else w0
+                        second = w3 if t & 1 else w1
+                        s_acc[nt, 2 * h] *= float32(keep_scale) if first >= keep_threshold else float32(0)
+                        s_acc[nt, 2 * h + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
+
             # ---- acc += P V_j, with P straight from the S registers ----
             if IS_F16:
                 for ks in range(BLOCK_N // 16):
@@ -482,7 +501,8 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK):
                                     if l_row > float32(0) else NEG_INF)
 
     name = (f"flash2_forward_m{BLOCK_M}_n{BLOCK_N}_d{D_PAD}_{'f16' if IS_F16 else 'f32'}"
-            + ("_causal" if CAUSAL else "") + ("" if VEC else "_scalar") + ("_sparse" if HAS_MASK else ""))
+            + ("_causal" if CAUSAL else "") + ("" if VEC else "_scalar") + ("_sparse" if HAS_MASK else "")
+            + ("_dropout" if HAS_DROPOUT else ""))
     return cuda_kernel(kernel, name, fastmath=True)
 
 
@@ -541,11 +561,12 @@ def key_tile_lists(layout, mask_block, tile, n_q, n_k, causal):
     return offsets.astype(np.int32), (key_tiles * 2 + partly).astype(np.int32)
 
 
-def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None):
+def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None, dropout=None):
     """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
 
     mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) bool
-    NumPy array (the host builds the tile lists from it).
+    NumPy array (the host builds the tile lists from it); dropout: None or
+    ``numba_flash.dropout.kernel_args``.
     """
     block_m, block_n = int(block_sizes[0]), int(block_sizes[1])  # plain ints: compile-time constants
     bh, n_q, head_dim = (int(n) for n in q.shape)
@@ -553,7 +574,8 @@ def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None):
     is_f16 = q.dtype.itemsize == 2
     layout = Flash2Layout(block_m, block_n, head_dim, is_f16)
     vec = head_dim % (8 if is_f16 else 4) == 0 and all(_aligned16(x) for x in (q, k, v, o))
-    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec, mask is not None)
+    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec, mask is not None,
+                                 dropout is not None)
     grid = (cdiv(n_q, block_m), bh)
     if mask is None:
         sparse = no_tile_lists() + (no_mask_layout(), 1, 1)
@@ -562,5 +584,6 @@ def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None):
         offsets, entries = key_tile_lists(block_layout, (mask_rows, mask_cols), (block_m, block_n), n_q, n_k, causal)
         sparse = (cuda.to_device(offsets), cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
                   cuda.to_device(np.ascontiguousarray(block_layout, dtype=np.uint8)), mask_rows, mask_cols)
-    args = tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E) + sparse
+    args = (tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E) + sparse
+            + (NO_DROPOUT if dropout is None else dropout))
     launch(kernel, grid, layout.threads, args, dynamic_shared_bytes=layout.shared_bytes)

@@ -19,6 +19,7 @@ from functools import lru_cache
 from numba import cuda, float32
 
 from ..device import in_simulator
+from ..dropout import NO_DROPOUT, dropout_weight
 from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
 
 # Launch shapes.  The simulator runs every CUDA thread as a Python thread, so
@@ -72,10 +73,10 @@ def block_allowed(layout, b, row, col, block_rows, block_cols):
 
 
 @lru_cache(maxsize=None)
-def make_row_softmax(SOFTMAX_THREADS, CAUSAL, HAS_MASK):
-    """P = softmax(mask(S)) row by row, plus lse; one block of threads per row."""
+def make_row_softmax(SOFTMAX_THREADS, CAUSAL, HAS_MASK, HAS_DROPOUT):
+    """P = softmax(mask(S)) row by row (times the dropout weights), plus lse; one block per row."""
 
-    def kernel(S, P, lse, layout, block_rows, block_cols):
+    def kernel(S, P, lse, layout, block_rows, block_cols, keep_threshold, keep_scale, seed0, seed1):
         # layout: (BH, T_r, T_c) uint8 block mask in blocks of (block_rows, block_cols).
         row = cuda.blockIdx.x
         b = cuda.blockIdx.y
@@ -121,18 +122,23 @@ def make_row_softmax(SOFTMAX_THREADS, CAUSAL, HAS_MASK):
             keep = c < visible and l > float32(0)
             if HAS_MASK and keep:
                 keep = block_allowed(layout, b, row, c, block_rows, block_cols)
-            P[b, row, c] = math.exp(S[b, row, c] - shift) / l if keep else float32(0)
+            weight = math.exp(S[b, row, c] - shift) / l if keep else float32(0)
+            if HAS_DROPOUT:  # Algorithm 2: l and lse above use the undropped values
+                weight *= dropout_weight(b, row, c, keep_threshold, keep_scale, seed0, seed1)
+            P[b, row, c] = weight
         if t == 0:
             lse[b, row] = m + math.log(l) if l > float32(0) else NEG_INF
 
-    name = f"standard_row_softmax_t{SOFTMAX_THREADS}" + ("_causal" if CAUSAL else "") + ("_masked" if HAS_MASK else "")
+    name = (f"standard_row_softmax_t{SOFTMAX_THREADS}" + ("_causal" if CAUSAL else "") + ("_masked" if HAS_MASK else "")
+            + ("_dropout" if HAS_DROPOUT else ""))
     return cuda_kernel(kernel, name)
 
 
-def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None):
+def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None, dropout=None):
     """Algorithm 0 on device arrays; s and p are the (BH, N_q, N_k) HBM buffers.
 
-    mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) uint8 device array.
+    mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) uint8 device array;
+    dropout: None or ``numba_flash.dropout.kernel_args``.
     """
     bh, n_q, d = q.shape
     n_k = k.shape[1]
@@ -140,7 +146,7 @@ def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None):
     launch(make_batched_matmul(MATMUL_TILE, True), (cdiv(n_k, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (q, k, s, scale))
     # Alg. 0, line 2: read S, P = softmax(S), write P to HBM.
     layout, (block_rows, block_cols) = mask if mask is not None else (no_mask_layout(), (1, 1))
-    launch(make_row_softmax(ROW_THREADS, bool(causal), mask is not None), (n_q, bh), ROW_THREADS,
-           (s, p, lse, layout, block_rows, block_cols))
+    launch(make_row_softmax(ROW_THREADS, bool(causal), mask is not None, dropout is not None), (n_q, bh), ROW_THREADS,
+           (s, p, lse, layout, block_rows, block_cols) + (NO_DROPOUT if dropout is None else dropout))
     # Alg. 0, line 3: read P and V, O = P V, write O.
     launch(make_batched_matmul(MATMUL_TILE, False), (cdiv(d, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (p, v, o, 1.0))
