@@ -4,6 +4,8 @@ import sys
 
 import numpy as np
 
+from .masks import GENERATORS, save_picture
+
 DEMO_SHAPE_GPU = (4, 8, 1024, 64)   # (batch, heads, N, d)
 DEMO_SHAPE_SIMULATOR = (1, 2, 32, 16)
 
@@ -47,6 +49,27 @@ def bench(args):
     return bench_main(args)
 
 
+MASKS_DEFAULT_N = 512
+MASKS_DEFAULT_BLOCK = 32
+
+
+def masks(args):
+    if args.list:
+        for name, example in GENERATORS.items():
+            print(f"{name:<11} {example.__doc__.splitlines()[0]}")
+        return 0
+    block_mask = GENERATORS[args.show](args.n, (args.block, args.block))
+    t_r, t_c = block_mask.layout.shape
+    print(f"{args.show}: N = {args.n}, {t_r} x {t_c} blocks of {args.block} x {args.block}, "
+          f"density {block_mask.density:.3f} ('#' kept, '.' skipped)")
+    for row in block_mask.layout:
+        print(" ".join("#" if kept else "." for kept in row))  # spaced: terminal cells are twice as tall as wide
+    if args.out:
+        save_picture(block_mask, args.out, title=f"{args.show}, N = {args.n}")
+        print("wrote", args.out)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numba-flash", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +89,16 @@ def main(argv=None):
     p.add_argument("--tag", default="bench", help="file name stem of the results")
     p.add_argument("--command", default=None, help="the command line to record in the results")
     p.set_defaults(run=bench)
+
+    p = commands.add_parser("masks", help="show the block-sparsity patterns of numba_flash.masks")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--show", choices=list(GENERATORS), metavar="NAME",
+                       help=f"print the layout of one example mask ({', '.join(GENERATORS)})")
+    which.add_argument("--list", action="store_true", help="list the example masks")
+    p.add_argument("--n", type=int, default=MASKS_DEFAULT_N, help="sequence length N (queries and keys)")
+    p.add_argument("--block", type=int, default=MASKS_DEFAULT_BLOCK, help="block size B (blocks are B x B)")
+    p.add_argument("--out", default=None, help="also save the layout as a PNG here (needs matplotlib)")
+    p.set_defaults(run=masks)
     args = parser.parse_args(argv)
     return args.run(args)
 
