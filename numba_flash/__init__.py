@@ -14,6 +14,7 @@ if _in_simulator():
 from .api import attention, attention_backward  # noqa: E402
 from .block_mask import BlockMask  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
+from . import masks  # noqa: E402,F401  (numba_flash.masks: the pattern generators)
 from .device import device_limits, in_simulator  # noqa: E402
 from .tiling import line1_block_sizes  # noqa: E402
 

@@ -407,7 +407,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
                             key = k0 + nt * 8 + 2 * t + e
                             if key >= n_k or (CAUSAL and key > row):
                                 x = NEG_INF
-                            elif HAS_MASK and (row >= n_q or M[bh, row // mask_rows, key // mask_cols] == 0):
+                            elif partly_masked and (row >= n_q or M[bh, row // mask_rows, key // mask_cols] == 0):
                                 x = NEG_INF
                         s_acc[nt, 2 * h + e] = x
                         m_tile = max(m_tile, x)

@@ -1,0 +1,80 @@
+"""experiments/io_traffic.py --quick runs end to end and writes sane outputs."""
+import csv
+import importlib.util
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "io_traffic.py"
+
+
+@pytest.fixture(scope="module")
+def io_traffic():
+    spec = importlib.util.spec_from_file_location("io_traffic", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def results(io_traffic, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    io_traffic.main(["--quick", "--out", str(out)])
+    return out
+
+
+def rows(results, part):
+    with open(results / f"io_{part}_quick.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_part_writes_csv_and_markdown(io_traffic, results):
+    for part in io_traffic.PARTS:
+        assert rows(results, part), part
+        markdown = (results / f"io_{part}_quick.md").read_text()
+        assert "Command: `python3 experiments/io_traffic.py --quick`" in markdown
+        assert "Device:" in markdown and "Date:" in markdown
+        # Timed parts say the simulator timed them; model-only parts say no kernel ran.
+        assert ("model" in markdown) if part in io_traffic.MODEL_ONLY else ("simulator" in markdown)
+
+
+def test_every_part_draws_a_plot(io_traffic, results):
+    pytest.importorskip("matplotlib")
+    for part in io_traffic.PARTS:
+        assert (results / f"io_{part}_quick.png").stat().st_size > 0, part
+
+
+def test_flash_moves_less_than_standard(results):
+    gpt2 = {row["kernel"]: row for row in rows(results, "gpt2")}
+    assert set(gpt2) == {"standard", "flash1", "flash2 float32", "flash2 float16"}
+    for row in gpt2.values():
+        assert float(row["total_GB"]) == pytest.approx(float(row["read_GB"]) + float(row["write_GB"]))
+        assert float(row["ms"]) > 0 and float(row["gflop"]) > 0
+    assert float(gpt2["standard"]["total_GB"]) > float(gpt2["flash1"]["total_GB"])
+    assert float(gpt2["flash2 float32"]["total_GB"]) == pytest.approx(2 * float(gpt2["flash2 float16"]["total_GB"]),
+                                                                      rel=0.05)
+
+
+def test_flash1_traffic_falls_as_key_blocks_grow(results):
+    sweep = rows(results, "block_size")
+    traffic = [float(row["total_GB"]) for row in sweep]
+    assert traffic == sorted(traffic, reverse=True)
+    assert all(float(row["ms"]) > 0 for row in sweep if row["fits"] == "True")
+
+
+def test_scaling_grows_with_n_and_falls_with_sram(results):
+    scaling = rows(results, "scaling")
+    for kernel in {row["kernel"] for row in scaling if row["sweep"] == "N"}:
+        traffic = [int(row["total_bytes"]) for row in scaling if row["sweep"] == "N" and row["kernel"] == kernel]
+        assert traffic == sorted(traffic) and len(set(traffic)) == len(traffic), kernel
+    by_sram = [int(row["total_bytes"]) for row in scaling if row["sweep"] == "M"]
+    assert by_sram == sorted(by_sram, reverse=True)
+
+
+def test_flash_memory_is_linear_in_n(results):
+    memory = rows(results, "memory")
+    for kernel in ("flash1", "flash2 float32", "flash2 float16"):
+        per_token = {float(row["bytes_per_token"]) for row in memory if row["kernel"] == kernel}
+        assert len(per_token) == 1, kernel
+    standard = [float(row["bytes_per_token"]) for row in memory if row["kernel"] == "standard"]
+    assert standard == sorted(standard) and standard[-1] > standard[0]
