@@ -253,7 +253,8 @@ def scaling(quick):
 def plot_scaling(rows, plt):
     def matched(curve, model):
         """A leading term without constants, scaled to meet the model at the last point."""
-        return curve * model[-1] / curve[-1]
+        curve = np.asarray(curve, dtype=np.float64)  # int64 products of N^2 and bytes overflow
+        return curve * (float(model[-1]) / curve[-1])
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     by_n = [row for row in rows if row["sweep"] == "N"]
