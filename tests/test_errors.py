@@ -81,6 +81,7 @@ def test_mixing_host_and_device_arrays_is_rejected():
         numba_flash.attention(Q, cuda.to_device(Q), Q, algorithm="flash1")
 
 
-def test_dropout_says_it_is_not_implemented_yet():
-    with pytest.raises(NotImplementedError):
-        numba_flash.attention(Q, Q, Q, algorithm="flash1", dropout_p=0.1)
+@pytest.mark.parametrize("seed", [-1, 2 ** 64])
+def test_seed_outside_64_bits_is_rejected(seed):
+    with pytest.raises(ValueError, match="seed"):
+        numba_flash.attention(Q, Q, Q, algorithm="flash1", dropout_p=0.1, seed=seed)
