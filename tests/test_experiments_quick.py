@@ -1,19 +1,23 @@
-"""experiments/io_traffic.py --quick runs end to end and writes sane outputs."""
+"""The experiment scripts' --quick modes run end to end and write sane outputs."""
 import csv
 import importlib.util
 import pathlib
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "io_traffic.py"
+EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def io_traffic():
-    spec = importlib.util.spec_from_file_location("io_traffic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("io_traffic")
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +82,12 @@ def test_flash_memory_is_linear_in_n(results):
         assert len(per_token) == 1, kernel
     standard = [float(row["bytes_per_token"]) for row in memory if row["kernel"] == "standard"]
     assert standard == sorted(standard) and standard[-1] > standard[0]
+
+
+def test_block_sparse_experiment_runs_quick(tmp_path):
+    load_script("block_sparse").main(["--quick", "--out", str(tmp_path)])
+    with open(tmp_path / "block_sparse_quick.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["pattern"] for r in rows} == {"random", "butterfly"}
+    assert all(0.0 <= float(r["density"]) <= 1.0 and float(r["sparse_ms"]) > 0 for r in rows)
+    assert (tmp_path / "block_sparse_quick.md").read_text().startswith("# Block-sparse flash2")

@@ -1,0 +1,120 @@
+"""Block-sparse runtime against density: the paper's Fig. 2 (right), forward pass.
+
+For N in {4096, 16384}, d = 64, float32, random and butterfly block masks
+at densities s in {0.1, 0.2, 0.5, 0.9} run through flash2 and are timed
+against dense flash2 on the same inputs.  Issue #4's target: block-sparse
+time <= 1.25 s (dense time) + 5% of the dense time.  The paper's A100
+numbers for N = 4096 (forward + backward, read off Fig. 2 right) are given
+beside ours as ratios to dense: 27/188 at 10%, 99/188 at 50%, 176/188 at 90%.
+
+Butterfly masks have a density fixed by their depth, so for each target s
+we take the depth whose density is closest (and report the actual one).
+The mask's blocks are the kernel's key tile (BLOCK_N) tall and wide.
+
+    PYTHONPATH=$PWD python3 experiments/block_sparse.py [--quick] [--out DIR]
+"""
+import argparse
+import csv
+import datetime
+import math
+import os
+
+import numpy as np
+
+import numba_flash
+from numba_flash import masks
+from numba_flash.kernels.flash2_forward import default_block_sizes
+from numba_flash.timing import time_ms
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+DENSITIES = (0.1, 0.2, 0.5, 0.9)
+PAPER_RATIO = {0.1: 27 / 188, 0.5: 99 / 188, 0.9: 176 / 188}  # Fig. 2 right, N = 4096, A100, fwd + bwd
+
+
+def butterfly_near(n, block, density):
+    """The butterfly mask (any depth) whose density is closest to ``density``."""
+    depth = int(math.log2(max(1, -(-n // block)))) + 1
+    candidates = [masks.butterfly(n, n, (block, block), f) for f in range(0, depth + 1)]
+    return min(candidates, key=lambda bm: abs(bm.density - density))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny problems (a simulator pipeline check)")
+    parser.add_argument("--out", default=RESULTS, help="directory for the outputs")
+    args = parser.parse_args(argv)
+    from numba import cuda
+
+    lengths, head_dim, heads = ((32,), 8, 1) if args.quick else ((4096, 16384), 64, 16)
+    block_sizes = (16, 16) if args.quick else default_block_sizes(head_dim, np.float32)
+    block = block_sizes[1]
+    repeats = 1 if args.quick else 20
+    rows = []
+    for n in lengths:
+        rng = np.random.default_rng(0)
+        q, k, v = (cuda.to_device(rng.standard_normal((1, heads, n, head_dim)).astype(np.float32)) for _ in range(3))
+        dense_ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes), repeats=repeats,
+                           warmup=0 if args.quick else 3)
+        for pattern in ("random", "butterfly"):
+            for target in DENSITIES:
+                bm = (masks.random(n, n, (block, block), target, seed=1) if pattern == "random"
+                      else butterfly_near(n, block, target))
+                ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes, block_mask=bm),
+                             repeats=repeats, warmup=0 if args.quick else 3)
+                s = bm.density
+                limit = 1.25 * s * dense_ms + 0.05 * dense_ms
+                rows.append(dict(n=n, pattern=pattern, target_density=target, density=round(s, 4),
+                                 dense_ms=round(dense_ms, 4), sparse_ms=round(ms, 4),
+                                 ratio_to_dense=round(ms / dense_ms, 4), target_ms=round(limit, 4),
+                                 target_met=ms <= limit, paper_ratio=PAPER_RATIO.get(target, "")))
+                print(rows[-1], flush=True)
+    write(rows, args.out, args.quick, block_sizes)
+
+
+def write(rows, out_dir, quick, block_sizes):
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "block_sparse" + ("_quick" if quick else ""))
+    device = numba_flash.device_limits().name
+    timer = "simulator wall clock (not a measurement)" if numba_flash.in_simulator() else "CUDA events, median of 20"
+    command = "python3 experiments/block_sparse.py" + (" --quick" if quick else "")
+    with open(stem + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Block-sparse flash2: runtime against density (forward)\n\nCommand: `{command}`  \n"
+                f"Device: {device}  \nTimings: {timer}  \nDate: {datetime.date.today()}  \n"
+                f"flash2 float32, tiles {block_sizes}, mask blocks {block_sizes[1]} x {block_sizes[1]}.  "
+                "Target: sparse <= 1.25 s dense + 0.05 dense.  Paper ratio: A100 fwd + bwd, Fig. 2 right.\n\n")
+        f.write("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n")
+        for r in rows:
+            f.write("| " + " | ".join(str(x) for x in r.values()) + " |\n")
+    written = [stem + ".csv", stem + ".md"]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        print("wrote", *written)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for n in sorted({r["n"] for r in rows}):
+        for pattern, marker in (("random", "o"), ("butterfly", "s")):
+            pts = sorted((r["density"], r["ratio_to_dense"]) for r in rows if r["n"] == n and r["pattern"] == pattern)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{pattern}, N = {n}")
+    xs = np.linspace(0, 1, 11)
+    ax.plot(xs, 1.25 * xs + 0.05, "k--", linewidth=0.8, label="target: 1.25 s + 0.05")
+    ax.plot(list(PAPER_RATIO), list(PAPER_RATIO.values()), "r^", label="paper (A100, fwd + bwd)")
+    ax.set_xlabel("fraction of non-zero blocks s")
+    ax.set_ylabel("runtime / dense runtime")
+    ax.set_title(f"Block-sparse flash2 forward ({device}, {datetime.date.today()})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    written.append(stem + ".png")
+    print("wrote", *written)
+
+
+if __name__ == "__main__":
+    main()
