@@ -14,7 +14,6 @@ The mask's blocks are the kernel's key tile (BLOCK_N) tall and wide.
     PYTHONPATH=$PWD python3 experiments/block_sparse.py [--quick] [--out DIR]
 """
 import argparse
-import csv
 import datetime
 import math
 import os
@@ -22,6 +21,7 @@ import os
 import numpy as np
 
 import numba_flash
+from numba_flash._report import pyplot, write_csv
 from numba_flash import masks
 from numba_flash.kernels.flash2_forward import default_block_sizes
 from numba_flash.timing import time_ms
@@ -77,10 +77,7 @@ def write(rows, out_dir, quick, block_sizes):
     device = numba_flash.device_limits().name
     timer = "simulator wall clock (not a measurement)" if numba_flash.in_simulator() else "CUDA events, median of 20"
     command = "python3 experiments/block_sparse.py" + (" --quick" if quick else "")
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
         f.write(f"# Block-sparse flash2: runtime against density (forward)\n\nCommand: `{command}`  \n"
                 f"Device: {device}  \nTimings: {timer}  \nDate: {datetime.date.today()}  \n"
@@ -90,12 +87,8 @@ def write(rows, out_dir, quick, block_sizes):
         for r in rows:
             f.write("| " + " | ".join(str(x) for x in r.values()) + " |\n")
     written = [stem + ".csv", stem + ".md"]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         print("wrote", *written)
         return
     fig, ax = plt.subplots(figsize=(6, 4.2))

@@ -26,7 +26,6 @@ clock (flagged in every output): a pipeline check, not a measurement.
     PYTHONPATH=$PWD python3 experiments/io_traffic.py [--quick] [--out DIR] [--parts gpt2 memory ...]
 """
 import argparse
-import csv
 import datetime
 import os
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import numba_flash
+from numba_flash._report import pyplot, write_csv
 from numba_flash import io
 from numba_flash.kernels.flash1_forward import shared_bytes as flash1_shared_bytes
 from numba_flash.kernels.flash2_forward import default_block_sizes
@@ -341,10 +341,7 @@ def write(out_dir, part, quick, command, rows, title, notes, plot):
         device = numba_flash.device_limits().name
         timer = "simulator wall clock (not a measurement)" if numba_flash.in_simulator() else "CUDA events, median"
     date = datetime.date.today()
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(stem + ".csv", rows)
 
     def cell(value):
         return f"{value:.4g}" if isinstance(value, float) else str(value)
@@ -355,13 +352,8 @@ def write(out_dir, part, quick, command, rows, title, notes, plot):
         for row in rows:
             f.write("| " + " | ".join(cell(value) for value in row.values()) + " |\n")
     written = [stem + ".csv", stem + ".md"]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    else:
+    plt = pyplot()
+    if plt is not None:
         fig = plot(rows, plt)
         source = "model" if part in MODEL_ONLY else device
         fig.suptitle(f"{title}\n{source}, {date}" + (", simulator (quick)" if quick else ""), fontsize=9)

@@ -17,7 +17,6 @@ batch*heads until it reaches the SM count, flash2 is flat from far fewer.
     PYTHONPATH=$PWD python3 experiments/loop_order.py [--quick]
 """
 import argparse
-import csv
 import datetime
 import os
 import time
@@ -25,6 +24,7 @@ import time
 import numpy as np
 
 import numba_flash
+from numba_flash._report import pyplot, write_csv
 from numba_flash.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -93,10 +93,7 @@ def write(rows, stem, sms, quick, note="", device=None):
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     device = device or numba_flash.device_limits().name
     command = "python3 experiments/loop_order.py" + (" --quick" if quick else "")
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
         f.write(f"# Loop order: flash1 (outer K/V) vs flash2 (outer Q)\n\nCommand: `{command}`  \n"
                 f"Device: {device} ({sms} SMs)  \nDate: {datetime.date.today()}  \n"
@@ -110,12 +107,8 @@ def write(rows, stem, sms, quick, note="", device=None):
             cells = [f"{r['ms']} | {r['tflops']}" if r else "not measured |" for r in (r1, r2)]
             ratio = f"{r1['ms'] / r2['ms']:.1f}x" if r1 and r2 else ""
             f.write(f"| {n} | {bh} | {cells[0]} | {cells[1]} | {ratio} |\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, algorithm in zip(axes, ("flash1", "flash2")):

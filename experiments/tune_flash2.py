@@ -9,13 +9,13 @@ problem (a fast wrong kernel is no candidate), and timed on a large one
     PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick]
 """
 import argparse
-import csv
 import datetime
 import os
 
 import numpy as np
 
 import numba_flash
+from numba_flash._report import write_csv
 import reference
 from numba_flash.kernels.flash2_forward import Flash2Layout, make_flash2_forward
 
@@ -51,8 +51,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.from_log:
         write(rows_from_log(args.from_log), "python3 experiments/tune_flash2.py", "(4,16,4096,d)", device=args.device,
-              note=f"Rebuilt with --from-log from the rows printed by a run that its time limit cut short "
-                   f"(the remaining candidates were not measured).")
+              note="Rebuilt with --from-log from the rows printed by a run that its time limit cut short "
+                   "(the remaining candidates were not measured).")
         return
     from numba import cuda
     from numba_flash.timing import time_ms
@@ -85,10 +85,7 @@ def write(rows, command, problem, suffix="", note="", device=None):
     """CSV and markdown of the sweep, with the fastest tile per (dtype, d)."""
     os.makedirs(RESULTS, exist_ok=True)
     stem = os.path.join(RESULTS, "tune_flash2" + suffix)
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(stem + ".csv", rows)
     best = {}
     with open(stem + ".md", "w") as f:
         f.write(f"# flash2 tile shapes\n\nCommand: `{command}`  \n"

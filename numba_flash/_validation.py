@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import _arrays
+from ._checks import positive_int_pair
 from .block_mask import BlockMask
 from .device import device_limits
 from .kernels import flash1_backward as _flash1_backward
@@ -115,16 +116,6 @@ def check_scale(scale, head_dim):
     return float(scale)
 
 
-def _pair_of_positive_ints(block_sizes):
-    if (not isinstance(block_sizes, (tuple, list)) or len(block_sizes) != 2
-            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block_sizes)):
-        raise TypeError(f"block_sizes must be a pair of integers (B_r, B_c), got {block_sizes!r}")
-    block_rows, block_cols = (int(b) for b in block_sizes)
-    if block_rows <= 0 or block_cols <= 0:
-        raise ValueError(f"block_sizes must be positive, got {(block_rows, block_cols)}")
-    return block_rows, block_cols
-
-
 def _check_flash1_blocks(block_rows, block_cols, head_dim, backward):
     limits = device_limits()
     if block_rows > limits.max_threads_per_block:
@@ -171,7 +162,7 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backwar
                 return flash1_backward_block_sizes(head_dim, n_q=n_q, n_k=n_k)
             return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
         return _flash2.default_block_sizes(head_dim, dtype)
-    block_rows, block_cols = _pair_of_positive_ints(block_sizes)
+    block_rows, block_cols = positive_int_pair("block_sizes", block_sizes)
     if algorithm == "flash1":
         _check_flash1_blocks(block_rows, block_cols, head_dim, backward)
     else:

@@ -20,35 +20,18 @@ expressed in.  Element (i, j) of the attention matrix is allowed iff
 Masks combine with ``&`` and ``|`` (same block size; layouts broadcast), and
 ``numba_flash.masks`` has generators for the usual patterns.
 """
-import numbers
-
 import numpy as np
 
-
-def _block_size(block_size):
-    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
-            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block_size)):
-        raise TypeError(f"block_size must be a pair of integers (B_r, B_c), got {block_size!r}")
-    block_rows, block_cols = (int(b) for b in block_size)
-    if block_rows <= 0 or block_cols <= 0:
-        raise ValueError(f"block_size must be positive, got {(block_rows, block_cols)}")
-    return block_rows, block_cols
+from ._checks import boolean_grid, positive_int_pair
 
 
 class BlockMask:
     """A boolean tile layout at a given block size; see the module docstring."""
 
     def __init__(self, layout, block_size):
-        layout = np.asarray(layout)
-        if layout.dtype != np.bool_:
-            raise ValueError(f"layout must be boolean, got dtype {layout.dtype}")
-        if layout.ndim < 2:
-            raise ValueError(f"layout must have shape (..., T_r, T_c), got {layout.shape}")
-        if 0 in layout.shape:
-            raise ValueError(f"layout has an empty dimension: shape {layout.shape}")
-        self._layout = layout.copy()
+        self._layout = boolean_grid("layout", layout, ("T_r", "T_c")).copy()
         self._layout.flags.writeable = False
-        self._block_size = _block_size(block_size)
+        self._block_size = positive_int_pair("block_size", block_size)
 
     @property
     def layout(self):

@@ -49,7 +49,8 @@ import numbers
 
 import numpy as np
 
-from .block_mask import BlockMask, _block_size
+from ._checks import boolean_grid, positive_int_pair
+from .block_mask import BlockMask
 
 __all__ = ["from_dense", "causal", "causal_elements", "local", "local_elements", "butterfly",
            "strided", "strided_elements", "fixed", "fixed_elements", "bigbird", "longformer",
@@ -81,7 +82,7 @@ def _check_sizes(n_q, n_k):
 def _grid(n_q, n_k, block_size):
     """Validated ((B_r, B_c), (T_r, T_c)) for an (n_q, n_k) attention matrix."""
     n_q, n_k = _check_sizes(n_q, n_k)
-    block_rows, block_cols = _block_size(block_size)
+    block_rows, block_cols = positive_int_pair("block_size", block_size)
     return (block_rows, block_cols), (-(-n_q // block_rows), -(-n_k // block_cols))
 
 
@@ -106,14 +107,8 @@ def from_dense(mask, block_size):
     array([[1, 0],
            [0, 1]])
     """
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_:
-        raise ValueError(f"mask must be boolean, got dtype {mask.dtype}")
-    if mask.ndim < 2:
-        raise ValueError(f"mask must have shape (..., n_q, n_k), got {mask.shape}")
-    if 0 in mask.shape:
-        raise ValueError(f"mask has an empty dimension: shape {mask.shape}")
-    return BlockMask(_any_per_block(mask, _block_size(block_size)), block_size)
+    mask = boolean_grid("mask", mask, ("n_q", "n_k"))
+    return BlockMask(_any_per_block(mask, positive_int_pair("block_size", block_size)), block_size)
 
 
 def _rule_on(rule, queries, keys):

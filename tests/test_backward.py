@@ -21,7 +21,7 @@ def reference_forward(p, dense_mask, keep, dropout_p):
 @given(data=st.data(), dropout_p=st.sampled_from([0.0, 0.3]), masked=st.booleans())
 def test_flash1_gradients_match_the_float64_reference(data, dropout_p, masked):
     p = data.draw(problems(algorithm="flash1", max_n=24))
-    n_q, n_k, d = p.q.shape[-2], p.k.shape[-2], p.q.shape[-1]
+    n_q, n_k = p.q.shape[-2], p.k.shape[-2]
     block_sizes = p.block_sizes
     bm = dense = None
     if masked:
