@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import pyplot, write_csv
+from numba_flash._report import progress, pyplot, write_csv
 from numba_flash import masks
 from numba_flash.kernels.flash2_forward import default_block_sizes
 from numba_flash.timing import time_ms
@@ -56,7 +56,7 @@ def main(argv=None):
         dense_ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes), repeats=repeats,
                            warmup=0 if args.quick else 3)
         for pattern in ("random", "butterfly"):
-            for target in DENSITIES:
+            for target in progress(DENSITIES, f"N={n} {pattern}"):
                 bm = (masks.random(n, n, (block, block), target, seed=1) if pattern == "random"
                       else butterfly_near(n, block, target))
                 ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes, block_mask=bm),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import numba_flash
-from numba_flash._report import pyplot, write_csv
+from numba_flash._report import progress, pyplot, write_csv
 from numba_flash import io
 from numba_flash.kernels.flash1_forward import shared_bytes as flash1_shared_bytes
 from numba_flash.kernels.flash2_forward import default_block_sizes
@@ -373,7 +373,7 @@ def main(argv=None):
     command = "python3 experiments/io_traffic.py" + (" --quick" if args.quick else "") + (
         f" --parts {' '.join(args.parts)}" if args.parts != list(PARTS) else "")
     experiments = {"gpt2": gpt2, "block_size": block_size, "scaling": scaling, "memory": memory}
-    for part in args.parts:
+    for part in progress(args.parts, "parts"):
         write(args.out, part, args.quick, command, *experiments[part](args.quick))
 
 

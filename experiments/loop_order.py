@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import numba_flash
-from numba_flash._report import pyplot, write_csv
+from numba_flash._report import progress, pyplot, write_csv
 from numba_flash.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -74,7 +74,7 @@ def main(argv=None):
     sms = numba_flash.device_limits().multiprocessors
     rows = []
     for n in lengths:
-        for bh in batch_heads:
+        for bh in progress(batch_heads, f"N={n}"):
             for algorithm in ("flash1", "flash2"):
                 smaller = next((r for r in rows if r["algorithm"] == algorithm and r["batch_heads"] == bh
                                 and r["n"] == n // 4), None)

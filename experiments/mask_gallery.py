@@ -6,8 +6,9 @@ block-sparse kernel would iterate) to ``results/mask_<name>.png``, and lists
 them with what each shows in ``results/mask_gallery.md``.  Needs matplotlib,
 no GPU.
 
-    PYTHONPATH=$PWD python3 experiments/mask_gallery.py
+    PYTHONPATH=$PWD python3 experiments/mask_gallery.py [--quick] [--out DIR]
 """
+import argparse
 import datetime
 import os
 
@@ -19,23 +20,30 @@ BLOCK_SIZE = (32, 32)
 COMMAND = "python3 experiments/mask_gallery.py"
 
 
-def main():
-    os.makedirs(RESULTS, exist_ok=True)
-    lines = [f"# Block-mask gallery\n\nCommand: `{COMMAND}`  \nDate: {datetime.date.today()}  \n"
-             f"N = {N} queries and keys, blocks of {BLOCK_SIZE[0]} x {BLOCK_SIZE[1]}: a "
-             f"{N // BLOCK_SIZE[0]} x {N // BLOCK_SIZE[1]} block layout, dark = kept block.  The examples are "
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small masks (N = 64, blocks of 8), files *_quick.*")
+    parser.add_argument("--out", default=RESULTS, help="directory for the outputs")
+    args = parser.parse_args(argv)
+    n, block_size = (64, (8, 8)) if args.quick else (N, BLOCK_SIZE)
+    suffix = "_quick" if args.quick else ""
+    os.makedirs(args.out, exist_ok=True)
+    lines = [f"# Block-mask gallery\n\nCommand: `{COMMAND}{' --quick' if args.quick else ''}`  \n"
+             f"Date: {datetime.date.today()}  \n"
+             f"N = {n} queries and keys, blocks of {block_size[0]} x {block_size[1]}: a "
+             f"{n // block_size[0]} x {n // block_size[1]} block layout, dark = kept block.  The examples are "
              f"`numba_flash.masks.GENERATORS` (also `numba-flash masks --show NAME`).\n"]
     for name, example in GENERATORS.items():
-        block_mask = example(N, BLOCK_SIZE)
-        file_name = f"mask_{name}.png"
-        save_picture(block_mask, os.path.join(RESULTS, file_name), title=f"{name}, N = {N}")
+        block_mask = example(n, block_size)
+        file_name = f"mask_{name}{suffix}.png"
+        save_picture(block_mask, os.path.join(args.out, file_name), title=f"{name}, N = {n}")
         what_it_shows = example.__doc__.splitlines()[0]
         lines.append(f"## {name}\n\n![{name}]({file_name})\n\n{what_it_shows} "
                      f"Density {block_mask.density:.3f}.\n")
         print("wrote", file_name)
-    with open(os.path.join(RESULTS, "mask_gallery.md"), "w") as f:
+    with open(os.path.join(args.out, f"mask_gallery{suffix}.md"), "w") as f:
         f.write("\n".join(lines))
-    print("wrote mask_gallery.md in", RESULTS)
+    print(f"wrote mask_gallery{suffix}.md in", args.out)
 
 
 if __name__ == "__main__":

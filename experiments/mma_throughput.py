@@ -13,6 +13,8 @@ Measured on the H200 (2026-11-30): tf32 m16n8k8 194 TFLOP/s, float16
 m16n8k16 399 TFLOP/s, the FMA loop 30 TFLOP/s (latency-bound by design:
 the datasheet FP32 peak is ~67).
 """
+import argparse
+
 import numpy as np
 from numba import cuda, float32, uint32
 
@@ -60,10 +62,12 @@ def fma_loop(out):
     out[cuda.grid(1)] = total
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
     if numba_flash.in_simulator():
-        print("needs a GPU")
-        return
+        print("needs a GPU: it measures the hardware's instruction rates")
+        return 2
     blocks, threads = numba_flash.device_limits().multiprocessors * 8, 256
     out = cuda.device_array(blocks * threads, np.float32)
     warps = blocks * threads / 32

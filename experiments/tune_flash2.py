@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import write_csv
+from numba_flash._report import progress, write_csv
 import reference
 from numba_flash.kernels.flash2_forward import Flash2Layout, make_flash2_forward
 
@@ -63,7 +63,7 @@ def main(argv=None):
             shape = (1, 2, 64, d) if args.quick else (4, 16, 4096, d)
             rng = np.random.default_rng(1)
             q, k, v = (cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(3))
-            for block_m, block_n in CANDIDATES[dtype]:
+            for block_m, block_n in progress(CANDIDATES[dtype], f"{dtype} d={d}"):
                 if not fits(block_m, block_n, d, dtype) or (dtype == "float16" and block_n % 16):
                     continue
                 err = check((block_m, block_n), d, dtype)

@@ -20,3 +20,12 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def progress(iterable, description):
+    """``iterable`` with a tqdm progress bar when tqdm is installed (on stderr), as is otherwise."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=description, leave=False)

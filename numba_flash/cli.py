@@ -70,6 +70,26 @@ def masks(args):
     return 0
 
 
+#: Experiments the command runs: experiments/<name>.py in a source checkout.
+EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "block_size_choice", "tune_flash2", "mask_gallery",
+               "mma_throughput")
+
+
+def experiment(args):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / f"{args.name}.py"
+    if not path.exists():
+        print(f"{path} not found: the experiments live in the source checkout of numba-flash")
+        return 2
+    spec = importlib.util.spec_from_file_location(f"experiments.{args.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = (["--quick"] if args.quick else []) + args.options
+    return module.main(argv) if argv else module.main()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numba-flash", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +119,12 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=MASKS_DEFAULT_BLOCK, help="block size B (blocks are B x B)")
     p.add_argument("--out", default=None, help="also save the layout as a PNG here (needs matplotlib)")
     p.set_defaults(run=masks)
+
+    p = commands.add_parser("experiment", help="run one of the experiments (writes to experiments/results/)")
+    p.add_argument("name", choices=EXPERIMENTS)
+    p.add_argument("--quick", action="store_true", help="a tiny version (runs in the simulator; checks the pipeline)")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="further options for the experiment's own parser")
+    p.set_defaults(run=experiment)
     args = parser.parse_args(argv)
     return args.run(args)
 
