@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import progress, pyplot, write_csv
+from numba_flash._report import markdown_header, progress, pyplot, save_figure, timer_note, write_csv
 from numba_flash.tiling import flash1_sram_elements
 from numba_flash.timing import time_ms
 
@@ -55,7 +55,6 @@ def write(rows, out_dir, quick, shape):
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, "block_size_choice" + ("_quick" if quick else ""))
     device = numba_flash.device_limits().name
-    timer = "simulator wall clock (not a measurement)" if numba_flash.in_simulator() else "CUDA events, median of 5"
     write_csv(stem + ".csv", rows)
     summary = []
     for d in sorted({r["d"] for r in rows}):
@@ -66,10 +65,10 @@ def write(rows, out_dir, quick, shape):
                             best=(best["block_rows"], best["block_cols"]), best_ms=best["ms"],
                             line1_vs_best=round(line1["ms"] / best["ms"], 3)))
     with open(stem + ".md", "w") as f:
-        f.write(f"# Line 1's block sizes against the fastest (flash1, float32)\n\n"
-                f"Command: `python3 experiments/block_size_choice.py{' --quick' if quick else ''}`  \n"
-                f"Device: {device}  \nTimings: {timer}  \nDate: {datetime.date.today()}  \n"
-                f"(B,H,N) = {shape}, M = 48 KiB (float32 elements: 12288), every (B_r, B_c) from "
+        f.write(markdown_header("Line 1's block sizes against the fastest (flash1, float32)",
+                                "python3 experiments/block_size_choice.py" + (" --quick" if quick else ""), device,
+                                timer_note(5))
+                + f"(B,H,N) = {shape}, M = 48 KiB (float32 elements: 12288), every (B_r, B_c) from "
                 f"{CANDIDATES} whose tiles fit.\n\n| d | line 1 | ms | fastest | ms | line 1 / fastest |\n"
                 "|---|---|---|---|---|---|\n")
         for s in summary:
@@ -91,9 +90,7 @@ def write(rows, out_dir, quick, shape):
         ax.set_ylabel("flash1 forward time (ms)")
         ax.set_title(f"Block sizes of flash1; * = line 1 ({device}, {datetime.date.today()})", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=120)
-        written.append(stem + ".png")
+        written.append(save_figure(fig, stem))
     print("wrote", *written)
 
 

@@ -21,7 +21,8 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import progress, pyplot, write_csv
+from numba_flash._report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
+                                 write_csv)
 from numba_flash import masks
 from numba_flash.kernels.flash2_forward import default_block_sizes
 from numba_flash.timing import time_ms
@@ -75,17 +76,14 @@ def write(rows, out_dir, quick, block_sizes):
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, "block_sparse" + ("_quick" if quick else ""))
     device = numba_flash.device_limits().name
-    timer = "simulator wall clock (not a measurement)" if numba_flash.in_simulator() else "CUDA events, median of 20"
     command = "python3 experiments/block_sparse.py" + (" --quick" if quick else "")
     write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
-        f.write(f"# Block-sparse flash2: runtime against density (forward)\n\nCommand: `{command}`  \n"
-                f"Device: {device}  \nTimings: {timer}  \nDate: {datetime.date.today()}  \n"
-                f"flash2 float32, tiles {block_sizes}, mask blocks {block_sizes[1]} x {block_sizes[1]}.  "
-                "Target: sparse <= 1.25 s dense + 0.05 dense.  Paper ratio: A100 fwd + bwd, Fig. 2 right.\n\n")
-        f.write("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n")
-        for r in rows:
-            f.write("| " + " | ".join(str(x) for x in r.values()) + " |\n")
+        f.write(markdown_header("Block-sparse flash2: runtime against density (forward)", command, device,
+                                timer_note(20))
+                + f"flash2 float32, tiles {block_sizes}, mask blocks {block_sizes[1]} x {block_sizes[1]}.  "
+                "Target: sparse <= 1.25 s dense + 0.05 dense.  Paper ratio: A100 fwd + bwd, Fig. 2 right.\n\n"
+                + markdown_table(rows))
     written = [stem + ".csv", stem + ".md"]
     plt = pyplot()
     if plt is None:
@@ -103,9 +101,7 @@ def write(rows, out_dir, quick, block_sizes):
     ax.set_ylabel("runtime / dense runtime")
     ax.set_title(f"Block-sparse flash2 forward ({device}, {datetime.date.today()})", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=120)
-    written.append(stem + ".png")
+    written.append(save_figure(fig, stem))
     print("wrote", *written)
 
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import numba_flash
-from numba_flash._report import progress, pyplot, write_csv
+from numba_flash._report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
+                                 write_csv)
 from numba_flash import io
 from numba_flash.kernels.flash1_forward import shared_bytes as flash1_shared_bytes
 from numba_flash.kernels.flash2_forward import default_block_sizes
@@ -339,7 +340,7 @@ def write(out_dir, part, quick, command, rows, title, notes, plot):
         timer = "none (no kernel runs)"
     else:
         device = numba_flash.device_limits().name
-        timer = "simulator wall clock (not a measurement)" if numba_flash.in_simulator() else "CUDA events, median"
+        timer = timer_note(5)
     date = datetime.date.today()
     write_csv(stem + ".csv", rows)
 
@@ -347,20 +348,14 @@ def write(out_dir, part, quick, command, rows, title, notes, plot):
         return f"{value:.4g}" if isinstance(value, float) else str(value)
 
     with open(stem + ".md", "w") as f:
-        f.write(f"# {title}\n\nCommand: `{command}`  \nDevice: {device}  \nTimings: {timer}  \nDate: {date}\n\n"
-                f"{notes}\n\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n")
-        for row in rows:
-            f.write("| " + " | ".join(cell(value) for value in row.values()) + " |\n")
+        f.write(markdown_header(title, command, device, timer) + f"\n{notes}\n\n" + markdown_table(rows, cell))
     written = [stem + ".csv", stem + ".md"]
     plt = pyplot()
     if plt is not None:
         fig = plot(rows, plt)
         source = "model" if part in MODEL_ONLY else device
         fig.suptitle(f"{title}\n{source}, {date}" + (", simulator (quick)" if quick else ""), fontsize=9)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=120)
-        plt.close(fig)
-        written.append(stem + ".png")
+        written.append(save_figure(fig, stem))
     print("wrote", *written)
 
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import numba_flash
-from numba_flash._report import progress, pyplot, write_csv
+from numba_flash._report import markdown_header, progress, pyplot, save_figure, write_csv
 from numba_flash.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -95,9 +95,8 @@ def write(rows, stem, sms, quick, note="", device=None):
     command = "python3 experiments/loop_order.py" + (" --quick" if quick else "")
     write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
-        f.write(f"# Loop order: flash1 (outer K/V) vs flash2 (outer Q)\n\nCommand: `{command}`  \n"
-                f"Device: {device} ({sms} SMs)  \nDate: {datetime.date.today()}  \n"
-                f"d = {rows[0]['d']}, float32, tiles (B_r, B_c) = {BLOCKS}, median of CUDA-event timings.\n\n"
+        f.write(markdown_header("Loop order: flash1 (outer K/V) vs flash2 (outer Q)", command, f"{device} ({sms} SMs)")
+                + f"d = {rows[0]['d']}, float32, tiles (B_r, B_c) = {BLOCKS}, median of CUDA-event timings.\n\n"
                 + (f"{note}\n\n" if note else "") +
                 "| N | batch*heads | flash1 ms | flash1 TFLOP/s | flash2 ms | flash2 TFLOP/s | flash2 speed-up |\n"
                 "|---|---|---|---|---|---|---|\n")
@@ -125,9 +124,7 @@ def write(rows, stem, sms, quick, note="", device=None):
                      fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle(f"Loop order at d = {rows[0]['d']}, float32, tiles {BLOCKS} ({device}, {datetime.date.today()})")
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=120)
-    print("wrote", stem + ".csv", stem + ".md", stem + ".png")
+    print("wrote", stem + ".csv", stem + ".md", save_figure(fig, stem))
 
 
 if __name__ == "__main__":

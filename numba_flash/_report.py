@@ -29,3 +29,35 @@ def progress(iterable, description):
     except ImportError:
         return iterable
     return tqdm(iterable, desc=description, leave=False)
+
+
+def timer_note(repeats):
+    """How the numbers were timed, as the results files say it."""
+    from .device import in_simulator
+
+    return "simulator wall clock (not a measurement)" if in_simulator() else f"CUDA events, median of {repeats}"
+
+
+def markdown_header(title, command, device, timer=None):
+    """The opening every results file shares: what ran, where, how it was timed, when."""
+    import datetime
+
+    return (f"# {title}\n\nCommand: `{command}`  \nDevice: {device}  \n" + (f"Timings: {timer}  \n" if timer else "")
+            + f"Date: {datetime.date.today()}  \n")
+
+
+def markdown_table(rows, cell=str):
+    """Rows (dicts with the same keys) as a markdown table."""
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(cell(value) for value in row.values()) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def save_figure(fig, stem):
+    """Lay out ``fig``, save it as ``stem``.png (120 dpi), close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    plt.close(fig)
+    return stem + ".png"

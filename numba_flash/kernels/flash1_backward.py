@@ -27,6 +27,7 @@ from numba import cuda, float32
 
 from ..dropout import NO_DROPOUT, dropout_weight
 from ._launch import cuda_kernel, launch, no_mask_layout
+from .tiles import load_rows, zero_tile
 
 
 def shared_bytes(block_rows, block_cols, head_dim):
@@ -71,14 +72,10 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
         for j in range(T_c):
             # Alg. 4, lines 7-8: load K_j, V_j; dK_j = dV_j = 0 on chip.
             cuda.syncthreads()  # nobody still reads the previous K_j, V_j, dK_j, dV_j
-            for e in range(r, BC * D, BR):
-                c = e // D
-                x = e % D
-                key = j * BC + c
-                K_j[c, x] = K[bh, key, x] if key < n_k else float32(0)
-                V_j[c, x] = V[bh, key, x] if key < n_k else float32(0)
-                dK_j[c, x] = float32(0)
-                dV_j[c, x] = float32(0)
+            load_rows(K_j, K, bh, j * BC, n_k, r, BR)
+            load_rows(V_j, V, bh, j * BC, n_k, r, BR)
+            zero_tile(dK_j, r, BR)
+            zero_tile(dV_j, r, BR)
 
             # Alg. 4, line 9: inner loop over query blocks.
             for i in range(T_r):
@@ -87,12 +84,8 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     continue
                 # Alg. 4, line 10: load Q_i, dO_i (all threads); O_i, dQ_i, lse_i (own row).
                 cuda.syncthreads()  # nobody still reads the previous Q_i, dO_i, P_ij, dS_ij
-                for e in range(r, BR * D, BR):
-                    rr = e // D
-                    x = e % D
-                    inside = i * BR + rr < n_q
-                    Q_i[rr, x] = Q[bh, i * BR + rr, x] if inside else float32(0)
-                    dO_i[rr, x] = dO[bh, i * BR + rr, x] if inside else float32(0)
+                load_rows(Q_i, Q, bh, i * BR, n_q, r, BR)
+                load_rows(dO_i, dO, bh, i * BR, n_q, r, BR)
                 cuda.syncthreads()  # Q_i, dO_i (and K_j, V_j) complete
 
                 row = i * BR + r

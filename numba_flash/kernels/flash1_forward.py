@@ -35,6 +35,7 @@ from numba import cuda, float32
 
 from ..dropout import NO_DROPOUT, dropout_weight
 from ._launch import cuda_kernel, launch, no_mask_layout
+from .tiles import load_rows
 
 
 def shared_bytes(block_rows, block_cols, head_dim):
@@ -78,12 +79,8 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
         for j in range(T_c):
             # Alg. 1, line 6: load K_j, V_j from HBM to SRAM (zeros past N_k).
             cuda.syncthreads()  # nobody still reads the previous K_j, V_j
-            for e in range(r, BC * D, BR):
-                c = e // D
-                x = e % D
-                key = j * BC + c
-                K_j[c, x] = K[bh, key, x] if key < n_k else float32(0)
-                V_j[c, x] = V[bh, key, x] if key < n_k else float32(0)
+            load_rows(K_j, K, bh, j * BC, n_k, r, BR)
+            load_rows(V_j, V, bh, j * BC, n_k, r, BR)
 
             # Alg. 1, line 7: inner loop over query blocks.
             for i in range(T_r):
@@ -93,10 +90,7 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     continue
                 # Alg. 1, line 8: load Q_i (all threads) ...
                 cuda.syncthreads()  # nobody still reads the previous Q_i
-                for e in range(r, BR * D, BR):
-                    rr = e // D
-                    x = e % D
-                    Q_i[rr, x] = Q[bh, i * BR + rr, x] if i * BR + rr < n_q else float32(0)
+                load_rows(Q_i, Q, bh, i * BR, n_q, r, BR)
                 cuda.syncthreads()  # Q_i (and K_j, V_j) complete before use
 
                 row = i * BR + r

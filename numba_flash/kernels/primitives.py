@@ -146,6 +146,17 @@ if not config.ENABLE_CUDASIM:
         index = context.cast(builder, index, indexty, types.intp)
         return builder.gep(data, [index], inbounds=True)
 
+    def _flat_words(arr, index, bitwidth=None):
+        """Typing test of the memory intrinsics: a 1-D array (of ``bitwidth``-bit elements) and an integer."""
+        return (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)
+                and (bitwidth is None or arr.dtype.bitwidth == bitwidth))
+
+    def _vector_pointer(context, builder, sig, args):
+        """Pointer to the 4-element vector at ``args[0][args[1]]`` (16-byte alignment is the caller's promise)."""
+        element = context.get_value_type(sig.args[0].dtype)
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return builder.bitcast(ptr, ir.VectorType(element, 4).as_pointer()), ir.VectorType(element, 4)
+
     @intrinsic
     def load_word(typingctx, arr, index):
         """``arr[index]`` for a 1-D array and an index known to be in range.
@@ -155,7 +166,7 @@ if not config.ENABLE_CUDASIM:
         compiler from folding constant offsets; the fast kernels address
         shared memory hundreds of times per tile and use this instead.
         """
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)):
+        if not _flat_words(arr, index):
             return None
 
         def codegen(context, builder, sig, args):
@@ -166,7 +177,7 @@ if not config.ENABLE_CUDASIM:
     @intrinsic
     def store_word(typingctx, arr, index, value):
         """``arr[index] = value`` for a 1-D array and an index known to be in range."""
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)):
+        if not _flat_words(arr, index):
             return None
 
         def codegen(context, builder, sig, args):
@@ -179,15 +190,12 @@ if not config.ENABLE_CUDASIM:
     @intrinsic
     def load_vec4(typingctx, arr, index):
         """``arr[index:index + 4]`` as one 16-byte load (index a multiple of 4, data 16-byte aligned)."""
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype.bitwidth == 32
-                and isinstance(index, types.Integer)):
+        if not _flat_words(arr, index, 32):
             return None
 
         def codegen(context, builder, sig, args):
-            arrty = sig.args[0]
-            element = context.get_value_type(arrty.dtype)
-            ptr = _element_pointer(context, builder, arrty, args[0], args[1], sig.args[1])
-            vector = builder.load(builder.bitcast(ptr, ir.VectorType(element, 4).as_pointer()), align=16)
+            ptr, _ = _vector_pointer(context, builder, sig, args)
+            vector = builder.load(ptr, align=16)
             return context.make_tuple(builder, sig.return_type,
                                       [builder.extract_element(vector, ir.Constant(_I32, i)) for i in range(4)])
 
@@ -196,19 +204,16 @@ if not config.ENABLE_CUDASIM:
     @intrinsic
     def store_vec4(typingctx, arr, index, a, b, c, d):
         """``arr[index:index + 4] = a, b, c, d`` as one 16-byte store (index a multiple of 4, aligned)."""
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype.bitwidth == 32
-                and isinstance(index, types.Integer)):
+        if not _flat_words(arr, index, 32):
             return None
 
         def codegen(context, builder, sig, args):
-            arrty = sig.args[0]
-            element = context.get_value_type(arrty.dtype)
-            vector = ir.Constant(ir.VectorType(element, 4), ir.Undefined)
+            ptr, vector_type = _vector_pointer(context, builder, sig, args)
+            vector = ir.Constant(vector_type, ir.Undefined)
             for i in range(4):
-                value = context.cast(builder, args[2 + i], sig.args[2 + i], arrty.dtype)
+                value = context.cast(builder, args[2 + i], sig.args[2 + i], sig.args[0].dtype)
                 vector = builder.insert_element(vector, value, ir.Constant(_I32, i))
-            ptr = _element_pointer(context, builder, arrty, args[0], args[1], sig.args[1])
-            builder.store(vector, builder.bitcast(ptr, ir.VectorType(element, 4).as_pointer()), align=16)
+            builder.store(vector, ptr, align=16)
             return context.get_dummy_value()
 
         return types.void(arr, index, a, b, c, d), codegen
@@ -292,28 +297,30 @@ else:
         lo, hi = np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float32)
         return lo, hi
 
+    def _check_index(name, index, multiple=1):
+        # The GPU versions trust the caller; here a wrong index is an error
+        # (plain Python indexing would wrap a negative one silently).
+        if index < 0 or index % multiple:
+            raise IndexError(f"{name}: index {index} is not a non-negative multiple of {multiple}")
+
     def load_word(arr, index):
         """``arr[index]`` for a 1-D array and an index known to be in range."""
-        if index < 0:
-            raise IndexError(f"load_word: negative index {index}")
+        _check_index("load_word", index)
         return arr[index]
 
     def store_word(arr, index, value):
         """``arr[index] = value`` for a 1-D array and an index known to be in range."""
-        if index < 0:
-            raise IndexError(f"store_word: negative index {index}")
+        _check_index("store_word", index)
         arr[index] = value
 
     def load_vec4(arr, index):
         """``arr[index:index + 4]`` as one 16-byte load (index a multiple of 4, data 16-byte aligned)."""
-        if index < 0 or index % 4:
-            raise IndexError(f"load_vec4: index {index} is not a non-negative multiple of 4")
+        _check_index("load_vec4", index, 4)
         return arr[index], arr[index + 1], arr[index + 2], arr[index + 3]
 
     def store_vec4(arr, index, a, b, c, d):
         """``arr[index:index + 4] = a, b, c, d`` as one 16-byte store (index a multiple of 4, aligned)."""
-        if index < 0 or index % 4:
-            raise IndexError(f"store_vec4: index {index} is not a non-negative multiple of 4")
+        _check_index("store_vec4", index, 4)
         arr[index], arr[index + 1], arr[index + 2], arr[index + 3] = a, b, c, d
 
     def shfl_xor(value, lane_mask):

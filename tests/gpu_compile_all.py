@@ -1,0 +1,38 @@
+"""Compile every kernel specialisation the API can launch for sm_90 and run ptxas on it.
+
+Not a pytest module: it needs Numba's real CUDA target (NVVM; no GPU) and
+CUDA's ptxas on PATH.  It catches what the simulator cannot: kernels that do
+not type or compile on the GPU target, spills and stack frames.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py
+"""
+import itertools
+import subprocess
+import numba_flash
+from numba import cuda, types as T
+from numba_flash.kernels.flash2_forward import make_flash2_forward
+from numba_flash.kernels.flash1_forward import make_flash1_forward
+from numba_flash.kernels.flash1_backward import make_flash1_backward
+from numba_flash.kernels.standard_attention import make_batched_matmul, make_row_softmax
+a3 = T.Array(T.float32, 3, "C"); l2 = T.Array(T.float32, 2, "C"); u8 = T.Array(T.uint8, 3, "C")
+i2 = T.Array(T.int32, 2, "C"); i1 = T.Array(T.int32, 1, "C")
+drop = (T.int64, T.float64, T.int64, T.int64)
+def check(name, fn, sig, fastmath=False):
+    ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=fastmath)
+    open("/tmp/c.ptx", "w").write(ptx)
+    out = subprocess.run(["ptxas", "-arch=sm_90", "-v", "/tmp/c.ptx", "-o", "/dev/null"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    info = [l.split("info    : ")[-1] for l in out.stderr.splitlines() if "Used" in l or "spill stores" in l]
+    print(name, " | ".join(x.strip() for x in info))
+for tb in (True, False):
+    check(f"matmul {tb}", make_batched_matmul(16, tb), (a3, a3, a3, T.float64))
+for c, m, d in itertools.product((False, True), repeat=3):
+    check(f"softmax {c}{m}{d}", make_row_softmax(128, c, m, d), (a3, a3, l2, u8, T.int64, T.int64) + drop)
+    check(f"flash1 fwd {c}{m}{d}", make_flash1_forward(48, 48, 64, c, m, d), (a3, a3, a3, a3, l2, l2, l2, T.float64, u8) + drop)
+    check(f"flash1 bwd {c}{m}{d}", make_flash1_backward(16, 24, 64, c, m, d), (a3,) * 5 + (l2,) + (a3,) * 3 + (T.float64, u8) + drop)
+for f16, vec, c, m, d in itertools.product((False, True), (True, False), (False, True), (False, True), (False, True)):
+    bm, bn = (128, 64) if f16 else (128, 32)
+    word = (T.uint32 if vec else T.float16) if f16 else T.float32
+    flat = T.Array(word, 1, "C")
+    sig = (flat,) * 4 + (l2, T.int64, T.int64, T.int64, T.float64, i2, i1, u8, T.int64, T.int64) + drop
+    check(f"flash2 f16={f16} vec={vec} causal={c} mask={m} drop={d}", make_flash2_forward(bm, bn, 64, c, f16, vec, m, d), sig, True)
