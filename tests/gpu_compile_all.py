@@ -8,7 +8,7 @@ not type or compile on the GPU target, spills and stack frames.
 """
 import itertools
 import subprocess
-import numba_flash
+import numba_flash  # noqa: F401  (the NumPy compatibility fix, before compiling)
 from numba import cuda, types as T
 from numba_flash.kernels.flash2_forward import make_flash2_forward
 from numba_flash.kernels.flash1_forward import make_flash1_forward
