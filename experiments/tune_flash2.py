@@ -69,7 +69,7 @@ def main(argv=None):
                 err = check((block_m, block_n), d, dtype)
                 ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=(block_m, block_n)),
                              repeats=3 if args.quick else 10, warmup=1)
-                kernel = make_flash2_forward(block_m, block_n, d, False, dtype == "float16", True)
+                kernel = make_flash2_forward(block_m, block_n, d, False, dtype == "float16", True, False, False)
                 overload = next(iter(kernel.overloads.values()), None)
                 regs = getattr(overload, "regs_per_thread", "")
                 spill = getattr(overload, "local_mem_per_thread", "")

@@ -17,6 +17,7 @@ from .block_mask import BlockMask
 from .device import device_limits
 from .kernels import flash1_backward as _flash1_backward
 from .kernels import flash1_forward as _flash1
+from .kernels import flash2_backward as _flash2_backward
 from .kernels import flash2_forward as _flash2
 from .tiling import flash1_backward_block_sizes, line1_block_sizes
 
@@ -147,6 +148,23 @@ def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype):
                          f"memory at d={head_dim} ({dtype}); the limit is {limits.shared_bytes_per_block_optin}")
 
 
+def _check_flash2_backward_blocks(block_rows, block_cols, head_dim, dtype):
+    limits = device_limits()
+    for name, size in (("B_r", block_rows), ("B_c", block_cols)):
+        if size % _flash2_backward.BLOCK_MULTIPLE:
+            raise ValueError(f"block_sizes: the flash2 backward needs {name} to be a multiple of "
+                             f"{_flash2_backward.BLOCK_MULTIPLE} (its tiles are rows of warps and "
+                             f"tensor-core tiles in both passes), got {size}")
+    layout = _flash2_backward.BackwardLayout(block_rows, block_cols, head_dim, dtype == np.float16)
+    if layout.threads > limits.max_threads_per_block:
+        raise ValueError(f"block_sizes: B_r={block_rows} needs {layout.threads} threads per block; "
+                         f"the limit is {limits.max_threads_per_block}")
+    if layout.shared_bytes > limits.shared_bytes_per_block_optin:
+        raise ValueError(f"block_sizes {(block_rows, block_cols)} need {layout.shared_bytes} bytes of shared "
+                         f"memory in the flash2 backward at d={head_dim} ({dtype}); the limit is "
+                         f"{limits.shared_bytes_per_block_optin}")
+
+
 def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward=False):
     """Explicit (B_r, B_c), or the algorithm's default; None for 'standard'."""
     if algorithm == "standard":
@@ -161,10 +179,14 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backwar
             if backward:
                 return flash1_backward_block_sizes(head_dim, n_q=n_q, n_k=n_k)
             return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
+        if backward:
+            return _flash2_backward.default_block_sizes(head_dim)
         return _flash2.default_block_sizes(head_dim, dtype)
     block_rows, block_cols = positive_int_pair("block_sizes", block_sizes)
     if algorithm == "flash1":
         _check_flash1_blocks(block_rows, block_cols, head_dim, backward)
+    elif backward:
+        _check_flash2_backward_blocks(block_rows, block_cols, head_dim, dtype)
     else:
         _check_flash2_blocks(block_rows, block_cols, head_dim, dtype)
     return block_rows, block_cols
@@ -218,8 +240,6 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
 def check_backward_args(q, k, v, o, lse, do, **options):
     """Validate a call to ``attention_backward``: q, k, v as for ``attention``, then o, lse, do."""
     call = check_attention_args(q, k, v, backward=True, **options)
-    if call.algorithm == "flash2":
-        raise NotImplementedError("the flash2 backward is not implemented yet; use algorithm='flash1'")
     q_shape = call.batch_shape + (call.n_q, call.head_dim)
     for name, x, shape, dtype in (("o", o, q_shape, call.dtype), ("do", do, q_shape, call.dtype),
                                   ("lse", lse, call.batch_shape + (call.n_q,), np.dtype(np.float32))):

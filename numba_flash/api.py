@@ -7,7 +7,8 @@ from ._validation import check_attention_args, check_backward_args
 from .dropout import kernel_args as dropout_kernel_args
 from .kernels.flash1_backward import flash1_backward
 from .kernels.flash1_forward import flash1_forward
-from .kernels.flash2_forward import flash2_forward
+from .kernels.flash2_backward import backward_mask_args, flash2_backward
+from .kernels.flash2_forward import block_mask_args, flash2_forward
 from .kernels.standard_attention import standard_attention
 
 
@@ -67,26 +68,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
                                 dropout_p=dropout_p, seed=seed, algorithm=algorithm,
                                 block_sizes=block_sizes)
     q3, k3, v3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v))
-    bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
-    o = _arrays.empty((bh, n_q, d), call.dtype)
-    lse = _arrays.empty((bh, n_q), np.float32)
-    layout = _per_head_layout(call)
-    dropout = _dropout_args(call)
-    if call.algorithm == "standard":
-        s = _arrays.empty((bh, n_q, n_k), np.float32)
-        p = _arrays.empty((bh, n_q, n_k), np.float32)
-        mask = None if layout is None else (cuda.to_device(layout.view(np.uint8)), call.block_mask.block_size)
-        standard_attention(q3, k3, v3, o, lse, s, p, scale=call.scale, causal=call.causal, mask=mask,
-                           dropout=dropout)
-    elif call.algorithm == "flash1":
-        l = _arrays.empty((bh, n_q), np.float32)
-        m = _arrays.empty((bh, n_q), np.float32)
-        flash1_forward(q3, k3, v3, o, l, m, lse, scale=call.scale, causal=call.causal,
-                       block_sizes=call.block_sizes,
-                       mask=None if layout is None else cuda.to_device(layout.view(np.uint8)), dropout=dropout)
-    else:
-        flash2_forward(q3, k3, v3, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes,
-                       mask=None if layout is None else (layout, call.block_mask.block_size), dropout=dropout)
+    o = _arrays.empty((call.batch_heads, call.n_q, call.head_dim), call.dtype)
+    lse = _arrays.empty((call.batch_heads, call.n_q), np.float32)
+    run_forward(call, q3, k3, v3, o, lse)
     out = _arrays.deliver(o, call.batch_shape, call.on_device)
     if return_lse:
         return out, _arrays.deliver(lse, call.batch_shape, call.on_device)
@@ -104,22 +88,61 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     the same mask from the seed).  Results have the shapes, dtype and kind
     (NumPy or CUDA) of q, k, v.
 
-    algorithm: "flash1" is Algorithm 4 written literally (float32);
-    "flash2", the fast backward, is not implemented yet.
+    algorithm: "flash2" (the default) is the fast backward on tensor cores,
+    float32 or float16, bitwise deterministic (no atomics); "flash1" is
+    Algorithm 4 written literally (float32).  block_sizes: for "flash1" the
+    (B_r, B_c) of Algorithm 4 (default: ``flash1_backward_block_sizes``);
+    for "flash2" the tile a thread block owns (B_r queries in the dQ pass,
+    B_r keys in the dK/dV pass) and the tile it streams (B_c), both
+    multiples of 16 (default (64, 32) up to d = 128, (32, 16) above).
     """
     call = check_backward_args(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
                                dropout_p=dropout_p, seed=seed, algorithm=algorithm, block_sizes=block_sizes)
     q3, k3, v3, o3, do3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v, o, do))
     bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
-    lse2 = _arrays.as_rows(lse, call.on_device)
     dq = _arrays.empty((bh, n_q, d), call.dtype)
     dk = _arrays.empty((bh, n_k, d), call.dtype)
     dv = _arrays.empty((bh, n_k, d), call.dtype)
-    layout = _per_head_layout(call)
-    flash1_backward(q3, k3, v3, o3, do3, lse2, dq, dk, dv, scale=call.scale, causal=call.causal,
-                    block_sizes=call.block_sizes,
-                    mask=None if layout is None else cuda.to_device(layout.view(np.uint8)), dropout=_dropout_args(call))
+    run_backward(call, q3, k3, v3, o3, do3, _arrays.as_rows(lse, call.on_device), dq, dk, dv)
     return tuple(_arrays.deliver(x, call.batch_shape, call.on_device) for x in (dq, dk, dv))
+
+
+def run_forward(call, q, k, v, o, lse, *, empty=_arrays.empty, stream=0):
+    """Launch the forward of a validated ``call`` on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d), lse (BH, N_q).
+
+    ``empty(shape, dtype)`` allocates the scratch buffers some algorithms
+    need (S and P, or l and m); ``stream``: the CUDA stream to launch on.
+    """
+    bh, n_q, n_k = call.batch_heads, call.n_q, call.n_k
+    layout = _device_layout(call)
+    dropout = _dropout_args(call)
+    if call.algorithm == "standard":
+        s = empty((bh, n_q, n_k), np.float32)
+        p = empty((bh, n_q, n_k), np.float32)
+        mask = None if layout is None else (layout, call.block_mask.block_size)
+        standard_attention(q, k, v, o, lse, s, p, scale=call.scale, causal=call.causal, mask=mask,
+                           dropout=dropout, stream=stream)
+    elif call.algorithm == "flash1":
+        l = empty((bh, n_q), np.float32)
+        m = empty((bh, n_q), np.float32)
+        flash1_forward(q, k, v, o, l, m, lse, scale=call.scale, causal=call.causal,
+                       block_sizes=call.block_sizes, mask=layout, dropout=dropout, stream=stream)
+    else:
+        flash2_forward(q, k, v, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes,
+                       mask=_flash2_mask(call), dropout=dropout, stream=stream)
+
+
+def run_backward(call, q, k, v, o, do, lse, dq, dk, dv, *, empty=_arrays.empty, stream=0):
+    """Launch the backward of a validated ``call`` on device arrays (as ``run_forward``); writes dq, dk, dv."""
+    if call.algorithm == "flash1":
+        flash1_backward(q, k, v, o, do, lse, dq, dk, dv, scale=call.scale, causal=call.causal,
+                        block_sizes=call.block_sizes, mask=_device_layout(call), dropout=_dropout_args(call),
+                        stream=stream)
+    else:
+        dsum = empty((call.batch_heads, call.n_q), np.float32)
+        flash2_backward(q, k, v, o, do, lse, dq, dk, dv, dsum, scale=call.scale, causal=call.causal,
+                        block_sizes=call.block_sizes, mask=_flash2_backward_mask(call), dropout=_dropout_args(call),
+                        stream=stream)
 
 
 def _per_head_layout(call):
@@ -129,6 +152,34 @@ def _per_head_layout(call):
     grid = call.block_mask.grid_for(call.n_q, call.n_k)
     return np.ascontiguousarray(
         np.broadcast_to(call.block_mask.layout, call.batch_shape + grid).reshape((call.batch_heads,) + grid))
+
+
+def _device_layout(call):
+    """The per-head layout as a uint8 device array, or None; kept on the mask for later calls."""
+    if call.block_mask is None:
+        return None
+    return call.block_mask.prepared(("layout", call.batch_shape, call.n_q, call.n_k),
+                                    lambda: cuda.to_device(_per_head_layout(call).view(np.uint8)))
+
+
+def _flash2_mask(call):
+    """flash2's block-mask arguments (tile lists for this call's tiles), or None; kept on the mask."""
+    if call.block_mask is None:
+        return None
+    key = ("flash2", call.batch_shape, call.n_q, call.n_k, tuple(call.block_sizes), call.causal)
+    return call.block_mask.prepared(key, lambda: block_mask_args(
+        _per_head_layout(call), _device_layout(call), call.block_mask.block_size, tuple(call.block_sizes),
+        call.n_q, call.n_k, call.causal))
+
+
+def _flash2_backward_mask(call):
+    """The flash2 backward's block-mask arguments (both passes' tile lists), or None; kept on the mask."""
+    if call.block_mask is None:
+        return None
+    key = ("flash2_backward", call.batch_shape, call.n_q, call.n_k, tuple(call.block_sizes), call.causal)
+    return call.block_mask.prepared(key, lambda: backward_mask_args(
+        _per_head_layout(call), _device_layout(call), call.block_mask.block_size, tuple(call.block_sizes),
+        call.n_q, call.n_k, call.causal))
 
 
 def _dropout_args(call):

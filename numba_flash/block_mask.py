@@ -24,6 +24,9 @@ import numpy as np
 
 from ._checks import boolean_grid, positive_int_pair
 
+#: How many prepared forms (device layouts, tile lists) one mask keeps.
+_CACHE_ENTRIES = 8
+
 
 class BlockMask:
     """A boolean tile layout at a given block size; see the module docstring."""
@@ -32,6 +35,7 @@ class BlockMask:
         self._layout = boolean_grid("layout", layout, ("T_r", "T_c")).copy()
         self._layout.flags.writeable = False
         self._block_size = positive_int_pair("block_size", block_size)
+        self._prepared = {}
 
     @property
     def layout(self):
@@ -88,6 +92,19 @@ class BlockMask:
         indices = np.nonzero(self._layout.reshape(-1, self._layout.shape[-1]))[1].astype(np.int32)
         assert offsets.shape[-1] == t_r + 1
         return offsets, indices
+
+    def prepared(self, key, build):
+        """``build()``'s result for ``key``, built once and kept (at most a few keys).
+
+        The kernels read a mask as device arrays (a per-head layout, tile
+        lists) that take host work and copies to build; a mask is immutable,
+        so calls with the same mask and sizes reuse them.
+        """
+        if key not in self._prepared:
+            if len(self._prepared) >= _CACHE_ENTRIES:
+                self._prepared.pop(next(iter(self._prepared)))
+            self._prepared[key] = build()
+        return self._prepared[key]
 
     def _combine(self, other, op, symbol):
         if not isinstance(other, BlockMask):

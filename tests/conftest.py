@@ -25,4 +25,42 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("sim", max_examples=12, derandomize=True, **_common)
 settings.register_profile("gpu", max_examples=20, **_common)
 settings.register_profile("thorough", max_examples=500, **_common)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "sim" if config.ENABLE_CUDASIM else "gpu"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "sim" if config.ENABLE_CUDASIM else "gpu")
+settings.load_profile(PROFILE)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "simulator_only(reason): needs the simulator (e.g. its array wrappers)")
+    config.addinivalue_line("markers", "gpu_only(reason): needs a GPU (e.g. CUDA streams)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect (not skip) tests that cannot run in this mode, and say so in the report header.
+
+    A test marked ``simulator_only`` instruments the simulator's arrays; one
+    marked ``gpu_only`` needs real CUDA streams.  Every other test runs in
+    both modes.
+    """
+    unavailable = "gpu_only" if config_is_simulator() else "simulator_only"
+    kept, dropped = [], []
+    for item in items:
+        (dropped if item.get_closest_marker(unavailable) else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+        config._numba_flash_deselected = (unavailable, len(dropped))
+
+
+def pytest_report_header(config):
+    return f"numba-flash: {'CUDA simulator' if config_is_simulator() else 'GPU'}, Hypothesis profile {PROFILE}"
+
+
+def config_is_simulator():
+    return bool(config.ENABLE_CUDASIM)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    marker, count = getattr(config, "_numba_flash_deselected", (None, 0))
+    if count:
+        mode = "the simulator" if config_is_simulator() else "a GPU"
+        terminalreporter.write_line(f"numba-flash: {count} tests marked {marker} deselected: they cannot run on {mode}")

@@ -5,12 +5,24 @@ CUDA's ptxas on PATH.  It catches what the simulator cannot: kernels that do
 not type or compile on the GPU target, spills and stack frames.
 
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py
+
+Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
+Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
+``pip install "numba-cuda[cu13]" "nvidia-cuda-nvcc==13.*"``, its ptxas first on
+PATH): NVVM 12 accepts IR that NVVM 13 rejects.
 """
 import itertools
 import subprocess
+import types
 import numba_flash  # noqa: F401  (the NumPy compatibility fix, before compiling)
 from numba import cuda, types as T
+from numba.cuda import dispatcher
+
+# Device functions that are not inlined by Numba compile for the current
+# device's compute capability; without a driver, say sm_90.
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 from numba_flash.kernels.flash2_forward import make_flash2_forward
+from numba_flash.kernels.flash2_backward import make_flash2_backward_dkdv, make_flash2_backward_dq, preprocess
 from numba_flash.kernels.flash1_forward import make_flash1_forward
 from numba_flash.kernels.flash1_backward import make_flash1_backward
 from numba_flash.kernels.standard_attention import make_batched_matmul, make_row_softmax
@@ -18,7 +30,7 @@ a3 = T.Array(T.float32, 3, "C"); l2 = T.Array(T.float32, 2, "C"); u8 = T.Array(T
 i2 = T.Array(T.int32, 2, "C"); i1 = T.Array(T.int32, 1, "C")
 drop = (T.int64, T.float64, T.int64, T.int64)
 def check(name, fn, sig, fastmath=False):
-    ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=fastmath)
+    ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=fastmath, lineinfo=True)  # as cuda_kernel compiles
     open("/tmp/c.ptx", "w").write(ptx)
     out = subprocess.run(["ptxas", "-arch=sm_90", "-v", "/tmp/c.ptx", "-o", "/dev/null"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -36,3 +48,14 @@ for f16, vec, c, m, d in itertools.product((False, True), (True, False), (False,
     flat = T.Array(word, 1, "C")
     sig = (flat,) * 4 + (l2, T.int64, T.int64, T.int64, T.float64, i2, i1, u8, T.int64, T.int64) + drop
     check(f"flash2 f16={f16} vec={vec} causal={c} mask={m} drop={d}", make_flash2_forward(bm, bn, 64, c, f16, vec, m, d), sig, True)
+for f16, vec, c, m, d in itertools.product((False, True), (True, False), (False, True), (False, True), (False, True)):
+    word = (T.uint32 if vec else T.float16) if f16 else T.float32
+    flat = T.Array(word, 1, "C")
+    tail = (T.int64, T.int64, T.int64, T.float64, T.float64, i2, i1, u8, T.int64, T.int64) + drop
+    name = f"f16={f16} vec={vec} causal={c} mask={m} drop={d}"
+    check(f"flash2 bwd dkdv {name}", make_flash2_backward_dkdv(64, 32, 64, c, f16, vec, m, d),
+          (flat,) * 4 + (l2, l2) + (flat,) * 2 + tail, True)
+    check(f"flash2 bwd dq {name}", make_flash2_backward_dq(64, 32, 64, c, f16, vec, m, d),
+          (flat,) * 4 + (l2, l2) + (flat,) + tail, True)
+for dtype in (T.float32, T.float16):
+    check(f"flash2 bwd preprocess {dtype}", preprocess, (T.Array(dtype, 3, "C"),) * 2 + (l2,))

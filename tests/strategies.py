@@ -77,6 +77,18 @@ def flash2_block_sizes(dtype):
     return st.tuples(st.sampled_from(SIZES.flash2_rows), st.sampled_from(cols))
 
 
+def flash2_backward_block_sizes(head_dim, dtype):
+    """(B_r, B_c) for the flash2 backward: multiples of 16 whose tiles fit the device's shared memory."""
+    from numba_flash import device_limits
+    from numba_flash.kernels.flash2_backward import BackwardLayout
+
+    limit = device_limits().shared_bytes_per_block_optin
+    is_f16 = np.dtype(dtype) == np.float16
+    pairs = [(r, c) for r in SIZES.flash2_rows for c in SIZES.flash2_cols if c % 16 == 0
+             and BackwardLayout(r, c, head_dim, is_f16).shared_bytes <= limit]
+    return st.sampled_from(pairs)
+
+
 def arrays(draw, shape, dtype=np.float32):
     seed = draw(st.integers(0, 2 ** 32 - 1))
     kind = draw(st.sampled_from(sorted(DISTRIBUTIONS)))
@@ -85,8 +97,8 @@ def arrays(draw, shape, dtype=np.float32):
 
 
 @st.composite
-def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None):
-    """A random attention problem for ``algorithm`` (shapes first, then data)."""
+def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None, backward=False):
+    """A random attention problem for ``algorithm`` (shapes first, then data); block sizes for the backward if asked."""
     max_n = max_n or SIZES.max_n[algorithm]
     batch = draw(batch_shapes(SIZES.max_batch_heads))
     n_q = draw(st.integers(1, max_n))
@@ -95,6 +107,8 @@ def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None):
     block_sizes = None
     if algorithm == "flash1":
         block_sizes = draw(st.one_of(st.none(), flash1_block_sizes(d, n_q, n_k)))
+    elif algorithm == "flash2" and backward:
+        block_sizes = draw(st.one_of(st.none(), flash2_backward_block_sizes(d, dtype)))
     elif algorithm == "flash2":
         block_sizes = draw(st.one_of(st.none(), flash2_block_sizes(dtype)))
     scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))

@@ -1,4 +1,4 @@
-"""The backward pass (Algorithm 4) against float64 gradients, and its invariants."""
+"""Both backward passes (Algorithm 4 literally, and the fast flash2 one) against float64 gradients."""
 import numpy as np
 import pytest
 from hypothesis import given
@@ -10,52 +10,88 @@ from numba_flash import BlockMask, dropout_mask
 from strategies import arrays, problems
 from tolerances import backward_tolerance
 
+VARIANTS = [("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
+IDS = [f"{a}-{np.dtype(t).name}" for a, t in VARIANTS]
+variants = pytest.mark.parametrize("algorithm, dtype", VARIANTS, ids=IDS)
+
 
 def reference_forward(p, dense_mask, keep, dropout_p):
-    """O (float32) and lse (float32) from the float64 reference: the backward is tested on its own."""
+    """O and lse (float32) from the float64 reference, O in q's dtype: the backward is tested on its own."""
     out, lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, mask=dense_mask,
                                    dropout_keep=keep, dropout_p=dropout_p)
-    return out.astype(np.float32), lse.astype(np.float32)
+    return out.astype(p.q.dtype), lse.astype(np.float32)
 
 
+def random_block_mask(data, n_q, n_k, block_sizes):
+    """A random BlockMask (empty rows and columns included) at block_sizes, or at random blocks if None."""
+    block_sizes = block_sizes or (data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8)))
+    grid = (-(-n_q // block_sizes[0]), -(-n_k // block_sizes[1]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    return BlockMask(rng.random(grid) < data.draw(st.sampled_from([0.3, 0.6, 1.0])), block_sizes)
+
+
+@variants
 @given(data=st.data(), dropout_p=st.sampled_from([0.0, 0.3]), masked=st.booleans())
-def test_flash1_gradients_match_the_float64_reference(data, dropout_p, masked):
-    p = data.draw(problems(algorithm="flash1", max_n=24))
+def test_gradients_match_the_float64_reference(algorithm, dtype, data, dropout_p, masked):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype, max_n=24 if algorithm == "flash1" else None,
+                           backward=True))
     n_q, n_k = p.q.shape[-2], p.k.shape[-2]
     block_sizes = p.block_sizes
     bm = dense = None
     if masked:
-        block_sizes = block_sizes or (data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8)))
-        grid = (-(-n_q // block_sizes[0]), -(-n_k // block_sizes[1]))
-        rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-        bm = BlockMask(rng.random(grid) < 0.6, block_sizes)
+        # flash1 runs Algorithm 5 with tiles equal to the mask's blocks; flash2 takes any mask blocks.
+        bm = random_block_mask(data, n_q, n_k, block_sizes if algorithm == "flash1" else None)
         dense = bm.to_dense(n_q, n_k)
     seed = data.draw(st.integers(0, 2 ** 64 - 1))
     keep = dropout_mask(p.q.shape[:-1] + (n_k,), dropout_p, seed) if dropout_p else None
     out, lse = reference_forward(p, dense, keep, dropout_p)
-    do = arrays(data.draw, p.q.shape)
+    do = arrays(data.draw, p.q.shape, dtype)
     grads = numba_flash.attention_backward(p.q, p.k, p.v, out, lse, do, causal=p.causal, scale=p.scale,
-                                           block_mask=bm, dropout_p=dropout_p, seed=seed, algorithm="flash1",
+                                           block_mask=bm, dropout_p=dropout_p, seed=seed, algorithm=algorithm,
                                            block_sizes=block_sizes)
     expected = reference.attention_backward(p.q, p.k, p.v, do, scale=p.scale, causal=p.causal, mask=dense,
                                             dropout_keep=keep, dropout_p=dropout_p)
     weights = reference.softmax(reference.masked_scores(p.q, p.k, scale=p.scale, causal=p.causal, mask=dense))
-    tolerances = backward_tolerance(p.q, p.k, p.v, out, do, p.effective_scale, weights, 1 / (1 - dropout_p))
+    tolerances = backward_tolerance(p.q, p.k, p.v, out, do, p.effective_scale, weights, 1 / (1 - dropout_p),
+                                    dtype=dtype)
     for name, got, want, tol in zip(("dq", "dk", "dv"), grads, expected, tolerances):
-        assert got.shape == want.shape and got.dtype == np.float32
-        err = float(np.abs(got - want).max())
+        assert got.shape == want.shape and got.dtype == dtype
+        err = float(np.abs(got.astype(np.float64) - want).max())
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
 
 
-@given(data=st.data())
-def test_flash1_backward_is_deterministic(data):
-    p = data.draw(problems(algorithm="flash1", max_n=16))
-    out, lse = reference_forward(p, None, None, 0.0)
-    do = arrays(data.draw, p.q.shape)
-    first = numba_flash.attention_backward(p.q, p.k, p.v, out, lse, do, causal=p.causal, algorithm="flash1")
-    second = numba_flash.attention_backward(p.q, p.k, p.v, out, lse, do, causal=p.causal, algorithm="flash1")
-    for a, b in zip(first, second):
+@variants
+@given(data=st.data(), dropout_p=st.sampled_from([0.0, 0.2]))
+def test_backward_is_bitwise_deterministic(algorithm, dtype, data, dropout_p):
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype, max_n=16 if algorithm == "flash1" else None,
+                           backward=True))
+    keep = dropout_mask(p.q.shape[:-1] + (p.k.shape[-2],), dropout_p, 5) if dropout_p else None
+    out, lse = reference_forward(p, None, keep, dropout_p)
+    do = arrays(data.draw, p.q.shape, dtype)
+    runs = [numba_flash.attention_backward(p.q, p.k, p.v, out, lse, do, causal=p.causal, scale=p.scale,
+                                           dropout_p=dropout_p, seed=5, algorithm=algorithm,
+                                           block_sizes=p.block_sizes) for _ in range(2)]
+    for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rows_that_attend_to_nothing_get_zero_gradients():
+    # A block mask with an empty row of blocks: those queries have O = 0,
+    # lse = -inf, and neither receive nor pass on any gradient.
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 32, 16)).astype(np.float32) for _ in range(3))
+    layout = np.ones((2, 2), bool)
+    layout[0] = False
+    bm = BlockMask(layout, (16, 16))
+    out, lse = numba_flash.attention(q, k, v, block_mask=bm, return_lse=True)
+    assert np.all(np.isneginf(lse[:, :16]))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    expected = reference.attention_backward(q, k, v, do, mask=bm.to_dense(32, 32))
+    for algorithm in ("flash1", "flash2"):
+        dq, dk, dv = numba_flash.attention_backward(q, k, v, out, lse, do, block_mask=bm, algorithm=algorithm)
+        assert np.all(dq[:, :16] == 0), algorithm
+        for got, want in zip((dq, dk, dv), expected):
+            np.testing.assert_allclose(got, want, atol=1e-5, err_msg=algorithm)
 
 
 Q = np.zeros((2, 8, 4), np.float32)
@@ -69,7 +105,9 @@ LSE = np.zeros((2, 8), np.float32)
     ((Q, Q, Q, Q, LSE, Q.astype(np.float16)), {}, TypeError, "do must have dtype"),
     ((Q, Q, Q, Q, LSE, [[0.0]]), {}, TypeError, "do must be"),
     ((Q, Q, Q, Q, LSE, Q), {"algorithm": "standard"}, ValueError, "algorithm"),
-    ((Q, Q, Q, Q, LSE, Q), {"algorithm": "flash2"}, NotImplementedError, "flash1"),
+    ((Q, Q, Q, Q, LSE, Q), {"algorithm": "flash2", "block_sizes": (16, 8)}, ValueError, "multiple of 16"),
+    ((Q, Q, Q, Q, LSE, Q), {"algorithm": "flash2", "block_sizes": (24, 16)}, ValueError, "multiple of 16"),
+    ((Q.astype(np.float16),) * 3 + (Q, LSE, Q), {"algorithm": "flash2"}, TypeError, "o must have dtype"),
 ])
 def test_bad_backward_input_is_rejected(args, kwargs, error, words):
     kwargs.setdefault("algorithm", "flash1")

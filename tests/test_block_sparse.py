@@ -106,3 +106,17 @@ def test_block_mask_validates_its_own_input():
         BlockMask(np.ones((2, 2), bool), (0, 2))
     with pytest.raises(ValueError, match="block sizes"):
         BlockMask(np.ones((2, 2), bool), (2, 2)) & BlockMask(np.ones((2, 2), bool), (2, 1))
+
+
+def test_a_mask_reused_across_calls_gives_each_call_its_own_result():
+    # A mask keeps the device form it was prepared in, per (sizes, tiles, causal):
+    # reusing one mask for other lengths, tiles or causal must not mix them up.
+    rng = np.random.default_rng(11)
+    bm = BlockMask(rng.random((3, 3)) < 0.6, (8, 8))
+    for n_q, n_k, causal, blocks in [(20, 24, False, (16, 8)), (20, 24, True, (16, 8)), (24, 17, False, (16, 8)),
+                                     (20, 24, False, (32, 16)), (20, 24, False, (16, 8))]:
+        q = rng.standard_normal((2, n_q, 8)).astype(np.float32)
+        k, v = (rng.standard_normal((2, n_k, 8)).astype(np.float32) for _ in range(2))
+        out, lse = numba_flash.attention(q, k, v, block_mask=bm, causal=causal, block_sizes=blocks, return_lse=True)
+        ref_out, ref_lse = reference.attention(q, k, v, causal=causal, mask=bm.to_dense(n_q, n_k))
+        assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, 1 / np.sqrt(8), np.float32)

@@ -91,3 +91,25 @@ def test_block_sparse_experiment_runs_quick(tmp_path):
     assert {r["pattern"] for r in rows} == {"random", "butterfly"}
     assert all(0.0 <= float(r["density"]) <= 1.0 and float(r["sparse_ms"]) > 0 for r in rows)
     assert (tmp_path / "block_sparse_quick.md").read_text().startswith("# Block-sparse flash2")
+
+
+def test_dram_experiment_runs_quick_and_reports_the_model(tmp_path):
+    load_script("dram_traffic").main(["--quick", "--out", str(tmp_path)])
+    with open(tmp_path / "io_dram_quick.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["kernel"] for r in rows] == ["standard float32", "flash1 float32", "flash2 float32", "flash2 float16"]
+    model = [float(r["model_read_GB"]) + float(r["model_write_GB"]) for r in rows]
+    assert model[0] > model[1] and model[0] > model[2] > model[3] > 0  # standard moves most; float16 half of float32
+
+
+NCU_CSV = '''==PROF== Connected to process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","dram__bytes_read.sum","dram__bytes_write.sum"
+"","","","","","","","","","","","byte","byte"
+"0","7","python3","h","standard_matmul_abt_tile16","1","7","(16, 16, 1)","(64, 64, 1)","0","9.0","1,000","2,000"
+"1","7","python3","h","standard_row_softmax_t128","1","7","(128, 1, 1)","(1024, 1, 1)","0","9.0","300","400"
+'''
+
+
+def test_ncu_csv_parsing_reads_every_launch_in_bytes():
+    launches = load_script("dram_traffic").parse_ncu_csv(NCU_CSV)
+    assert launches == {0: ("standard_matmul_abt_tile16", 1000.0, 2000.0), 1: ("standard_row_softmax_t128", 300.0, 400.0)}

@@ -21,8 +21,8 @@ from numba_flash.kernels.flash2_forward import no_tile_lists
 from numba_flash.tiling import line1_block_sizes
 from traffic_counter import count_traffic
 
-simulator_only = pytest.mark.skipif(not numba_flash.in_simulator(),
-                                    reason="counts accesses through the simulator's array wrappers")
+# Counts accesses through the simulator's array wrappers (deselected on a GPU: see conftest.py).
+simulator_only = pytest.mark.simulator_only
 
 #: For each algorithm, its launches in order: kernel parameter -> the buffer it is (names of io).
 BUFFERS = {

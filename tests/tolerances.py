@@ -88,8 +88,15 @@ def _log_error(dtype, err, tol):
             f.write(f"{np.dtype(dtype).name} {err:.6g} {tol:.6g}\n")
 
 
-def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0):
+def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32):
     """(tol_dQ, tol_dK, tol_dV): first-order bounds on the gradient errors, from the inputs.
+
+    float16: the flash2 backward rounds each P and dS entry to float16 for
+    its tensor-core products, O and dO arrive rounded to float16, and the
+    results are rounded to float16: every relative rounding below is then
+    at most U16 instead of U32 (the logits stay float32-accurate: float16
+    inputs are exact and the products accumulate in float32), plus half a
+    float16 ulp of each result.
 
     ``weights`` is the reference P (undropped, float64).  With e_P the
     relative error of a weight (as in the forward model: logits, exp and the
@@ -102,15 +109,24 @@ def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0):
     """
     q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    u = U16 if np.dtype(dtype) == np.float16 else U32
     finite_lse = np.max(np.abs(np.where(weights.sum(-1) > 0, np.log(np.maximum(weights.sum(-1), 1e-300)), 0)))
     e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse)
-    e_p = np.expm1(2 * e_s) + 16 * U32
+    e_p = np.expm1(2 * e_s) + 16 * u
     b_dp = float((do @ np.swapaxes(v, -1, -2)).max())
     b_d = float(np.sum(do * o, axis=-1).max())
-    e_dp, e_d = (d + 8) * U32 * b_dp, (d + 8) * U32 * b_d
+    e_dp, e_d = (d + 8) * u * b_dp, (d + 8) * u * b_d
     per_weight = weight_scale * (e_p * (b_dp + b_d) + e_dp + e_d)
     column_sum = float(weights.sum(axis=-2).max())
-    tol_dq = abs(scale) * k.max() * (per_weight + (n_k + 4) * U32 * weight_scale * (b_dp + b_d))
-    tol_dk = abs(scale) * q.max() * column_sum * (per_weight + (n_q + 4) * U32 * weight_scale * (b_dp + b_d))
-    tol_dv = do.max() * column_sum * weight_scale * (e_p + (n_q + 4) * U32)
-    return tol_dq + TINY32, tol_dk + TINY32, tol_dv + TINY32
+    tol_dq = abs(scale) * k.max() * (per_weight + (n_k + 4) * u * weight_scale * (b_dp + b_d))
+    tol_dk = abs(scale) * q.max() * column_sum * (per_weight + (n_q + 4) * u * weight_scale * (b_dp + b_d))
+    tol_dv = do.max() * column_sum * weight_scale * (e_p + (n_q + 4) * u)
+    tiny = TINY32
+    if np.dtype(dtype) == np.float16:
+        # Rounding the result to float16: U16 of its magnitude (bounded as the
+        # sums above are), down to float16's smallest subnormal.
+        tiny = float(np.finfo(np.float16).smallest_subnormal)
+        tol_dq += U16 * abs(scale) * k.max() * weight_scale * (b_dp + b_d)
+        tol_dk += U16 * abs(scale) * q.max() * column_sum * weight_scale * (b_dp + b_d)
+        tol_dv += U16 * do.max() * column_sum * weight_scale
+    return tol_dq + tiny, tol_dk + tiny, tol_dv + tiny

@@ -25,6 +25,11 @@ def cuda_kernel(fn, name, *, fastmath=False, launch_bounds=None):
     return cuda.jit(**options)(fn)
 
 
+def inlined_device_function(fn):
+    """A device function that LLVM always inlines (the simulator, which has no such option, calls it)."""
+    return cuda.jit(device=True)(fn) if in_simulator() else cuda.jit(device=True, forceinline=True)(fn)
+
+
 _opted_in = set()
 
 

@@ -156,7 +156,7 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, block_sizes, mask=None, dropout=None):
+def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, block_sizes, mask=None, dropout=None, stream=0):
     """Launch Algorithm 4 on device arrays ((BH, N, d) and lse (BH, N_q)).
 
     mask: None or a (BH, T_r, T_c) uint8 device array in blocks of ``block_sizes``;
@@ -168,4 +168,4 @@ def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, block_siz
     keep_threshold, keep_scale, seed0, seed1 = NO_DROPOUT if dropout is None else dropout
     launch(kernel, q.shape[0], block_rows,
            (q, k, v, o, do, lse, dq, dk, dv, scale, no_mask_layout() if mask is None else mask,
-            keep_threshold, keep_scale, seed0, seed1))
+            keep_threshold, keep_scale, seed0, seed1), stream=stream)

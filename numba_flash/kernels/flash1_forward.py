@@ -160,7 +160,7 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=None, dropout=None):
+def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=None, dropout=None, stream=0):
     """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
 
     mask: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
@@ -173,7 +173,7 @@ def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=No
                                  dropout is not None)
     launch(kernel, q.shape[0], block_rows,
            (q, k, v, o, l, m, lse, scale, no_mask_layout() if mask is None else mask)
-           + (NO_DROPOUT if dropout is None else dropout))
+           + (NO_DROPOUT if dropout is None else dropout), stream=stream)
 
 
 __all__ = ["flash1_forward", "make_flash1_forward", "shared_bytes"]

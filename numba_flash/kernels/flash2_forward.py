@@ -153,6 +153,46 @@ def mma_3xtf32(a_hi0, a_hi1, a_hi2, a_hi3, a_lo0, a_lo1, a_lo2, a_lo3,
     return mma_tf32(a_hi0, a_hi1, a_hi2, a_hi3, b_hi0, b_hi1, c0, c1, c2, c3)
 
 
+@lru_cache(maxsize=None)
+def make_load_chunk(IS_F16, VEC):
+    """The device function that fetches one 16-byte chunk of a row (see its docstring) for this dtype and VEC."""
+
+    @cuda.jit(device=True, inline=True)
+    def load_chunk(X, row_start, c, head_dim, row_ok):
+        """Words c/4 .. c/4 + 3 of a row (columns c.. of float32, c.. c+7 of float16), zeros outside."""
+        if IS_F16:
+            if VEC:  # X is the float16 data viewed as uint32 pairs; d is a multiple of 8
+                if row_ok and c < head_dim:
+                    return load_vec4(X, (row_start + c) // 2)
+                return uint32(0), uint32(0), uint32(0), uint32(0)
+            h = cuda.local.array(8, float32)
+            for i in range(8):
+                h[i] = float32(load_word(X, row_start + c + i)) if row_ok and c + i < head_dim else float32(0)
+            return (pack_half2(h[0], h[1]), pack_half2(h[2], h[3]),
+                    pack_half2(h[4], h[5]), pack_half2(h[6], h[7]))
+        if VEC:  # d is a multiple of 4: a chunk is wholly inside the row or wholly padding
+            if row_ok and c < head_dim:
+                return load_vec4(X, row_start + c)
+            return float32(0), float32(0), float32(0), float32(0)
+        x = cuda.local.array(4, float32)
+        for i in range(4):
+            x[i] = load_word(X, row_start + c + i) if row_ok and c + i < head_dim else float32(0)
+        return x[0], x[1], x[2], x[3]
+
+    return load_chunk
+
+
+@cuda.jit(device=True, inline=True)
+def store_split(base_hi, base_lo, w0, w1, w2, w3, smem):
+    """Four float32 into shared memory as tf32 hi and lo halves (3xTF32)."""
+    h0, l0 = split_tf32(w0)
+    h1, l1 = split_tf32(w1)
+    h2, l2 = split_tf32(w2)
+    h3, l3 = split_tf32(w3)
+    store_vec4(smem, base_hi, h0, h1, h2, h3)
+    store_vec4(smem, base_lo, l0, l1, l2, l3)
+
+
 @cuda.jit(device=True, inline=True)
 def cdiv_device(a, b):
     return (a + b - 1) // b
@@ -203,37 +243,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
         V_HI = K_LO + BLOCK_N * QK_STRIDE
         V_LO = V_HI + BLOCK_N * V_STRIDE
 
-    @cuda.jit(device=True, inline=True)
-    def load_chunk(X, row_start, c, head_dim, row_ok):
-        """Words c/4 .. c/4 + 3 of a row (columns c.. of float32, c.. c+7 of float16), zeros outside."""
-        if IS_F16:
-            if VEC:  # X is the float16 data viewed as uint32 pairs; d is a multiple of 8
-                if row_ok and c < head_dim:
-                    return load_vec4(X, (row_start + c) // 2)
-                return uint32(0), uint32(0), uint32(0), uint32(0)
-            h = cuda.local.array(8, float32)
-            for i in range(8):
-                h[i] = float32(load_word(X, row_start + c + i)) if row_ok and c + i < head_dim else float32(0)
-            return (pack_half2(h[0], h[1]), pack_half2(h[2], h[3]),
-                    pack_half2(h[4], h[5]), pack_half2(h[6], h[7]))
-        if VEC:  # d is a multiple of 4: a chunk is wholly inside the row or wholly padding
-            if row_ok and c < head_dim:
-                return load_vec4(X, row_start + c)
-            return float32(0), float32(0), float32(0), float32(0)
-        x = cuda.local.array(4, float32)
-        for i in range(4):
-            x[i] = load_word(X, row_start + c + i) if row_ok and c + i < head_dim else float32(0)
-        return x[0], x[1], x[2], x[3]
-
-    @cuda.jit(device=True, inline=True)
-    def store_split(base_hi, base_lo, w0, w1, w2, w3, smem):
-        """Four float32 into shared memory as tf32 hi and lo halves (3xTF32)."""
-        h0, l0 = split_tf32(w0)
-        h1, l1 = split_tf32(w1)
-        h2, l2 = split_tf32(w2)
-        h3, l3 = split_tf32(w3)
-        store_vec4(smem, base_hi, h0, h1, h2, h3)
-        store_vec4(smem, base_lo, l0, l1, l2, l3)
+    load_chunk = make_load_chunk(IS_F16, VEC)
 
     def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
                keep_threshold, keep_scale, seed0, seed1):
@@ -524,16 +534,16 @@ def _aligned16(x):
     return pointer is None or pointer.value is None or pointer.value % 16 == 0
 
 
-def key_tile_lists(layout, mask_block, tile, n_q, n_k, causal):
-    """For each (head, query tile), the key tiles flash2 visits under a block mask.
+def tile_visits(layout, mask_block, tile, n_q, n_k, causal):
+    """Which (query tile, key tile) pairs a kernel visits under a block mask, and which it masks.
 
     layout: (BH, T_r, T_c) bool, in blocks of mask_block = (B_r, B_c); tile:
-    the kernel's (BLOCK_M, BLOCK_N), which need not match the mask's blocks.
-    A kernel tile is visited if any mask block it overlaps is non-zero (and,
+    (query rows, keys) of the kernel's tiles, which need not match the mask's
+    blocks.  A tile is visited if any mask block it overlaps is non-zero (and,
     when causal, if any of its keys is not above every one of its rows); it is
     *partly masked* unless every mask block it overlaps is non-zero, and then
-    the kernel checks each element against the layout.  Returns (offsets
-    (BH, T_q + 1) int32, entries int32 = key tile * 2 + partly-masked bit).
+    the kernel checks each element against the layout.  Returns boolean
+    (visit, partly), each (BH, query tiles, key tiles).
     """
     (mask_rows, mask_cols), (block_m, block_n) = mask_block, tile
     heads = layout.shape[0]
@@ -552,20 +562,45 @@ def key_tile_lists(layout, mask_block, tile, n_q, n_k, causal):
     visit = nonzero > 0
     if causal:
         visit &= k_first[None, None, :] <= q_last[None, :, None]
+    return visit, visit & (nonzero < covered[None])
+
+
+def tile_lists(visit, partly):
+    """visit, partly (BH, T_own, T_other) as per-(head, own tile) lists of the other tiles to visit.
+
+    Returns (offsets (BH, T_own + 1) int32, entries int32 = other tile * 2 +
+    partly-masked bit): head bh's own tile i visits
+    ``entries[offsets[bh, i]:offsets[bh, i + 1]] >> 1``, in increasing order.
+    """
+    heads, own_tiles = visit.shape[:2]
     counts = visit.sum(axis=2)
-    offsets = np.zeros((heads, len(q_first) + 1), np.int64)
+    offsets = np.zeros((heads, own_tiles + 1), np.int64)
     offsets[:, 1:] = counts.cumsum(axis=1)
     offsets += (np.concatenate([[0], counts.sum(axis=1).cumsum()[:-1]]))[:, None]
-    _, _, key_tiles = np.nonzero(visit)
-    partly = (nonzero < covered[None])[visit]
-    return offsets.astype(np.int32), (key_tiles * 2 + partly).astype(np.int32)
+    _, _, others = np.nonzero(visit)
+    return offsets.astype(np.int32), (others * 2 + partly[visit]).astype(np.int32)
 
 
-def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None, dropout=None):
+def key_tile_lists(layout, mask_block, tile, n_q, n_k, causal):
+    """For each (head, query tile), the key tiles flash2's forward visits (``tile_visits``, ``tile_lists``)."""
+    return tile_lists(*tile_visits(layout, mask_block, tile, n_q, n_k, causal))
+
+
+def block_mask_args(layout, device_layout, mask_block, tile, n_q, n_k, causal):
+    """A block mask as flash2's kernel arguments: device tile lists, the layout, its block size.
+
+    layout: (BH, T_r, T_c) bool NumPy array (the host builds the tile lists
+    from it); device_layout: the same as a uint8 device array.
+    """
+    offsets, entries = key_tile_lists(layout, mask_block, tile, n_q, n_k, causal)
+    return (cuda.to_device(offsets), cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
+            device_layout, int(mask_block[0]), int(mask_block[1]))
+
+
+def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None, dropout=None, stream=0):
     """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
 
-    mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) bool
-    NumPy array (the host builds the tile lists from it); dropout: None or
+    mask: None, or ``block_mask_args(...)`` for these tiles; dropout: None or
     ``numba_flash.dropout.kernel_args``.
     """
     block_m, block_n = int(block_sizes[0]), int(block_sizes[1])  # plain ints: compile-time constants
@@ -577,13 +612,7 @@ def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None, dr
     kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec, mask is not None,
                                  dropout is not None)
     grid = (cdiv(n_q, block_m), bh)
-    if mask is None:
-        sparse = no_tile_lists() + (no_mask_layout(), 1, 1)
-    else:
-        block_layout, (mask_rows, mask_cols) = mask
-        offsets, entries = key_tile_lists(block_layout, (mask_rows, mask_cols), (block_m, block_n), n_q, n_k, causal)
-        sparse = (cuda.to_device(offsets), cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
-                  cuda.to_device(np.ascontiguousarray(block_layout, dtype=np.uint8)), mask_rows, mask_cols)
+    sparse = no_tile_lists() + (no_mask_layout(), 1, 1) if mask is None else mask
     args = (tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E) + sparse
             + (NO_DROPOUT if dropout is None else dropout))
-    launch(kernel, grid, layout.threads, args, dynamic_shared_bytes=layout.shared_bytes)
+    launch(kernel, grid, layout.threads, args, dynamic_shared_bytes=layout.shared_bytes, stream=stream)

@@ -134,7 +134,7 @@ def make_row_softmax(SOFTMAX_THREADS, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None, dropout=None):
+def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None, dropout=None, stream=0):
     """Algorithm 0 on device arrays; s and p are the (BH, N_q, N_k) HBM buffers.
 
     mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) uint8 device array;
@@ -143,10 +143,10 @@ def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, mask=None, dropo
     bh, n_q, d = q.shape
     n_k = k.shape[1]
     # Alg. 0, line 1: S = tau Q K^T, written to HBM.
-    launch(make_batched_matmul(MATMUL_TILE, True), (cdiv(n_k, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (q, k, s, scale))
+    launch(make_batched_matmul(MATMUL_TILE, True), (cdiv(n_k, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (q, k, s, scale), stream=stream)
     # Alg. 0, line 2: read S, P = softmax(S), write P to HBM.
     layout, (block_rows, block_cols) = mask if mask is not None else (no_mask_layout(), (1, 1))
     launch(make_row_softmax(ROW_THREADS, bool(causal), mask is not None, dropout is not None), (n_q, bh), ROW_THREADS,
-           (s, p, lse, layout, block_rows, block_cols) + (NO_DROPOUT if dropout is None else dropout))
+           (s, p, lse, layout, block_rows, block_cols) + (NO_DROPOUT if dropout is None else dropout), stream=stream)
     # Alg. 0, line 3: read P and V, O = P V, write O.
-    launch(make_batched_matmul(MATMUL_TILE, False), (cdiv(d, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (p, v, o, 1.0))
+    launch(make_batched_matmul(MATMUL_TILE, False), (cdiv(d, MATMUL_TILE), cdiv(n_q, MATMUL_TILE), bh), (MATMUL_TILE, MATMUL_TILE), (p, v, o, 1.0), stream=stream)

@@ -3,11 +3,18 @@
 The fast kernel has its own vectorised, pipelined loads; the literal kernels
 load a tile the plain way: every thread of the block takes every
 ``threads``-th element.
+
+These helpers are inlined by LLVM (``inlined_device_function``), not by Numba
+(``inline=True``): NVVM 13 rejects the debug info of a function inlined at
+the Numba IR level inside a loop ("Symbol name with unsupported characters")
+once kernels are compiled with line info, as ours are for ncu.
 """
-from numba import cuda, float32
+from numba import float32
+
+from ._launch import inlined_device_function
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def load_rows(tile, X, bh, first_row, n_rows, thread, threads):
     """tile[r, x] = X[bh, first_row + r, x], zeros past row n_rows (all threads together)."""
     rows, width = tile.shape
@@ -17,7 +24,7 @@ def load_rows(tile, X, bh, first_row, n_rows, thread, threads):
         tile[r, x] = X[bh, first_row + r, x] if first_row + r < n_rows else float32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def zero_tile(tile, thread, threads):
     """tile[:, :] = 0 (all threads together)."""
     rows, width = tile.shape

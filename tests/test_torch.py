@@ -1,0 +1,161 @@
+"""numba_flash.torch: the autograd function against float64 references and as a drop-in for SDPA.
+
+Runs in both modes: CPU tensors through the simulator, CUDA tensors on a GPU
+(zero-copy, on torch's current stream).
+"""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import numba_flash
+import numba_flash.torch as nft
+import reference
+from numba_flash import BlockMask, dropout_mask
+from strategies import SIZES
+from tolerances import assert_close_to_reference, backward_tolerance
+
+DEVICE = "cpu" if numba_flash.in_simulator() else "cuda"
+TORCH_DTYPES = {np.float32: torch.float32, np.float16: torch.float16}
+
+
+def tensor(x, requires_grad=True):
+    return torch.tensor(x, device=DEVICE, requires_grad=requires_grad)
+
+
+def check_gradients(q, k, v, do, grads, dtype, scale=None, causal=False, mask=None, keep=None, dropout_p=0.0):
+    """grads (dq, dk, dv) against the float64 reference, under the backward's derived tolerance."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    out, _ = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask, dropout_keep=keep, dropout_p=dropout_p)
+    expected = reference.attention_backward(q, k, v, do, scale=scale, causal=causal, mask=mask, dropout_keep=keep,
+                                            dropout_p=dropout_p)
+    weights = reference.softmax(reference.masked_scores(q, k, scale=scale, causal=causal, mask=mask))
+    tolerances = backward_tolerance(q, k, v, out.astype(dtype), do, scale, weights, 1 / (1 - dropout_p), dtype=dtype)
+    for name, got, want, tol in zip(("dq", "dk", "dv"), grads, expected, tolerances):
+        got = got.detach().cpu().double().numpy()
+        err = float(np.abs(got - want).max())
+        assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@settings(max_examples=max(4, settings.default.max_examples // 2))  # each example runs a forward and a backward
+@given(data=st.data())
+def test_forward_and_gradients_match_float64(dtype, data):
+    batch, heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    n_q, n_k = data.draw(st.integers(1, SIZES.max_n["flash2"])), data.draw(st.integers(1, SIZES.max_n["flash2"]))
+    d = data.draw(st.integers(1, SIZES.max_d))
+    causal = data.draw(st.booleans())
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    q = rng.standard_normal((batch, heads, n_q, d)).astype(dtype)
+    k, v = (rng.standard_normal((batch, heads, n_k, d)).astype(dtype) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(dtype)
+    tq, tk, tv = tensor(q), tensor(k), tensor(v)
+    out = nft.attention(tq, tk, tv, causal=causal)
+    assert out.shape == tq.shape and out.dtype == TORCH_DTYPES[dtype] and out.device.type == DEVICE
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal)
+    assert_close_to_reference(out.detach().cpu().numpy(), None, ref_out, ref_lse, q, k, v, 1 / np.sqrt(d), dtype)
+    out.backward(tensor(do, requires_grad=False))
+    check_gradients(q, k, v, do, (tq.grad, tk.grad, tv.grad), dtype, causal=causal)
+
+
+def test_torch_math_attention_in_float64_agrees_with_the_reference():
+    # The reference the other tests use is torch's own math attention in float64.
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 3, 9, 8)) for _ in range(3))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        torch_out = torch.nn.functional.scaled_dot_product_attention(*(torch.tensor(x) for x in (q, k, v)),
+                                                                     is_causal=True)
+    np.testing.assert_allclose(torch_out.numpy(), reference.attention(q, k, v, causal=True)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_dropout_and_block_masks_pass_through_autograd():
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 2, 20, 8)).astype(np.float32) for _ in range(4))
+    bm = BlockMask(rng.random((2, 3, 3)) < 0.7, (8, 8))
+    tq, tk, tv = tensor(q), tensor(k), tensor(v)
+    out = nft.attention(tq, tk, tv, block_mask=bm, dropout_p=0.25, seed=99)
+    keep = dropout_mask(q.shape[:-1] + (20,), 0.25, 99)
+    dense = bm.to_dense(20, 20)
+    ref_out, ref_lse = reference.attention(q, k, v, mask=dense, dropout_keep=keep, dropout_p=0.25)
+    assert_close_to_reference(out.detach().cpu().numpy(), None, ref_out, ref_lse, q, k, v, 1 / np.sqrt(8),
+                              weight_scale=1 / 0.75)
+    out.backward(tensor(do, requires_grad=False))
+    check_gradients(q, k, v, do, (tq.grad, tk.grad, tv.grad), np.float32, mask=dense, keep=keep, dropout_p=0.25)
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block whose attention function is a parameter."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+
+    def forward(self, x, attention):
+        batch, n, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, n, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        y = attention(q, k, v).transpose(1, 2).reshape(batch, n, width)
+        x = x + self.proj(y)
+        return x + self.mlp(self.norm2(x))
+
+
+def test_drop_in_for_scaled_dot_product_attention_in_a_transformer_block():
+    torch.manual_seed(0)
+    width, heads, n = (16, 2, 12) if numba_flash.in_simulator() else (256, 4, 200)
+    block = Block(width, heads).to(DEVICE)
+    x = torch.randn(2, n, width, device=DEVICE)
+    target = torch.randn(2, n, width, device=DEVICE)
+
+    def loss_and_grads(attention):
+        block.zero_grad()
+        loss = torch.nn.functional.mse_loss(block(x, attention), target)
+        loss.backward()
+        return loss.item(), {name: p.grad.clone() for name, p in block.named_parameters()}
+
+    def sdpa(q, k, v):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # torch's float32 reference in float32
+    ref_loss, ref_grads = loss_and_grads(sdpa)
+    loss, grads = loss_and_grads(lambda q, k, v: nft.attention(q, k, v, causal=True))
+    # Both sides compute in float32 and differ only in summation order inside the
+    # attention (~1e-6 relative); through a few layers that stays far below 1e-4
+    # of each gradient's largest entry.
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for name, ref in ref_grads.items():
+        err = float((grads[name] - ref).abs().max())
+        assert err <= 1e-4 * float(ref.abs().max()), f"{name}: {err:.3g}"
+
+
+def test_bad_tensors_are_rejected_before_any_launch():
+    good = torch.zeros(1, 4, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        nft.attention(np.zeros((1, 4, 8), np.float32), good, good)
+    other = "cuda" if numba_flash.in_simulator() else "cpu"
+    if other == "cpu":
+        with pytest.raises(TypeError, match="k must be a CUDA tensor"):
+            nft.attention(good, torch.zeros(1, 4, 8), good)
+    with pytest.raises(ValueError, match="algorithm"):
+        nft.attention(good, good, good, algorithm="standard")
+    with pytest.raises(TypeError, match="dtype"):
+        nft.attention(good.double(), good.double(), good.double())
+
+
+@pytest.mark.gpu_only
+def test_kernels_run_on_torchs_current_stream():
+    rng = np.random.default_rng(4)
+    q, k, v = (torch.tensor(rng.standard_normal((2, 2, 300, 64)).astype(np.float32), device="cuda") for _ in range(3))
+    expected = nft.attention(q, k, v)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy: a launch on another stream would overtake it
+        q2 = q * 1  # made on the side stream, after the sleep
+        out = nft.attention(q2, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(out, expected)
