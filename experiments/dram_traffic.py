@@ -39,7 +39,7 @@ from numba_flash.kernels.flash2_forward import default_block_sizes
 from numba_flash.tiling import line1_block_sizes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-SETTINGS = ((64, 16, 1024, 64), (4, 16, 4096, 64))  # (batch, heads, N, d)
+SETTINGS = {"gpt2": (64, 16, 1024, 64), "long": (4, 16, 4096, 64)}  # (batch, heads, N, d)
 SETTINGS_QUICK = ((1, 2, 16, 8),)
 KERNELS = (("standard", "float32"), ("flash1", "float32"), ("flash2", "float32"), ("flash2", "float16"))
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
@@ -97,6 +97,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no profiler: tiny calls in the simulator, model only")
     parser.add_argument("--out", default=RESULTS, help="directory for the outputs")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                        help="which settings to measure (default: all)")
     parser.add_argument("--case", nargs=6, metavar=("ALGORITHM", "DTYPE", "B", "H", "N", "D"),
                         help="internal: run one call (what ncu profiles)")
     args = parser.parse_args(argv)
@@ -107,7 +109,7 @@ def main(argv=None):
     if not args.quick and shutil.which("ncu") is None:
         raise SystemExit("ncu (Nsight Compute) not found: the measurement needs it on the PATH")
     rows = []
-    for batch, heads, n, d in (SETTINGS_QUICK if args.quick else SETTINGS):
+    for batch, heads, n, d in (SETTINGS_QUICK if args.quick else [SETTINGS[name] for name in args.settings]):
         for algorithm, dtype in progress(KERNELS, f"N={n}"):
             tiles = block_sizes(algorithm, np.dtype(dtype), n, d, args.quick)
             model = io.attention_traffic(algorithm, batch * heads, n, n, d, block_sizes=tiles, dtype=np.dtype(dtype))
@@ -122,15 +124,16 @@ def main(argv=None):
                              dram_read_GB=read / 1e9, dram_write_GB=written / 1e9,
                              dram_over_model=(read + written) / model.total_bytes, launches=" + ".join(names)))
             print(rows[-1], flush=True)
-    write_results(rows, args.out, args.quick)
+    write_results(rows, args.out, args.quick, args.settings)
 
 
-def write_results(rows, out_dir, quick):
+def write_results(rows, out_dir, quick, settings):
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, "io_dram" + ("_quick" if quick else ""))
     write_csv(stem + ".csv", rows)
     device = numba_flash.device_limits().name
-    command = "python3 experiments/dram_traffic.py" + (" --quick" if quick else "")
+    command = "python3 experiments/dram_traffic.py" + (" --quick" if quick else "") + (
+        "" if quick or list(settings) == list(SETTINGS) else f" --settings {' '.join(settings)}")
     measured = "none (--quick runs no profiler)" if quick else (
         "Nsight Compute, `--clock-control none --cache-control all`, dram__bytes_read.sum + "
         "dram__bytes_write.sum summed over the call's kernels")

@@ -8,7 +8,10 @@ reports the median of ``--repeats`` runs timed with CUDA events.
 
 Throughput counts the forward pass's two matrix products: 4 * N_q * N_k * d
 FLOPs per (batch, head), halved for causal attention (half the scores are
-skipped).  The peak for "% of peak" is the H200's: 67 TFLOP/s for float32
+skipped).  ``--backward`` times the backward instead (through autograd, ours
+via ``numba_flash.torch``), and forward + backward, counting the usual 2.5x
+the forward's FLOPs for the backward's five products and 3.5x for both
+(FlashAttention-2's convention; our deterministic backward does seven).  The peak for "% of peak" is the H200's: 67 TFLOP/s for float32
 FMA and 989 TFLOP/s for dense float16 tensor-core math (datasheet).
 """
 import csv
@@ -38,11 +41,12 @@ class Row:
     implementation: str
     ms: float          # nan when the implementation does not run this case
     note: str = ""
+    flop_factor: float = 1.0  # FLOPs relative to the forward's: 2.5 backward, 3.5 forward + backward
 
     @property
     def tflops(self):
         b, h, n, d = self.shape
-        flops = 4.0 * n * n * d * b * h * (0.5 if self.causal else 1.0)
+        flops = self.flop_factor * 4.0 * n * n * d * b * h * (0.5 if self.causal else 1.0)
         return flops / (self.ms * 1e-3) / 1e12
 
 
@@ -100,6 +104,61 @@ def run_case(shape, dtype, causal, algorithms, repeats, torch):
     return rows
 
 
+#: Backward targets of issue #5 (float32): ours against torch's backends, speed-up wanted.
+BACKWARD_SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128)]
+BACKWARD_TARGETS = (("torch-math", 1.5), ("torch-efficient", 1.0))
+BACKWARD_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION")
+
+
+def run_backward_case(shape, dtype, causal, repeats, torch):
+    """Backward and forward + backward through autograd: flash2 (numba_flash.torch) and torch's backends."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from . import torch as nft
+
+    tdtype = torch.float16 if dtype == "float16" else torch.float32
+    q, k, v = (torch.randn(shape, device="cuda", dtype=tdtype, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=tdtype)
+    implementations = [("flash2", lambda: nft.attention(q, k, v, causal=causal))]
+    for backend in BACKWARD_BACKENDS:
+        def call(backend=backend):
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return sdpa(q, k, v, is_causal=causal)
+        implementations.append((SHORT_NAMES[backend], call))
+    rows = []
+    for name, forward in implementations:
+        try:
+            out = forward()
+            backward_ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
+                                  repeats=repeats, warmup=3)
+            del out
+            both_ms = time_ms(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out), repeats=repeats, warmup=3)
+            rows.append(Row(shape, dtype, causal, f"{name} bwd", backward_ms, flop_factor=2.5))
+            rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", both_ms, flop_factor=3.5))
+        except (RuntimeError, torch.OutOfMemoryError) as exc:  # backend unavailable for this case
+            note = str(exc).splitlines()[0][:60]
+            rows.append(Row(shape, dtype, causal, f"{name} bwd", float("nan"), note, 2.5))
+            rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", float("nan"), note, 3.5))
+    return rows
+
+
+def backward_target_summary(rows):
+    """Issue #5's float32 backward targets, checked on these rows (lines of text)."""
+    ms = {(r.shape, r.dtype, r.causal, r.implementation): r.ms for r in rows}
+    lines = []
+    for (shape, dtype, causal, impl), ours in ms.items():
+        if impl != "flash2 bwd" or dtype != "float32":
+            continue
+        for baseline, target in BACKWARD_TARGETS:
+            theirs = ms.get((shape, dtype, causal, f"{baseline} bwd"), float("nan"))
+            if not np.isnan(theirs):
+                ratio = theirs / ours
+                lines.append(f"{shape} causal={causal}: flash2 backward is {ratio:.2f}x {baseline}'s "
+                             f"(target {target:.1f}x: {'met' if ratio >= target else 'missed'})")
+    return lines
+
+
 def format_table(rows, baseline="flash2"):
     """A markdown table: one line per (case, implementation), ratios against ``baseline``."""
     lines = ["| shape (B,H,N,d) | dtype | causal | implementation | ms | TFLOP/s | % of peak | "
@@ -108,8 +167,10 @@ def format_table(rows, baseline="flash2"):
     for row in rows:
         cases.setdefault((row.shape, row.dtype, row.causal), []).append(row)
     for (shape, dtype, causal), group in cases.items():
-        ours = next((r for r in group if r.implementation == baseline), None)
         for r in group:
+            # Each row is compared with ours of the same kind (forward, bwd or fwd+bwd).
+            kind = r.implementation.partition(" ")[2]
+            ours = next((o for o in group if o.implementation == (f"{baseline} {kind}" if kind else baseline)), None)
             if np.isnan(r.ms):
                 lines.append(f"| {shape} | {dtype} | {causal} | {r.implementation} | n/a | | | {r.note} |")
                 continue
@@ -140,7 +201,7 @@ def target_summary(rows):
     return lines
 
 
-def write_results(rows, out_dir, tag, command):
+def write_results(rows, out_dir, tag, command, backward=False):
     os.makedirs(out_dir, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     header = (f"Command: `{command}`  \nDevice: {device_limits().name}  \nDate: {stamp}  \n"
@@ -154,8 +215,10 @@ def write_results(rows, out_dir, tag, command):
                              "" if np.isnan(r.ms) else f"{r.tflops:.2f}", r.note])
     md_path = os.path.join(out_dir, f"{tag}.md")
     with open(md_path, "w") as f:
-        f.write(f"# Forward attention benchmark\n\n{header}\n{format_table(rows)}\n\n## Targets (issue #3)\n\n")
-        f.write("".join(f"- {line}\n" for line in target_summary(rows)))
+        title, issue, summary = (("Backward attention benchmark", 5, backward_target_summary(rows)) if backward
+                                 else ("Forward attention benchmark", 3, target_summary(rows)))
+        f.write(f"# {title}\n\n{header}\n{format_table(rows)}\n\n## Targets (issue #{issue})\n\n")
+        f.write("".join(f"- {line}\n" for line in summary))
     return csv_path, md_path
 
 
@@ -166,19 +229,25 @@ def main(args):
     torch = _torch()
     if torch is None:
         print("torch with CUDA is not importable: timing numba-flash only.")
-    shapes = [tuple(s) for s in args.shape] if args.shape else DEFAULT_SHAPES
+    if args.backward and torch is None:
+        print("The backward benchmark runs through autograd: it needs torch with CUDA.")
+        return 2
+    shapes = [tuple(s) for s in args.shape] if args.shape else (BACKWARD_SHAPES if args.backward else DEFAULT_SHAPES)
     algorithms = args.algorithms.split(",")
     rows = []
     for dtype in args.dtypes.split(","):
         for shape in shapes:
             for causal in (False, True):
-                rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch))
+                if args.backward:
+                    rows.extend(run_backward_case(shape, dtype, causal, args.repeats, torch))
+                else:
+                    rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch))
                 print(format_table([r for r in rows if r.shape == shape and r.dtype == dtype
                                     and r.causal == causal]).split("\n", 2)[2], flush=True)
     table = format_table(rows)
     print(table)
-    print("\n".join(target_summary(rows)))
+    print("\n".join(backward_target_summary(rows) if args.backward else target_summary(rows)))
     if args.out:
-        paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench")
+        paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench", args.backward)
         print("wrote", *paths)
     return 0

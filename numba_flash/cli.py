@@ -71,8 +71,8 @@ def masks(args):
 
 
 #: Experiments the command runs: experiments/<name>.py in a source checkout.
-EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "block_size_choice", "tune_flash2", "mask_gallery",
-               "mma_throughput")
+EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice", "tune_flash2",
+               "mask_gallery", "mma_throughput")
 
 
 def experiment(args):
@@ -105,6 +105,8 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,float16", help="comma-separated: float32,float16")
     p.add_argument("--algorithms", default="flash2", help="ours to time, comma-separated (flash2,flash1,standard)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median reported)")
+    p.add_argument("--backward", action="store_true",
+                   help="time the backward and forward + backward through autograd (default shapes: issue #5's)")
     p.add_argument("--out", default=None, help="folder for the CSV and markdown results")
     p.add_argument("--tag", default="bench", help="file name stem of the results")
     p.add_argument("--command", default=None, help="the command line to record in the results")

@@ -10,6 +10,8 @@ Hypothesis profiles (pick one with HYPOTHESIS_PROFILE or --hypothesis-profile):
   the default in the simulator.
 * ``gpu``: larger shapes and more examples; the default on a GPU.
 * ``thorough``: the GPU sizes with many more examples (an opt-in slow tier).
+* ``gpu_smoke``: the GPU sizes with few examples, for a quick run on a GPU
+  (each new block size and head dim compiles a kernel, seconds each).
 
 The sizes each profile draws live in ``strategies.SIZES``.
 """
@@ -25,6 +27,7 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("sim", max_examples=12, derandomize=True, **_common)
 settings.register_profile("gpu", max_examples=20, **_common)
 settings.register_profile("thorough", max_examples=500, **_common)
+settings.register_profile("gpu_smoke", max_examples=5, **_common)  # GPU sizes, few examples: a short device run
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "sim" if config.ENABLE_CUDASIM else "gpu")
 settings.load_profile(PROFILE)
 

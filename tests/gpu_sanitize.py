@@ -6,7 +6,9 @@ Not a pytest module: run it under the sanitizer on a GPU, e.g.
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize.py flash2 backward
 
 Arguments select runs by name (any word of "forward flash2 float32 sparse
-...", all given words must match); none runs everything.  Shapes are small
+...", all given words must match); none runs everything.  The word "quick"
+runs only the last (smallest) case: each run compiles its kernels, which
+dominates the time.  Shapes are small
 (the sanitizer slows kernels down a lot) and chosen to be ragged: N_q and N_k
 not multiples of any block size, N_q != N_k, odd d.  Every result is checked
 against the float64 reference too, so a run that the sanitizer passes but that
@@ -83,11 +85,13 @@ def check(name, got, want, dtype):
 def main(selected=()):
     rng = np.random.default_rng(0)
     worst = 0.0
+    cases = CASES[-1:] if "quick" in selected else CASES
+    selected = [word for word in selected if word != "quick"]
     for run in RUNS:
         if not all(word in run_name(run).split() for word in selected):
             continue
         direction, algorithm, dtype, blocks, variant = run
-        for bh, n_q, n_k, d, causal in CASES:
+        for bh, n_q, n_k, d, causal in cases:
             q = rng.standard_normal((bh, n_q, d)).astype(dtype)
             k, v = (rng.standard_normal((bh, n_k, d)).astype(dtype) for _ in range(2))
             kwargs, ref_kwargs = options(variant, bh, n_q, n_k, rng)

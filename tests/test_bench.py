@@ -1,0 +1,24 @@
+"""The benchmark's tables and target checks (the timing itself needs a GPU; these need none)."""
+import math
+
+from numba_flash.bench import Row, backward_target_summary, format_table, target_summary
+
+SHAPE = (4, 16, 4096, 64)
+
+
+def test_forward_and_backward_rows_are_compared_with_ours_of_the_same_kind():
+    rows = [Row(SHAPE, "float32", False, "flash2", 2.0), Row(SHAPE, "float32", False, "torch-math", 6.0),
+            Row(SHAPE, "float32", False, "flash2 bwd", 4.0, flop_factor=2.5),
+            Row(SHAPE, "float32", False, "torch-math bwd", 5.0, flop_factor=2.5),
+            Row(SHAPE, "float32", False, "torch-efficient bwd", 3.0, flop_factor=2.5),
+            Row(SHAPE, "float32", False, "torch-flash bwd", math.nan, "no float32", 2.5)]
+    table = format_table(rows)
+    assert "| torch-math | 6.000 |" in table and "| 3.00x |" in table        # forward vs flash2
+    assert "| torch-math bwd | 5.000 |" in table and "| 1.25x |" in table    # backward vs flash2 bwd
+    assert "| torch-flash bwd | n/a |" in table
+    # A backward does 2.5x the forward's FLOPs: same time, 2.5x the TFLOP/s.
+    assert math.isclose(rows[2].tflops, 2.5 * Row(SHAPE, "float32", False, "x", 4.0).tflops)
+    lines = backward_target_summary(rows)
+    assert lines == [f"{SHAPE} causal=False: flash2 backward is 1.25x torch-math's (target 1.5x: missed)",
+                     f"{SHAPE} causal=False: flash2 backward is 0.75x torch-efficient's (target 1.0x: missed)"]
+    assert target_summary(rows) == [f"{SHAPE} causal=False: flash2 is 3.00x torch-math (target 2.0x: met)"]
