@@ -90,7 +90,7 @@ def measure(algorithm, dtype, setting):
         raise RuntimeError(f"ncu failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     launches = parse_ncu_csv(done.stdout)
     return (sum(r for _, r, _ in launches.values()), sum(w for _, _, w in launches.values()),
-            sorted({name.split("(")[0] for name, _, _ in launches.values()}))
+            sorted({name.split("(")[0].split("[")[0] for name, _, _ in launches.values()}))
 
 
 def main(argv=None):
