@@ -1,7 +1,7 @@
 """Both backward passes (Algorithm 4 literally, and the fast flash2 one) against float64 gradients."""
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_flash
@@ -61,6 +61,7 @@ def test_gradients_match_the_float64_reference(algorithm, dtype, data, dropout_p
 
 
 @variants
+@settings(max_examples=max(3, settings.default.max_examples // 3))  # two full backward passes per example
 @given(data=st.data(), dropout_p=st.sampled_from([0.0, 0.2]))
 def test_backward_is_bitwise_deterministic(algorithm, dtype, data, dropout_p):
     p = data.draw(problems(algorithm=algorithm, dtype=dtype, max_n=16 if algorithm == "flash1" else None,
