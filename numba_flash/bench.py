@@ -204,8 +204,10 @@ def target_summary(rows):
 def write_results(rows, out_dir, tag, command, backward=False):
     os.makedirs(out_dir, exist_ok=True)
     stamp = datetime.date.today().isoformat()
+    inputs = ("one set of inputs per case (through autograd, as training runs it)" if backward
+              else "fresh inputs rotated among 3 sets")
     header = (f"Command: `{command}`  \nDevice: {device_limits().name}  \nDate: {stamp}  \n"
-              f"Host: {platform.node()}; median of CUDA-event timings, fresh inputs rotated among 3 sets.\n")
+              f"Host: {platform.node()}; median of CUDA-event timings, {inputs}.\n")
     csv_path = os.path.join(out_dir, f"{tag}.csv")
     with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
