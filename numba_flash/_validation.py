@@ -14,7 +14,7 @@ import numpy as np
 from . import _arrays
 from ._checks import positive_int_pair
 from .block_mask import BlockMask
-from .device import device_limits
+from .device import device_limits, in_simulator
 from .kernels import flash1_backward as _flash1_backward
 from .kernels import flash1_forward as _flash1
 from .kernels import flash2_backward as _flash2_backward
@@ -22,6 +22,8 @@ from .kernels import flash2_forward as _flash2
 from .tiling import flash1_backward_block_sizes, line1_block_sizes
 
 ALGORITHMS = ("standard", "flash1", "flash2")
+#: flash2's default tiles (forward and backward) in the simulator.
+SIMULATOR_FLASH2_BLOCK_SIZES = (16, 16)
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
 #: dtypes each algorithm accepts (the fast kernel also takes float16).
 DTYPES = {
@@ -179,6 +181,10 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backwar
             if backward:
                 return flash1_backward_block_sizes(head_dim, n_q=n_q, n_k=n_k)
             return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
+        if in_simulator():
+            # Every simulated CUDA thread is a Python thread: the smallest legal tiles
+            # (one warp) are the fastest there.  The GPU defaults are tuned tiles.
+            return SIMULATOR_FLASH2_BLOCK_SIZES
         if backward:
             return _flash2_backward.default_block_sizes(head_dim)
         return _flash2.default_block_sizes(head_dim, dtype)

@@ -40,7 +40,8 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         fit in 48 KiB of shared memory; default Algorithm 1's line 1
         (``numba_flash.line1_block_sizes``).  flash2: B_r a multiple of 16,
         B_c a multiple of 8 (float32) or 16 (float16), fitting in the
-        device's opt-in shared memory; default measured per (d, dtype).
+        device's opt-in shared memory; default measured per (d, dtype)
+        on the H200 ((16, 16) in the simulator, where small tiles are fast).
     return_lse : bool
         Also return the row log-sum-exp lse = m + log(l) (float32, natural
         log); -inf for a row that may attend to no key (its output is 0).
@@ -94,7 +95,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     (B_r, B_c) of Algorithm 4 (default: ``flash1_backward_block_sizes``);
     for "flash2" the tile a thread block owns (B_r queries in the dQ pass,
     B_r keys in the dK/dV pass) and the tile it streams (B_c), both
-    multiples of 16 (default (64, 32) up to d = 128, (32, 16) above).
+    multiples of 16 (default (64, 32) up to d = 128, (32, 16) above; (16, 16)
+    in the simulator).
     """
     call = check_backward_args(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
                                dropout_p=dropout_p, seed=seed, algorithm=algorithm, block_sizes=block_sizes)

@@ -118,3 +118,13 @@ def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None, back
     k = arrays(draw, batch + (n_k, d), dtype)
     v = arrays(draw, batch + (n_k, d), dtype)
     return Problem(q, k, v, causal, scale, block_sizes)
+
+
+def random_block_mask(data, n_q, n_k, block_sizes=None):
+    """A random BlockMask at block_sizes (random blocks if None), dense or sparse; empty rows and columns happen."""
+    from numba_flash import BlockMask
+
+    block_sizes = block_sizes or (data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8)))
+    grid = (-(-n_q // block_sizes[0]), -(-n_k // block_sizes[1]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    return BlockMask(rng.random(grid) < data.draw(st.sampled_from([0.3, 0.6, 1.0])), block_sizes)

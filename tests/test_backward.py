@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import numba_flash
 import reference
 from numba_flash import BlockMask, dropout_mask
-from strategies import arrays, problems
+from strategies import arrays, problems, random_block_mask
 from tolerances import backward_tolerance
 
 VARIANTS = [("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
@@ -20,14 +20,6 @@ def reference_forward(p, dense_mask, keep, dropout_p):
     out, lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, mask=dense_mask,
                                    dropout_keep=keep, dropout_p=dropout_p)
     return out.astype(p.q.dtype), lse.astype(np.float32)
-
-
-def random_block_mask(data, n_q, n_k, block_sizes):
-    """A random BlockMask (empty rows and columns included) at block_sizes, or at random blocks if None."""
-    block_sizes = block_sizes or (data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8)))
-    grid = (-(-n_q // block_sizes[0]), -(-n_k // block_sizes[1]))
-    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-    return BlockMask(rng.random(grid) < data.draw(st.sampled_from([0.3, 0.6, 1.0])), block_sizes)
 
 
 @variants

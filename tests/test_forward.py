@@ -7,7 +7,7 @@ from numba import cuda
 
 import numba_flash
 import reference
-from strategies import problems
+from strategies import problems, random_block_mask
 from tolerances import U16, U32, assert_close_to_reference
 
 # (algorithm, dtype) pairs: every algorithm in float32, the fast one also in float16.
@@ -147,14 +147,21 @@ def test_return_lse_false_returns_only_the_output():
 
 
 @variants
-@given(data=st.data(), dropout_p=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2 ** 64 - 1))
-def test_dropout_drops_exactly_the_generated_mask(algorithm, dtype, data, dropout_p, seed):
+@given(data=st.data(), dropout_p=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2 ** 64 - 1),
+       masked=st.booleans())
+def test_dropout_drops_exactly_the_generated_mask(algorithm, dtype, data, dropout_p, seed, masked):
+    # With and without a block mask: the two share the kernels' inner loop.
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
-    out, lse = attend(p, algorithm, dropout_p=dropout_p, seed=seed)
-    keep = numba_flash.dropout_mask(p.q.shape[:-1] + (p.k.shape[-2],), dropout_p, seed)
-    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, dropout_keep=keep,
-                                           dropout_p=dropout_p)
+    n_q, n_k = p.q.shape[-2], p.k.shape[-2]
+    bm = random_block_mask(data, n_q, n_k, p.block_sizes if algorithm == "flash1" else None) if masked else None
+    dense = None if bm is None else bm.to_dense(n_q, n_k)
+    out, lse = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm,
+                      block_sizes=bm.block_size if algorithm == "flash1" and bm is not None else p.block_sizes)
+    keep = numba_flash.dropout_mask(p.q.shape[:-1] + (n_k,), dropout_p, seed)
+    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, mask=dense,
+                                           dropout_keep=keep, dropout_p=dropout_p)
     assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype,
                               weight_scale=1 / (1 - dropout_p))
-    again, _ = attend(p, algorithm, dropout_p=dropout_p, seed=seed)
+    again, _ = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm,
+                      block_sizes=bm.block_size if algorithm == "flash1" and bm is not None else p.block_sizes)
     np.testing.assert_array_equal(out, again)

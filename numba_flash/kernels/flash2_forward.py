@@ -452,10 +452,10 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
                         key = k0 + nt * 8 + 2 * t
                         w0, w1, w2, w3 = philox_device(uint32(key // 4), uint32(row), uint32(bh), uint32(0),
                                                        uint32(seed0), uint32(seed1))
-                        first = w2 if t & 1 else w0
-                        second = w3 if t & 1 else w1
-                        s_acc[nt, 2 * h] *= float32(keep_scale) if first >= keep_threshold else float32(0)
-                        s_acc[nt, 2 * h + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
+                        first_word = w2 if t & 1 else w0
+                        second_word = w3 if t & 1 else w1
+                        s_acc[nt, 2 * h] *= float32(keep_scale) if first_word >= keep_threshold else float32(0)
+                        s_acc[nt, 2 * h + 1] *= float32(keep_scale) if second_word >= keep_threshold else float32(0)
 
             # ---- acc += P V_j, with P straight from the S registers ----
             if IS_F16:
