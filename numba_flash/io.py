@@ -13,7 +13,9 @@ really does:
   (``kernels/standard_attention.py``);
 * ``flash1_traffic``: Algorithm 1, or Algorithm 5 with a block mask
   (``kernels/flash1_forward.py``);
-* ``flash2_traffic``: the FlashAttention-2 kernel (``kernels/flash2_forward.py``).
+* ``flash2_traffic``: the FlashAttention-2 kernel (``kernels/flash2_forward.py``);
+* ``flash2_backward_traffic``: the three launches of the flash2 backward
+  (``kernels/flash2_backward.py``).
 
 Each returns an ``AttentionTraffic``: one ``KernelTraffic`` per launch with
 the bytes read and written per buffer, named as in ``api.py`` (q, k, v, o,
@@ -56,7 +58,8 @@ from typing import Mapping, Tuple
 
 import numpy as np
 
-from .kernels.flash2_forward import Flash2Layout, key_tile_lists
+from .kernels.flash2_backward import BackwardLayout
+from .kernels.flash2_forward import Flash2Layout, key_tile_lists, tile_visits
 from .kernels.standard_attention import MATMUL_TILE
 
 FLOAT32 = 4  # bytes: S, P, l, m, lse, and q, k, v, o unless flash2 runs in float16
@@ -314,6 +317,85 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     writes = {"o": element * n_q * head_dim * batch_heads, "lse": FLOAT32 * n_q * batch_heads}
     name = "flash2_forward" if mask is None else "flash2_forward (block-sparse)"
     return AttentionTraffic("flash2", (KernelTraffic(name, _bytes(reads), _bytes(writes)),))
+
+
+def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.float32, causal=False,
+                            mask=None):
+    """The flash2 backward's three launches as ``flash2_backward`` makes them.
+
+    block_sizes: (B_r, B_c) as the backward takes them (B_r owned, B_c
+    streamed); dtype of q, k, v, o, do and the gradients (lse and D are
+    float32); mask: None, or (layout, block size).  float16 reads each
+    streamed Q, dO (dK/dV pass) and K (dQ pass) tile twice: once row-major,
+    once as interleaved row pairs.
+    """
+    own, other = block_sizes
+    element = np.dtype(dtype).itemsize
+    twice = 2 if element == 2 else 1
+    threads = BackwardLayout(own, other, head_dim, element == 2).threads
+    rows_q, rows_k = batch_heads * n_q, batch_heads * n_k
+    preprocess = KernelTraffic("flash2_backward_preprocess", _bytes({"o": element * rows_q * head_dim,
+                                                                       "do": element * rows_q * head_dim}),
+                               _bytes({"dsum": FLOAT32 * rows_q}))
+
+    def visits(tile, transpose):
+        """(own tile, other tile, partly, heads each stands for) of every visit of one pass.
+
+        tile: (query rows, keys) of the pass's tiles; transpose: the pass owns
+        key tiles (dK/dV) rather than query tiles (dQ).
+        """
+        t_q, t_k = _cdiv(n_q, tile[0]), _cdiv(n_k, tile[1])
+        if mask is None:
+            if transpose:  # dK/dV: key tile kt walks query tiles kt * B_r // B_c .. T_q - 1
+                visit = np.arange(t_q)[None, :] >= (own * np.arange(t_k) // other)[:, None] if causal \
+                    else np.ones((t_k, t_q), bool)
+            else:          # dQ: as the forward
+                last_row = np.minimum(tile[0] * np.arange(t_q) + tile[0], n_q) - 1
+                visit = (tile[1] * np.arange(t_k)[None, :] <= last_row[:, None]) if causal \
+                    else np.ones((t_q, t_k), bool)
+            own_tile, other_tile = np.nonzero(visit)
+            return own_tile, other_tile, np.zeros(len(own_tile), bool), batch_heads
+        visit, partly = tile_visits(np.asarray(mask[0], bool), tuple(mask[1]), tile, n_q, n_k, causal)
+        if transpose:
+            visit, partly = visit.transpose(0, 2, 1), partly.transpose(0, 2, 1)
+        _, own_tile, other_tile = np.nonzero(visit)
+        return own_tile, other_tile, partly[visit], 1
+
+    def layout_reads(q_lo, q_hi, k_lo, k_hi, partly):
+        """Layout bytes read: each (query < N_q, key < N_k) pair causality leaves, in partly masked visits."""
+        checked = _causal_pairs(q_lo, q_hi, k_lo, k_hi) if causal else (q_hi - q_lo) * (k_hi - k_lo)
+        return UINT8 * checked[partly].sum()
+
+    # dK/dV: one block per key tile (B_r keys) walks query tiles (B_c queries).
+    k_tile, q_tile, partly, heads_each = visits((other, own), transpose=True)
+    q0, k0 = other * q_tile, own * k_tile
+    queries = np.minimum(q0 + other, n_q) - q0
+    reads = {"k": element * rows_k * head_dim, "v": element * rows_k * head_dim,
+             "q": twice * element * head_dim * queries.sum() * heads_each,
+             "do": twice * element * head_dim * queries.sum() * heads_each,
+             "lse": FLOAT32 * queries.sum() * heads_each, "dsum": FLOAT32 * queries.sum() * heads_each}
+    if mask is not None:
+        reads["layout"] = layout_reads(q0, q0 + queries, k0, np.minimum(k0 + own, n_k), partly)
+        reads["tile_offsets"] = INT32 * 2 * threads * _cdiv(n_k, own) * batch_heads
+        reads["tile_entries"] = INT32 * threads * len(k_tile)
+    dkdv = KernelTraffic("flash2_backward_dkdv", _bytes(reads),
+                         _bytes({"dk": element * rows_k * head_dim, "dv": element * rows_k * head_dim}))
+
+    # dQ: one block per query tile (B_r queries) walks key tiles (B_c keys); each row's
+    # lse and D are read by the four lanes that hold it.
+    q_tile, k_tile, partly, heads_each = visits((own, other), transpose=False)
+    q0, k0 = own * q_tile, other * k_tile
+    keys = np.minimum(k0 + other, n_k) - k0
+    reads = {"q": element * rows_q * head_dim, "do": element * rows_q * head_dim,
+             "lse": 4 * FLOAT32 * rows_q, "dsum": 4 * FLOAT32 * rows_q,
+             "k": twice * element * head_dim * keys.sum() * heads_each,
+             "v": element * head_dim * keys.sum() * heads_each}
+    if mask is not None:
+        reads["layout"] = layout_reads(q0, np.minimum(q0 + own, n_q), k0, k0 + keys, partly)
+        reads["tile_offsets"] = INT32 * 2 * threads * _cdiv(n_q, own) * batch_heads
+        reads["tile_entries"] = INT32 * threads * len(q_tile)
+    dq = KernelTraffic("flash2_backward_dq", _bytes(reads), _bytes({"dq": element * rows_q * head_dim}))
+    return AttentionTraffic("flash2 backward", (preprocess, dkdv, dq))
 
 
 def attention_traffic(algorithm, batch_heads, n_q, n_k, head_dim, *, block_sizes=None, dtype=np.float32,
