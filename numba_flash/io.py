@@ -1,8 +1,9 @@
-"""Device-memory traffic of the forward kernels, exactly, beside the paper's I/O bounds.
+"""Device-memory traffic of the kernels (forward, and the flash2 backward), exactly, beside the paper's I/O bounds.
 
 Theorem 2 of Dao et al. (2022) counts HBM accesses: standard attention
 Theta(N d + N^2), FlashAttention Theta(N^2 d^2 / M) (M the SRAM size in
-elements); Proposition 4 gives block-sparse FlashAttention
+elements); Theorem 5 gives the same orders for the backward pass;
+Proposition 4 gives block-sparse FlashAttention
 Theta(N d + N^2 d^2 s / M) (s the fraction of non-zero blocks).  Those are
 orders of growth of the paper's algorithms.  This module counts, for each
 kernel *as implemented here*, the bytes that every global load and store in
@@ -453,11 +454,20 @@ def theorem2_flash(n, d, sram_elements):
     return n ** 2 * d ** 2 / sram_elements
 
 
+def theorem5_backward(n, d, sram_elements=None):
+    """Theorem 5, the backward pass: standard N d + N^2; FlashAttention N^2 d^2 / M (given M).
+
+    The same orders as the forward's (Theorem 2): the backward reads and
+    writes a constant number of N x d (and, for standard, N x N) arrays more.
+    """
+    return theorem2_standard(n, d) if sram_elements is None else theorem2_flash(n, d, sram_elements)
+
+
 def proposition4_block_sparse(n, d, sram_elements, density):
     """Proposition 4, block-sparse FlashAttention: N d + N^2 d^2 s / M, s the fraction of non-zero blocks."""
     return n * d + n ** 2 * d ** 2 * density / sram_elements
 
 
 __all__ = ["KernelTraffic", "AttentionTraffic", "standard_traffic", "flash1_traffic", "flash2_traffic",
-           "attention_traffic", "device_allocations", "theorem2_standard", "theorem2_flash",
-           "proposition4_block_sparse"]
+           "flash2_backward_traffic", "attention_traffic", "device_allocations", "theorem2_standard",
+           "theorem2_flash", "theorem5_backward", "proposition4_block_sparse"]

@@ -205,3 +205,14 @@ def test_model_grows_as_theorem_2_says():
 def test_flash1_rejects_a_mask_in_other_blocks():
     with pytest.raises(ValueError, match="tiles equal"):
         io.flash1_traffic(1, 8, 8, 4, (4, 4), mask=(np.ones((1, 4, 4), bool), (2, 2)))
+
+
+def test_backward_model_grows_as_theorem_5_says():
+    d, lengths = 64, [2048, 4096, 8192]
+    # flash2's backward re-reads Q, dO (dK/dV pass) and K, V (dQ pass) once per tile: quadratic in N.
+    backward = [io.flash2_backward_traffic(1, n, n, d, (64, 32)).total_bytes for n in lengths]
+    assert slope(lengths, backward) == pytest.approx(2, abs=0.05)
+    assert slope(lengths, [io.theorem5_backward(n, d, 4096) for n in lengths]) == pytest.approx(2)
+    # Causal visits about half the tiles.
+    causal = io.flash2_backward_traffic(1, 4096, 4096, d, (64, 32), causal=True).total_bytes
+    assert 0.45 < causal / backward[1] < 0.6
