@@ -15,6 +15,7 @@ really does:
 * ``flash1_traffic``: Algorithm 1, or Algorithm 5 with a block mask
   (``kernels/flash1_forward.py``);
 * ``flash2_traffic``: the FlashAttention-2 kernel (``kernels/flash2_forward.py``);
+* ``flash1_backward_traffic``: Algorithm 4 (``kernels/flash1_backward.py``);
 * ``flash2_backward_traffic``: the three launches of the flash2 backward
   (``kernels/flash2_backward.py``).
 
@@ -320,6 +321,36 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     return AttentionTraffic("flash2", (KernelTraffic(name, _bytes(reads), _bytes(writes)),))
 
 
+def flash1_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, causal=False, mask=None):
+    """Algorithm 4 as ``flash1_backward`` runs it (float32): one launch.
+
+    Per head: dQ zeroed (line 5); K_j, V_j loaded once; for every visited
+    (i, j) Q_i and dO_i loaded, and each valid row reads its O row and lse
+    (for D_i, recomputed per visit as Algorithm 4 does) and reads and writes
+    its dQ row (line 21); dK_j, dV_j written once.  causal changes nothing:
+    Algorithm 4 visits every tile and masks elements.  With a mask (blocks
+    equal to the tiles) only non-zero tiles are visited, and every thread
+    reads M_ij for every (i, j).
+    """
+    block_rows, block_cols = block_sizes
+    grid = (_cdiv(n_q, block_rows), _cdiv(n_k, block_cols))
+    layout, heads_each = _layouts(mask, batch_heads, grid)
+    if mask is not None and tuple(mask[1]) != tuple(block_sizes):
+        raise ValueError(f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks: "
+                         f"mask blocks {tuple(mask[1])}, tiles {tuple(block_sizes)}")
+    # Rows of query block i, summed over the tiles each head visits.
+    visited_rows = heads_each * (layout * _block_lengths(n_q, block_rows)[None, :, None]).sum()
+    row_elements = head_dim * visited_rows
+    reads = {"k": FLOAT32 * batch_heads * n_k * head_dim, "v": FLOAT32 * batch_heads * n_k * head_dim,
+             "q": FLOAT32 * row_elements, "do": FLOAT32 * row_elements, "o": FLOAT32 * row_elements,
+             "dq": FLOAT32 * row_elements, "lse": FLOAT32 * visited_rows}
+    if mask is not None:
+        reads["layout"] = UINT8 * block_rows * grid[0] * grid[1] * batch_heads
+    writes = {"dq": FLOAT32 * (batch_heads * n_q * head_dim + row_elements),
+              "dk": FLOAT32 * batch_heads * n_k * head_dim, "dv": FLOAT32 * batch_heads * n_k * head_dim}
+    return AttentionTraffic("flash1 backward", (KernelTraffic("flash1_backward", _bytes(reads), _bytes(writes)),))
+
+
 def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.float32, causal=False,
                             mask=None):
     """The flash2 backward's three launches as ``flash2_backward`` makes them.
@@ -469,5 +500,5 @@ def proposition4_block_sparse(n, d, sram_elements, density):
 
 
 __all__ = ["KernelTraffic", "AttentionTraffic", "standard_traffic", "flash1_traffic", "flash2_traffic",
-           "flash2_backward_traffic", "attention_traffic", "device_allocations", "theorem2_standard",
+           "flash1_backward_traffic", "flash2_backward_traffic", "attention_traffic", "device_allocations", "theorem2_standard",
            "theorem2_flash", "theorem5_backward", "proposition4_block_sparse"]

@@ -1,4 +1,4 @@
-"""numba_flash.io against the kernels: every byte they move, counted in the simulator.
+"""numba_flash.io against the kernels, forward and backward: every byte they move, counted in the simulator.
 
 Each case runs ``attention`` under ``traffic_counter.count_traffic``, which
 attributes every element access of every launch to the kernel parameter it
@@ -129,6 +129,9 @@ def test_model_matches_every_access_and_allocation(case):
     assert counter.allocated_bytes == sum(allocated.values())
 
 
+FLASH1_BACKWARD_BUFFERS = [{"Q": "q", "K": "k", "V": "v", "O": "o", "dO": "do", "LSE": "lse", "dQ": "dq", "dK": "dk",
+                            "dV": "dv", "M": "layout"}]
+#: The flash2 backward's launches: preprocess, dK/dV, dQ.
 BACKWARD_BUFFERS = [
     {"O": "o", "dO": "do", "Dsum": "dsum"},
     {"Q": "q", "K": "k", "V": "v", "dO": "do", "LSE": "lse", "Dsum": "dsum", "dK": "dk", "dV": "dv", "M": "layout",
@@ -137,6 +140,9 @@ BACKWARD_BUFFERS = [
      "tile_offsets": "tile_offsets", "tile_entries": "tile_entries"},
 ]
 BACKWARD_CASES = [
+    Case("flash1", 2, 13, 17, 5, block_sizes=(4, 6)),
+    Case("flash1", 1, 11, 9, 3, causal=True, block_sizes=(5, 3)),
+    Case("flash1", 2, 20, 15, 6, mask_block=(4, 5)),
     # d = 12 float32 and d = 16 float16 take the vector path, d = 10 and 6 the scalar one; B_r != B_c.
     Case("flash2", 2, 24, 19, 12, block_sizes=(16, 32)),
     Case("flash2", 1, 21, 40, 10, causal=True, block_sizes=(32, 16)),
@@ -159,15 +165,22 @@ def test_backward_model_matches_every_access(case):
     o, lse = numba_flash.attention(q, k, v, causal=case.causal, block_mask=block_mask, return_lse=True)
     do = rng.standard_normal(o.shape).astype(case.dtype)
     no_mask_layout(), no_tile_lists()
+    block_sizes = case.mask_block if case.algorithm == "flash1" and mask is not None else case.block_sizes
 
     with count_traffic() as counter:
         numba_flash.attention_backward(q, k, v, o, lse, do, causal=case.causal, block_mask=block_mask,
-                                       block_sizes=case.block_sizes)
+                                       block_sizes=block_sizes, algorithm=case.algorithm)
 
-    model = io.flash2_backward_traffic(case.batch_heads, case.n_q, case.n_k, case.head_dim, case.block_sizes,
-                                       dtype=case.dtype, causal=case.causal, mask=mask)
-    assert len(counter.launches) == len(model.launches) == 3
-    for launch, modelled, parameters in zip(counter.launches, model.launches, BACKWARD_BUFFERS):
+    if case.algorithm == "flash1":
+        model = io.flash1_backward_traffic(case.batch_heads, case.n_q, case.n_k, case.head_dim, block_sizes,
+                                           causal=case.causal, mask=mask)
+        buffers = FLASH1_BACKWARD_BUFFERS
+    else:
+        model = io.flash2_backward_traffic(case.batch_heads, case.n_q, case.n_k, case.head_dim, block_sizes,
+                                           dtype=case.dtype, causal=case.causal, mask=mask)
+        buffers = BACKWARD_BUFFERS
+    assert len(counter.launches) == len(model.launches) == len(buffers)
+    for launch, modelled, parameters in zip(counter.launches, model.launches, buffers):
         reads, writes = counted_buffers(launch, parameters)
         assert reads == modelled.reads, launch.kernel
         assert writes == modelled.writes, launch.kernel
