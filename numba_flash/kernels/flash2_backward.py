@@ -59,9 +59,10 @@ from numba.cuda.types import float16
 
 from ..dropout import NO_DROPOUT, dropout_weight, philox_device
 from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
-from .flash2_forward import (LOG2_E, ROWS_PER_WARP, _aligned16, _flat, _padded_stride, make_load_chunk,
-                             mma_3xtf32, no_tile_lists, split_tf32, store_split, tile_lists, tile_visits)
-from .primitives import exp2, f32_as_u32, load_word, mma_f16, pack_half2, store_vec4, store_word, u32_as_f32
+from .flash2_forward import (LOG2_E, ROWS_PER_WARP, _aligned16, _flat, make_load_chunk, no_tile_lists, store_split,
+                             tile_lists, tile_visits)
+from .fragments import pair_stride, row_stride, tile_products
+from .primitives import exp2, f32_as_u32, load_word, pack_half2, store_vec4, store_word, u32_as_f32
 
 MAX_HEAD_DIM = 256
 BLOCK_MULTIPLE = 16
@@ -103,12 +104,12 @@ class BackwardLayout:
     @property
     def row_stride(self):
         """Words per row of a row-major tile (tf32 words, or float16 pairs along d)."""
-        return _padded_stride(self.d_pad // 2 if self.is_f16 else self.d_pad, 4)
+        return row_stride(self.d_pad, self.is_f16)
 
     @property
     def pair_stride(self):
         """Words per row pair of a float16 tile stored as interleaved row pairs."""
-        return _padded_stride(self.d_pad, 8)
+        return pair_stride(self.d_pad)
 
     def _tiles(self, rows):
         """Words of one row-major tile (hi and lo halves for tf32)."""
@@ -133,14 +134,11 @@ class BackwardLayout:
 
 
 @lru_cache(maxsize=None)
-def _fragment_ops(OTHER, D_PAD, IS_F16, THREADS, VEC):
-    """The device functions both kernels share, for a streamed tile of OTHER rows."""
-    layout = BackwardLayout(ROWS_PER_WARP, OTHER, D_PAD, IS_F16)
-    RS = layout.row_stride
-    PS = layout.pair_stride
-    O_TILES = OTHER // 8            # 8-wide column tiles of a 16 x OTHER fragment
+def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
+    """Device functions both kernels use to move tiles: rows into shared memory, results out."""
+    RS = row_stride(D_PAD, IS_F16)
+    PS = pair_stride(D_PAD)
     D_TILES = D_PAD // 8
-    QK_STEPS = D_PAD // (16 if IS_F16 else 8)
     ROW_CHUNKS = D_PAD // (8 if IS_F16 else 4)  # 16-byte chunks per row
     CHUNK = 8 if IS_F16 else 4                  # elements per chunk
     load_chunk = make_load_chunk(IS_F16, VEC)
@@ -175,73 +173,6 @@ def _fragment_ops(OTHER, D_PAD, IS_F16, THREADS, VEC):
                        (a3 & 0xFFFF) | (b3 << 16), (a3 >> 16) | (b3 & 0xFFFF0000))
 
     @cuda.jit(device=True, inline=True)
-    def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
-        """acc[ot] += A[a_row0 + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B)."""
-        for ks in range(QK_STEPS):
-            a_row = (a_row0 + g) * RS + ks * 8 + t
-            if IS_F16:
-                a0 = load_word(smem, A_HI + a_row)
-                a1 = load_word(smem, A_HI + a_row + 8 * RS)
-                a2 = load_word(smem, A_HI + a_row + 4)
-                a3 = load_word(smem, A_HI + a_row + 8 * RS + 4)
-                for ot in range(O_TILES):
-                    b_row = B_HI + (ot * 8 + g) * RS + ks * 8 + t
-                    c0, c1, c2, c3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4),
-                                             acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
-                    acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
-            else:
-                ah0 = load_word(smem, A_HI + a_row)
-                ah1 = load_word(smem, A_HI + a_row + 8 * RS)
-                ah2 = load_word(smem, A_HI + a_row + 4)
-                ah3 = load_word(smem, A_HI + a_row + 8 * RS + 4)
-                al0 = load_word(smem, A_LO + a_row)
-                al1 = load_word(smem, A_LO + a_row + 8 * RS)
-                al2 = load_word(smem, A_LO + a_row + 4)
-                al3 = load_word(smem, A_LO + a_row + 8 * RS + 4)
-                for ot in range(O_TILES):
-                    b_row = (ot * 8 + g) * RS + ks * 8 + t
-                    c0, c1, c2, c3 = mma_3xtf32(
-                        ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                        load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + 4),
-                        load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + 4),
-                        acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
-                    acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
-
-    @cuda.jit(device=True, inline=True)
-    def regs_by_rows(acc, p, smem, B_HI, B_LO, g, t):
-        """acc[dt] += P . B: P (16 x OTHER) in accumulator fragments, B (OTHER x d) in shared memory.
-
-        B is a row-major tile at B_HI/B_LO for tf32, and an interleaved-pairs
-        tile at B_HI for float16.
-        """
-        if IS_F16:
-            for ks in range(O_TILES // 2):
-                a0 = pack_half2(p[2 * ks, 0], p[2 * ks, 1])
-                a1 = pack_half2(p[2 * ks, 2], p[2 * ks, 3])
-                a2 = pack_half2(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
-                a3 = pack_half2(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
-                for dt in range(D_TILES):
-                    b_row = B_HI + (ks * 8 + t) * PS + dt * 8 + g
-                    c0, c1, c2, c3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4 * PS),
-                                             acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = c0, c1, c2, c3
-        else:
-            for ks in range(O_TILES):
-                # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).
-                ah0, al0 = split_tf32(p[ks, 0])
-                ah1, al1 = split_tf32(p[ks, 2])
-                ah2, al2 = split_tf32(p[ks, 1])
-                ah3, al3 = split_tf32(p[ks, 3])
-                for dt in range(D_TILES):
-                    b_row = (ks * 8 + 2 * t) * RS + dt * 8 + g
-                    c0, c1, c2, c3 = mma_3xtf32(
-                        ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                        load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + RS),
-                        load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + RS),
-                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = c0, c1, c2, c3
-
-    @cuda.jit(device=True, inline=True)
     def store_result(X, acc, first_row, n_rows, row_base, head_dim, scale, row0, t):
         """Rows row0, row0 + 8 of a 16 x d accumulator fragment, times scale, into X (rows past n_rows dropped)."""
         for h in range(2):
@@ -261,7 +192,7 @@ def _fragment_ops(OTHER, D_PAD, IS_F16, THREADS, VEC):
                         if col + 1 < head_dim:
                             store_word(X, out + col + 1, float16(x1) if IS_F16 else x1)
 
-    return store_rows, store_pairs, rows_by_rows_t, regs_by_rows, store_result
+    return store_rows, store_pairs, store_result
 
 
 @cuda.jit(device=True, inline=True)
@@ -297,8 +228,8 @@ def make_flash2_backward_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, CAUSAL, IS_F16, 
     """dK and dV: one thread block per (key tile of BLOCK_KEYS, batch*head); see the module docstring."""
     layout = BackwardLayout(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, IS_F16)
     THREADS = layout.threads
-    store_rows, store_pairs, rows_by_rows_t, regs_by_rows, store_result = _fragment_ops(
-        BLOCK_QUERIES, D_PAD, IS_F16, THREADS, VEC)
+    store_rows, store_pairs, store_result = _tile_moves(D_PAD, IS_F16, THREADS, VEC)
+    rows_by_rows_t, regs_by_rows = tile_products(BLOCK_QUERIES, D_PAD, IS_F16)
     Q_TILES = BLOCK_QUERIES // 8
     D_TILES = D_PAD // 8
     KEY_WORDS = layout._tiles(BLOCK_KEYS)
@@ -426,8 +357,8 @@ def make_flash2_backward_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, CAUSAL, IS_F16, VE
     """dQ: one thread block per (query tile of BLOCK_QUERIES, batch*head); see the module docstring."""
     layout = BackwardLayout(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, IS_F16)
     THREADS = layout.threads
-    store_rows, store_pairs, rows_by_rows_t, regs_by_rows, store_result = _fragment_ops(
-        BLOCK_KEYS, D_PAD, IS_F16, THREADS, VEC)
+    store_rows, store_pairs, store_result = _tile_moves(D_PAD, IS_F16, THREADS, VEC)
+    rows_by_rows_t, regs_by_rows = tile_products(BLOCK_KEYS, D_PAD, IS_F16)
     K_TILES = BLOCK_KEYS // 8
     D_TILES = D_PAD // 8
     QUERY_WORDS = layout._tiles(BLOCK_QUERIES)

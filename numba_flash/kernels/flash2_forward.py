@@ -36,7 +36,9 @@ How it is fast, and what each trick costs in clarity:
   fragment load hit 32 different banks (strides = 4 mod 32 words, and 8 mod
   32 for the float16 V layout).
 
-Layouts of the mma fragments are in ``primitives.py``.  Notation: a warp's
+The two products (S = Q K^T, and O += P V from the registers) are
+``fragments.py``'s ``rows_by_rows_t`` and ``regs_by_rows``, which the
+backward shares.  Layouts of the mma fragments are in ``primitives.py``.  Notation: a warp's
 lane is 4*g + t; ``s_acc[nt]`` holds S rows (g, g+8) x columns (2t, 2t+1) of
 key tile nt; ``o_acc[dt]`` the same for head-dim tile dt of O.
 """
@@ -50,8 +52,8 @@ from numba.cuda.types import float16
 
 from ..dropout import NO_DROPOUT, philox_device
 from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
-from .primitives import (exp2, load_vec4, load_word, mma_f16, mma_tf32, pack_half2, shfl_xor, store_vec4,
-                         store_word, tf32_round, u32_as_f32)
+from .fragments import pair_stride, row_stride, split_tf32, tile_products
+from .primitives import exp2, load_vec4, load_word, pack_half2, shfl_xor, store_vec4, store_word
 
 LOG2_E = 1.4426950408889634
 ROWS_PER_WARP = 16
@@ -81,11 +83,6 @@ def default_block_sizes(head_dim, dtype):
         if head_dim <= bound:
             return blocks
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
-
-
-def _padded_stride(words, residue):
-    """The smallest stride >= words that is congruent to residue mod 32 (banks)."""
-    return words + (residue - words) % 32
 
 
 @dataclass(frozen=True)
@@ -118,12 +115,12 @@ class Flash2Layout:
     @property
     def qk_stride(self):
         """Words per row of the Q and K tiles (tf32 words, or float16 pairs)."""
-        return _padded_stride(self.d_pad // 2 if self.is_f16 else self.d_pad, 4)
+        return row_stride(self.d_pad, self.is_f16)
 
     @property
     def v_stride(self):
         """Words per row of the V tile (float16: one row holds a pair of keys)."""
-        return _padded_stride(self.d_pad, 8 if self.is_f16 else 4)
+        return pair_stride(self.d_pad) if self.is_f16 else row_stride(self.d_pad, False)
 
     @property
     def shared_words(self):
@@ -135,22 +132,6 @@ class Flash2Layout:
     @property
     def shared_bytes(self):
         return 4 * self.shared_words
-
-
-@cuda.jit(device=True, inline=True)
-def split_tf32(x):
-    """x = hi + lo, both as tf32 bit patterns (3xTF32)."""
-    hi = tf32_round(x)
-    return hi, tf32_round(x - u32_as_f32(hi))
-
-
-@cuda.jit(device=True, inline=True)
-def mma_3xtf32(a_hi0, a_hi1, a_hi2, a_hi3, a_lo0, a_lo1, a_lo2, a_lo3,
-               b_hi0, b_hi1, b_lo0, b_lo1, c0, c1, c2, c3):
-    """C + A B in float32 accuracy from three tf32 mma: lo*hi + hi*lo + hi*hi."""
-    c0, c1, c2, c3 = mma_tf32(a_lo0, a_lo1, a_lo2, a_lo3, b_hi0, b_hi1, c0, c1, c2, c3)
-    c0, c1, c2, c3 = mma_tf32(a_hi0, a_hi1, a_hi2, a_hi3, b_lo0, b_lo1, c0, c1, c2, c3)
-    return mma_tf32(a_hi0, a_hi1, a_hi2, a_hi3, b_hi0, b_hi1, c0, c1, c2, c3)
 
 
 @lru_cache(maxsize=None)
@@ -219,7 +200,6 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
     V_STRIDE = layout.v_stride
     N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
-    QK_STEPS = D_PAD // layout.k_step
     # Tiles move between device memory and shared memory in chunks of four
     # 32-bit words: 4 float32, or 8 float16 (as 4 packed pairs).
     ROW_CHUNKS = D_PAD // (8 if IS_F16 else 4)
@@ -242,6 +222,11 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
         K_LO = K_HI + BLOCK_N * QK_STRIDE
         V_HI = K_LO + BLOCK_N * QK_STRIDE
         V_LO = V_HI + BLOCK_N * V_STRIDE
+    # The tiles as the shared products read them (float16 has no lo halves).
+    Q_A, Q_A_LO = (Q_W, 0) if IS_F16 else (Q_HI, Q_LO)
+    K_B, K_B_LO = (K_W, 0) if IS_F16 else (K_HI, K_LO)
+    V_B, V_B_LO = (V_W, 0) if IS_F16 else (V_HI, V_LO)
+    rows_by_rows_t, regs_by_rows = tile_products(BLOCK_N, D_PAD, IS_F16)
 
     load_chunk = make_load_chunk(IS_F16, VEC)
 
@@ -374,35 +359,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
             for nt in range(N_TILES):
                 for e in range(4):
                     s_acc[nt, e] = float32(0)
-            for ks in range(QK_STEPS):
-                if IS_F16:
-                    a_row = Q_W + row0 * QK_STRIDE + ks * 8 + t
-                    a0 = load_word(smem, a_row)
-                    a1 = load_word(smem, a_row + 8 * QK_STRIDE)
-                    a2 = load_word(smem, a_row + 4)
-                    a3 = load_word(smem, a_row + 8 * QK_STRIDE + 4)
-                    for nt in range(N_TILES):
-                        b_row = K_W + (nt * 8 + g) * QK_STRIDE + ks * 8 + t
-                        s0, s1, s2, s3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4),
-                                                 s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3])
-                        s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3] = s0, s1, s2, s3
-                else:
-                    a_row = row0 * QK_STRIDE + ks * 8 + t
-                    ah0 = load_word(smem, Q_HI + a_row)
-                    ah1 = load_word(smem, Q_HI + a_row + 8 * QK_STRIDE)
-                    ah2 = load_word(smem, Q_HI + a_row + 4)
-                    ah3 = load_word(smem, Q_HI + a_row + 8 * QK_STRIDE + 4)
-                    al0 = load_word(smem, Q_LO + a_row)
-                    al1 = load_word(smem, Q_LO + a_row + 8 * QK_STRIDE)
-                    al2 = load_word(smem, Q_LO + a_row + 4)
-                    al3 = load_word(smem, Q_LO + a_row + 8 * QK_STRIDE + 4)
-                    for nt in range(N_TILES):
-                        b_row = (nt * 8 + g) * QK_STRIDE + ks * 8 + t
-                        s0, s1, s2, s3 = mma_3xtf32(
-                            ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                            load_word(smem, K_HI + b_row), load_word(smem, K_HI + b_row + 4), load_word(smem, K_LO + b_row), load_word(smem, K_LO + b_row + 4),
-                            s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3])
-                        s_acc[nt, 0], s_acc[nt, 1], s_acc[nt, 2], s_acc[nt, 3] = s0, s1, s2, s3
+            rows_by_rows_t(s_acc, smem, Q_A, Q_A_LO, K_B, K_B_LO, warp * ROWS_PER_WARP, g, t)
 
             # ---- online softmax: scale to log2 units, mask, new max, P = exp2(S - m) ----
             # Only the last key block (ragged) and blocks crossing the diagonal need masks.
@@ -458,32 +415,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
                         s_acc[nt, 2 * h + 1] *= float32(keep_scale) if second_word >= keep_threshold else float32(0)
 
             # ---- acc += P V_j, with P straight from the S registers ----
-            if IS_F16:
-                for ks in range(BLOCK_N // 16):
-                    a0 = pack_half2(s_acc[2 * ks, 0], s_acc[2 * ks, 1])
-                    a1 = pack_half2(s_acc[2 * ks, 2], s_acc[2 * ks, 3])
-                    a2 = pack_half2(s_acc[2 * ks + 1, 0], s_acc[2 * ks + 1, 1])
-                    a3 = pack_half2(s_acc[2 * ks + 1, 2], s_acc[2 * ks + 1, 3])
-                    for dt in range(D_TILES):
-                        b_row = V_W + (ks * 8 + t) * V_STRIDE + dt * 8 + g
-                        o0, o1, o2, o3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4 * V_STRIDE),
-                                                 acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = o0, o1, o2, o3
-            else:
-                for ks in range(N_TILES):
-                    # k-index t <-> key 2t (c0, c2) and t + 4 <-> key 2t + 1 (c1, c3).
-                    ah0, al0 = split_tf32(s_acc[ks, 0])
-                    ah1, al1 = split_tf32(s_acc[ks, 2])
-                    ah2, al2 = split_tf32(s_acc[ks, 1])
-                    ah3, al3 = split_tf32(s_acc[ks, 3])
-                    for dt in range(D_TILES):
-                        b_row = (ks * 8 + 2 * t) * V_STRIDE + dt * 8 + g
-                        o0, o1, o2, o3 = mma_3xtf32(
-                            ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                            load_word(smem, V_HI + b_row), load_word(smem, V_HI + b_row + V_STRIDE),
-                            load_word(smem, V_LO + b_row), load_word(smem, V_LO + b_row + V_STRIDE),
-                            acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = o0, o1, o2, o3
+            regs_by_rows(acc, s_acc, smem, V_B, V_B_LO, g, t)
 
         # ---- epilogue: O_i = acc / l_i, lse = m + log l, written once ----
         for h in range(2):
