@@ -131,7 +131,7 @@ def run_forward(call, q, k, v, o, lse, *, empty=_arrays.empty, stream=0):
                        block_sizes=call.block_sizes, mask=layout, dropout=dropout, stream=stream)
     else:
         flash2_forward(q, k, v, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes,
-                       mask=_flash2_mask(call), dropout=dropout, stream=stream)
+                       mask=_flash2_tile_lists(call, block_mask_args), dropout=dropout, stream=stream)
 
 
 def run_backward(call, q, k, v, o, do, lse, dq, dk, dv, *, empty=_arrays.empty, stream=0):
@@ -143,8 +143,8 @@ def run_backward(call, q, k, v, o, do, lse, dq, dk, dv, *, empty=_arrays.empty, 
     else:
         dsum = empty((call.batch_heads, call.n_q), np.float32)
         flash2_backward(q, k, v, o, do, lse, dq, dk, dv, dsum, scale=call.scale, causal=call.causal,
-                        block_sizes=call.block_sizes, mask=_flash2_backward_mask(call), dropout=_dropout_args(call),
-                        stream=stream)
+                        block_sizes=call.block_sizes, mask=_flash2_tile_lists(call, backward_mask_args),
+                        dropout=_dropout_args(call), stream=stream)
 
 
 def _per_head_layout(call):
@@ -164,22 +164,12 @@ def _device_layout(call):
                                     lambda: cuda.to_device(_per_head_layout(call).view(np.uint8)))
 
 
-def _flash2_mask(call):
-    """flash2's block-mask arguments (tile lists for this call's tiles), or None; kept on the mask."""
+def _flash2_tile_lists(call, build):
+    """flash2's block-mask arguments from ``build`` (forward or backward tile lists), or None; kept on the mask."""
     if call.block_mask is None:
         return None
-    key = ("flash2", call.batch_shape, call.n_q, call.n_k, tuple(call.block_sizes), call.causal)
-    return call.block_mask.prepared(key, lambda: block_mask_args(
-        _per_head_layout(call), _device_layout(call), call.block_mask.block_size, tuple(call.block_sizes),
-        call.n_q, call.n_k, call.causal))
-
-
-def _flash2_backward_mask(call):
-    """The flash2 backward's block-mask arguments (both passes' tile lists), or None; kept on the mask."""
-    if call.block_mask is None:
-        return None
-    key = ("flash2_backward", call.batch_shape, call.n_q, call.n_k, tuple(call.block_sizes), call.causal)
-    return call.block_mask.prepared(key, lambda: backward_mask_args(
+    key = (build.__name__, call.batch_shape, call.n_q, call.n_k, tuple(call.block_sizes), call.causal)
+    return call.block_mask.prepared(key, lambda: build(
         _per_head_layout(call), _device_layout(call), call.block_mask.block_size, tuple(call.block_sizes),
         call.n_q, call.n_k, call.causal))
 
