@@ -59,8 +59,8 @@ from numba.cuda.types import float16
 
 from ..dropout import NO_DROPOUT, dropout_weight, philox_device
 from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
-from .flash2_forward import (LOG2_E, ROWS_PER_WARP, _aligned16, _flat, make_load_chunk, no_tile_lists, store_split,
-                             tile_lists, tile_visits)
+from .flash2_forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, make_load_chunk, no_tile_lists,
+                             store_split, tile_lists, tile_visits)
 from .fragments import pair_stride, row_stride, tile_products
 from .primitives import exp2, f32_as_u32, load_word, pack_half2, store_vec4, store_word, u32_as_f32
 
@@ -80,57 +80,31 @@ def default_block_sizes(head_dim):
 
 
 @dataclass(frozen=True)
-class BackwardLayout:
-    """Compile-time shape of the two backward kernels and their shared memory."""
-
-    block_own: int
-    block_other: int
-    head_dim: int
-    is_f16: bool
-
-    @property
-    def warps(self):
-        return self.block_own // ROWS_PER_WARP
-
-    @property
-    def threads(self):
-        return 32 * self.warps
-
-    @property
-    def d_pad(self):
-        step = 16 if self.is_f16 else 8
-        return -(-self.head_dim // step) * step
-
-    @property
-    def row_stride(self):
-        """Words per row of a row-major tile (tf32 words, or float16 pairs along d)."""
-        return row_stride(self.d_pad, self.is_f16)
-
-    @property
-    def pair_stride(self):
-        """Words per row pair of a float16 tile stored as interleaved row pairs."""
-        return pair_stride(self.d_pad)
+class BackwardLayout(Flash2Layout):
+    """The forward's layout read for the backward: ``block_m`` is the tile a thread block owns
+    (B_r: queries in dQ, keys in dK/dV), ``block_n`` the tile it streams (B_c); shared memory
+    is that of the two backward kernels."""
 
     def _tiles(self, rows):
         """Words of one row-major tile (hi and lo halves for tf32)."""
-        return rows * self.row_stride * (1 if self.is_f16 else 2)
+        return rows * self.qk_stride * (1 if self.is_f16 else 2)
 
     @property
     def dkdv_words(self):
         # K_j, V_j; Q_i, dO_i (twice for float16: rows and pairs); lse and D of the query tile.
-        pairs = 2 * (self.block_other // 2) * self.pair_stride if self.is_f16 else 0
-        return 2 * self._tiles(self.block_own) + 2 * self._tiles(self.block_other) + pairs + 2 * self.block_other
+        pairs = 2 * (self.block_n // 2) * self.v_stride if self.is_f16 else 0
+        return 2 * self._tiles(self.block_m) + 2 * self._tiles(self.block_n) + pairs + 2 * self.block_n
 
     @property
     def dq_words(self):
         # Q_i, dO_i; K_j (twice for float16), V_j.
-        pairs = (self.block_other // 2) * self.pair_stride if self.is_f16 else 0
-        return 2 * self._tiles(self.block_own) + 2 * self._tiles(self.block_other) + pairs
+        pairs = (self.block_n // 2) * self.v_stride if self.is_f16 else 0
+        return 2 * self._tiles(self.block_m) + 2 * self._tiles(self.block_n) + pairs
 
     @property
-    def shared_bytes(self):
+    def shared_words(self):
         """The larger of the two kernels' shared memory."""
-        return 4 * max(self.dkdv_words, self.dq_words)
+        return max(self.dkdv_words, self.dq_words)
 
 
 @lru_cache(maxsize=None)
@@ -239,10 +213,10 @@ def make_flash2_backward_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, CAUSAL, IS_F16, 
     V_HI = KEY_WORDS
     Q_HI = 2 * KEY_WORDS
     DO_HI = Q_HI + QUERY_WORDS
-    HALF_K = BLOCK_KEYS * layout.row_stride
-    HALF_Q = BLOCK_QUERIES * layout.row_stride
+    HALF_K = BLOCK_KEYS * layout.qk_stride
+    HALF_Q = BLOCK_QUERIES * layout.qk_stride
     K_LO, V_LO, Q_LO, DO_LO = K_HI + HALF_K, V_HI + HALF_K, Q_HI + HALF_Q, DO_HI + HALF_Q
-    PAIRS = (BLOCK_QUERIES // 2) * layout.pair_stride
+    PAIRS = (BLOCK_QUERIES // 2) * layout.v_stride
     Q_PAIRS = DO_HI + QUERY_WORDS
     DO_PAIRS = Q_PAIRS + PAIRS
     LSE2 = DO_HI + QUERY_WORDS + (2 * PAIRS if IS_F16 else 0)
@@ -363,8 +337,8 @@ def make_flash2_backward_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, CAUSAL, IS_F16, VE
     D_TILES = D_PAD // 8
     QUERY_WORDS = layout._tiles(BLOCK_QUERIES)
     KEY_WORDS = layout._tiles(BLOCK_KEYS)
-    HALF_Q = BLOCK_QUERIES * layout.row_stride
-    HALF_K = BLOCK_KEYS * layout.row_stride
+    HALF_Q = BLOCK_QUERIES * layout.qk_stride
+    HALF_K = BLOCK_KEYS * layout.qk_stride
     Q_HI = 0
     DO_HI = QUERY_WORDS
     K_HI = 2 * QUERY_WORDS

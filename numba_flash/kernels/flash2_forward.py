@@ -114,12 +114,12 @@ class Flash2Layout:
 
     @property
     def qk_stride(self):
-        """Words per row of the Q and K tiles (tf32 words, or float16 pairs)."""
+        """Words per row of the Q and K tiles, and of every row-major tile (tf32 words, or float16 pairs)."""
         return row_stride(self.d_pad, self.is_f16)
 
     @property
     def v_stride(self):
-        """Words per row of the V tile (float16: one row holds a pair of keys)."""
+        """Words per row of the V tile (float16: a row holds a pair of keys, as every interleaved-pairs tile)."""
         return pair_stride(self.d_pad) if self.is_f16 else row_stride(self.d_pad, False)
 
     @property
