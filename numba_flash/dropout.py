@@ -15,7 +15,9 @@ arrays it runs on the host; compiled by ``cuda.jit(device=True)`` it runs in
 the kernels.
 """
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import float32, uint32
+
+from .kernels._launch import inlined_device_function
 
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
@@ -79,11 +81,12 @@ def kernel_args(p, seed):
     return threshold(p), 1.0 / (1.0 - p), seed0, seed1
 
 
-#: The device version for the kernels (same source, so the same bits).
-philox_device = cuda.jit(device=True, inline=True)(philox_4x32_10)
+#: The device version for the kernels (same source, so the same bits).  Inlined by LLVM: inlined
+#: by Numba inside the kernels' loops, NVVM 13 rejects it once compiled with line info.
+philox_device = inlined_device_function(philox_4x32_10)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def dropout_weight(bh, row, col, keep_threshold, keep_scale, seed0, seed1):
     """Z of Algorithm 2 for entry (bh, row, col): 1/(1-p) if kept, else 0."""
     words = philox_device(uint32(col // 4), uint32(row), uint32(bh), uint32(0), uint32(seed0), uint32(seed1))

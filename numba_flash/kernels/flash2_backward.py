@@ -58,7 +58,7 @@ from numba import cuda, float32, uint32
 from numba.cuda.types import float16
 
 from ..dropout import NO_DROPOUT, dropout_weight, philox_device
-from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
+from ._launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
 from .flash2_forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, make_load_chunk, no_tile_lists,
                              store_split, tile_lists, tile_visits)
 from .fragments import pair_stride, row_stride, tile_products
@@ -66,16 +66,31 @@ from .primitives import exp2, f32_as_u32, load_word, pack_half2, store_vec4, sto
 
 MAX_HEAD_DIM = 256
 BLOCK_MULTIPLE = 16
-#: Default (B_r, B_c) for head dims up to each bound (both dtypes): B_r = 64
-#: keeps dK and dV of d = 128 within the register file, and (32, 16) lets the
-#: float32 tiles of d = 256 fit in shared memory.
-DEFAULT_BLOCK_SIZES = [(128, (64, 32)), (256, (32, 16))]
+#: Default (B_r, B_c) per dtype, for head dims up to each bound.  Measured with
+#: ``experiments/tune_flash2.py --backward`` on the H200, (B,H,N,d) = (4,16,4096,d),
+#: non-causal (experiments/results/tune_flash2_backward.md), ms:
+#:   float32 d=64:  (64,16) 30.3  (64,32) 24.4  (64,64) 38.3  (128,16) 29.4  (128,32) 24.4  (128,64) 24.1
+#:   float32 d=128: (64,16) 82.3  (64,32) 64.4  (the sweep's time ran out here)
+#:   float16 d=64:  (64,16) 10.2  (64,32) 8.9  (64,64) 8.4  (128,16) 13.6  (128,32) 9.9  (128,64) 7.7
+#:   float16 d=128: (64,16) 17.9  (64,32) 18.6  (the sweep's time ran out here)
+#: float32 keeps (64, 32) (within 1% of the best); B_r = 64 keeps dK and dV of
+#: d = 128 within the register file, and (32, 16) lets the float32 tiles of
+#: d = 256 fit in shared memory.
+DEFAULT_BLOCK_SIZES = {
+    "float32": [(128, (64, 32)), (256, (32, 16))],
+    "float16": [(64, (128, 64)), (128, (64, 32)), (256, (32, 16))],
+}
+#: Causal calls cap the tiles at (64, 32): the larger float16 tiles that win without
+#: a mask lose with one (benchmark at (4,16,4096,64), float16, causal: 6.19 ms with
+#: (128, 64) against 5.29 ms with (64, 32)), as more of each diagonal tile is masked
+#: work and fewer, longer blocks balance worse over the triangle.
+CAUSAL_MAX_BLOCK_SIZES = (64, 32)
 
 
-def default_block_sizes(head_dim):
-    for bound, blocks in DEFAULT_BLOCK_SIZES:
+def default_block_sizes(head_dim, dtype, causal=False):
+    for bound, blocks in DEFAULT_BLOCK_SIZES[np.dtype(dtype).name]:
         if head_dim <= bound:
-            return blocks
+            return tuple(min(b, cap) for b, cap in zip(blocks, CAUSAL_MAX_BLOCK_SIZES)) if causal else blocks
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
@@ -117,7 +132,7 @@ def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
     CHUNK = 8 if IS_F16 else 4                  # elements per chunk
     load_chunk = make_load_chunk(IS_F16, VEC)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def store_rows(smem, X, tile_start, rows_valid, head_dim, HI, LO, ROWS, tid):
         """Rows tile_start.. of X (ROWS of them, zeros past rows_valid) as a row-major tile at HI (and LO)."""
         for e in range(tid, ROWS * ROW_CHUNKS, THREADS):
@@ -130,7 +145,7 @@ def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
             else:
                 store_split(HI + at, LO + at, w0, w1, w2, w3, smem)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def store_pairs(smem, X, tile_start, rows_valid, head_dim, AT, ROWS, tid):
         """float16 rows as interleaved pairs: word (pair r, column c) = X[2r, c] low, X[2r + 1, c] high."""
         for e in range(tid, (ROWS // 2) * ROW_CHUNKS, THREADS):
@@ -146,7 +161,7 @@ def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
             store_vec4(smem, at + 4, (a2 & 0xFFFF) | (b2 << 16), (a2 >> 16) | (b2 & 0xFFFF0000),
                        (a3 & 0xFFFF) | (b3 << 16), (a3 >> 16) | (b3 & 0xFFFF0000))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def store_result(X, acc, first_row, n_rows, row_base, head_dim, scale, row0, t):
         """Rows row0, row0 + 8 of a 16 x d accumulator fragment, times scale, into X (rows past n_rows dropped)."""
         for h in range(2):
@@ -169,14 +184,14 @@ def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
     return store_rows, store_pairs, store_result
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def _zero(acc):
     for i in range(acc.shape[0]):
         for e in range(4):
             acc[i, e] = float32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def _log2_lse(lse):
     """lse in log2 units; +inf for a row that attended to nothing, so that exp2(s - it) = 0."""
     return lse * float32(LOG2_E) if lse != float32(-math.inf) else float32(math.inf)
