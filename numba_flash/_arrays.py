@@ -41,7 +41,7 @@ def as_heads(x, on_device):
 
 def as_rows(x, on_device):
     """View a per-row statistic x (..., N) as (batch*heads, N) on the device."""
-    n = x.shape[-1]
+    n = tuple(x.shape)[-1]  # the simulator's device-array shapes refuse negative indices
     if on_device:
         return (x if in_simulator() else cuda.as_cuda_array(x)).reshape(-1, n)
     return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n))

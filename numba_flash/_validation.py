@@ -167,8 +167,8 @@ def _check_flash2_backward_blocks(block_rows, block_cols, head_dim, dtype):
                          f"{limits.shared_bytes_per_block_optin}")
 
 
-def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward=False):
-    """Explicit (B_r, B_c), or the algorithm's default; None for 'standard'."""
+def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward=False, causal=False):
+    """Explicit (B_r, B_c), or the algorithm's default (for the call's dtype and causality); None for 'standard'."""
     if algorithm == "standard":
         if block_sizes is not None:
             raise ValueError("block_sizes applies to the flash algorithms; algorithm='standard' "
@@ -186,7 +186,7 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backwar
             # (one warp) are the fastest there.  The GPU defaults are tuned tiles.
             return SIMULATOR_FLASH2_BLOCK_SIZES
         if backward:
-            return _flash2_backward.default_block_sizes(head_dim)
+            return _flash2_backward.default_block_sizes(head_dim, dtype, causal)
         return _flash2.default_block_sizes(head_dim, dtype)
     block_rows, block_cols = positive_int_pair("block_sizes", block_sizes)
     if algorithm == "flash1":
@@ -237,8 +237,15 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
         if block_sizes is not None and tuple(block_sizes) != block_mask.block_size:
             raise ValueError(f"block_sizes {tuple(block_sizes)} differ from the block mask's {block_mask.block_size}; "
                              f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks")
-        block_sizes = block_mask.block_size
-    block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward)
+        try:
+            block_sizes = check_block_sizes(block_mask.block_size, algorithm, head_dim, n_q, n_k, dtype, backward,
+                                            causal)
+        except ValueError as exc:
+            raise ValueError(f"block_mask: flash1 runs Algorithm 5 with tiles equal to the mask's blocks "
+                             f"{block_mask.block_size}, and they cannot: {exc}; use algorithm='flash2' (any "
+                             f"mask with any tiles) or smaller mask blocks") from None
+    else:
+        block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward, causal)
     return AttentionCall(algorithm, tuple(batch_shape), n_q, n_k, head_dim, dtype, scale, bool(causal),
                          block_sizes, on_device, block_mask, float(dropout_p), int(seed))
 

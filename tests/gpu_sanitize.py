@@ -29,7 +29,7 @@ CASES = [
     (1, 19, 33, 7, True),
 ]
 #: (direction, algorithm, dtype, block sizes, variant): variant is "dense", "sparse" (a random
-#: block mask with an empty row of blocks) or "dropout".
+#: block mask with an empty row of blocks), "dropout" or "sparse_dropout" (both at once).
 RUNS = [
     ("forward", "standard", np.float32, None, "dense"),
     ("forward", "flash1", np.float32, (16, 24), "dense"),
@@ -43,6 +43,8 @@ RUNS = [
     ("forward", "flash2", np.float16, (32, 32), "sparse"),
     ("forward", "flash2", np.float32, (32, 16), "dropout"),
     ("forward", "flash2", np.float16, (32, 32), "dropout"),
+    ("forward", "flash2", np.float32, (32, 16), "sparse_dropout"),
+    ("forward", "flash2", np.float16, (32, 32), "sparse_dropout"),
     ("backward", "flash1", np.float32, (16, 16), "dense"),
     ("backward", "flash1", np.float32, (16, 16), "sparse"),
     ("backward", "flash1", np.float32, (16, 16), "dropout"),
@@ -50,6 +52,9 @@ RUNS = [
     ("backward", "flash2", np.float32, (32, 32), "sparse"),
     ("backward", "flash2", np.float32, (32, 32), "dropout"),
     ("backward", "flash2", np.float16, (32, 32), "dense"),
+    ("backward", "flash1", np.float32, (16, 16), "sparse_dropout"),
+    ("backward", "flash2", np.float32, (32, 32), "sparse_dropout"),
+    ("backward", "flash2", np.float16, (32, 32), "sparse_dropout"),
 ]
 MASK_BLOCK = 16
 DROPOUT_P = 0.25
@@ -62,16 +67,19 @@ def run_name(run):
 
 def options(variant, bh, n_q, n_k, rng):
     """Keyword arguments for one call, and the (mask, keep) the reference needs."""
-    if variant == "sparse":
+    kwargs, ref_kwargs = {}, {}
+    if "sparse" in variant:
         bm = masks.random(n_q, n_k, (MASK_BLOCK, MASK_BLOCK), 0.6, seed=int(rng.integers(1 << 30)))
         layout = bm.layout.copy()
         layout[0] = False  # an empty row of blocks: those rows must come out 0
         bm = numba_flash.BlockMask(layout, bm.block_size)
-        return dict(block_mask=bm), dict(mask=bm.to_dense(n_q, n_k))
-    if variant == "dropout":
+        kwargs.update(block_mask=bm)
+        ref_kwargs.update(mask=bm.to_dense(n_q, n_k))
+    if "dropout" in variant:
         keep = numba_flash.dropout_mask((bh, n_q, n_k), DROPOUT_P, seed=7)
-        return dict(dropout_p=DROPOUT_P, seed=7), dict(dropout_keep=keep, dropout_p=DROPOUT_P)
-    return {}, {}
+        kwargs.update(dropout_p=DROPOUT_P, seed=7)
+        ref_kwargs.update(dropout_keep=keep, dropout_p=DROPOUT_P)
+    return kwargs, ref_kwargs
 
 
 def check(name, got, want, dtype):

@@ -11,7 +11,6 @@ import numpy as np
 from hypothesis import strategies as st
 
 from numba_flash import in_simulator
-from numba_flash.tiling import flash1_sram_elements
 
 
 @dataclass(frozen=True)
@@ -63,29 +62,37 @@ def batch_shapes(max_batch_heads):
         lambda dims: int(np.prod(dims)) <= max_batch_heads).map(tuple)
 
 
-def flash1_block_sizes(d, n_q, n_k):
-    """(B_r, B_c) that the literal kernel can run: anything whose tiles fit in 48 KiB."""
+def flash1_fits(block_sizes, head_dim, backward=False):
+    """Whether the literal kernel's tiles (forward or Algorithm 4's) fit in static shared memory."""
+    from numba_flash import device_limits
+    from numba_flash.kernels import flash1_backward, flash1_forward
+
+    kernel = flash1_backward if backward else flash1_forward
+    return kernel.shared_bytes(*block_sizes, head_dim) <= device_limits().shared_bytes_per_block
+
+
+def flash1_block_sizes(d, backward=False):
+    """(B_r, B_c) that the literal kernel can run: anything whose tiles fit."""
     top = SIZES.max_block
-    return st.tuples(st.integers(1, top), st.integers(1, top)).filter(
-        lambda b: 4 * flash1_sram_elements(b[0], b[1], d) <= 48 * 1024)
+    return st.tuples(st.integers(1, top), st.integers(1, top)).filter(lambda b: flash1_fits(b, d, backward))
 
 
-def flash2_block_sizes(dtype):
-    """(B_r, B_c) for flash2: B_c a multiple of 16 for float16 (the k16 mma)."""
-    step = 16 if np.dtype(dtype) == np.float16 else 8
-    cols = [c for c in SIZES.flash2_cols if c % step == 0]
-    return st.tuples(st.sampled_from(SIZES.flash2_rows), st.sampled_from(cols))
+def flash2_block_sizes(head_dim, dtype, backward=False):
+    """(B_r, B_c) for flash2 whose tiles fit the device's shared memory at head_dim.
 
-
-def flash2_backward_block_sizes(head_dim, dtype):
-    """(B_r, B_c) for the flash2 backward: multiples of 16 whose tiles fit the device's shared memory."""
+    The forward needs B_c to be a multiple of 16 for float16 (the k16 mma), the
+    backward both sizes to be multiples of 16 (tiles of warps in both passes).
+    """
     from numba_flash import device_limits
     from numba_flash.kernels.flash2_backward import BackwardLayout
+    from numba_flash.kernels.flash2_forward import Flash2Layout
 
     limit = device_limits().shared_bytes_per_block_optin
     is_f16 = np.dtype(dtype) == np.float16
-    pairs = [(r, c) for r in SIZES.flash2_rows for c in SIZES.flash2_cols if c % 16 == 0
-             and BackwardLayout(r, c, head_dim, is_f16).shared_bytes <= limit]
+    step = 16 if is_f16 or backward else 8
+    layout = BackwardLayout if backward else Flash2Layout
+    pairs = [(r, c) for r in SIZES.flash2_rows for c in SIZES.flash2_cols
+             if c % step == 0 and layout(r, c, head_dim, is_f16).shared_bytes <= limit]
     return st.sampled_from(pairs)
 
 
@@ -106,11 +113,9 @@ def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None, back
     d = draw(st.integers(1, SIZES.max_d))
     block_sizes = None
     if algorithm == "flash1":
-        block_sizes = draw(st.one_of(st.none(), flash1_block_sizes(d, n_q, n_k)))
-    elif algorithm == "flash2" and backward:
-        block_sizes = draw(st.one_of(st.none(), flash2_backward_block_sizes(d, dtype)))
+        block_sizes = draw(st.one_of(st.none(), flash1_block_sizes(d, backward)))
     elif algorithm == "flash2":
-        block_sizes = draw(st.one_of(st.none(), flash2_block_sizes(dtype)))
+        block_sizes = draw(st.one_of(st.none(), flash2_block_sizes(d, dtype, backward)))
     scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))
     if causal is None:
         causal = draw(st.booleans())

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import cuda
 
 import numba_flash
 import reference
@@ -85,6 +86,35 @@ def test_rows_that_attend_to_nothing_get_zero_gradients():
         assert np.all(dq[:, :16] == 0), algorithm
         for got, want in zip((dq, dk, dv), expected):
             np.testing.assert_allclose(got, want, atol=1e-5, err_msg=algorithm)
+
+
+@variants
+def test_device_arrays_in_give_device_gradients_out(algorithm, dtype):
+    # (batch, heads, N, d) device arrays, lse from a device forward: the gradients stay on the
+    # device and equal the same call on NumPy arrays bit for bit.
+    rng = np.random.default_rng(11)
+    q, k, v, do = rng.standard_normal((4, 2, 3, 20, 8)).astype(dtype)
+    host_out, host_lse = numba_flash.attention(q, k, v, return_lse=True)
+    host_grads = numba_flash.attention_backward(q, k, v, host_out, host_lse, do, algorithm=algorithm)
+    q_dev, k_dev, v_dev, do_dev = (cuda.to_device(x) for x in (q, k, v, do))
+    out, lse = numba_flash.attention(q_dev, k_dev, v_dev, return_lse=True)
+    grads = numba_flash.attention_backward(q_dev, k_dev, v_dev, out, lse, do_dev, algorithm=algorithm)
+    for got, want in zip(grads, host_grads):
+        assert not isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == dtype
+        np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_flash2_backward_tiles_are_legal_for_every_head_dim(dtype, causal):
+    # The GPU defaults (the simulator uses (16, 16)) must pass the same checks as tiles a user gives.
+    from numba_flash._validation import check_block_sizes
+    from numba_flash.kernels.flash2_backward import MAX_HEAD_DIM, default_block_sizes
+
+    for d in range(1, MAX_HEAD_DIM + 1):
+        blocks = default_block_sizes(d, dtype, causal)
+        assert check_block_sizes(blocks, "flash2", d, 100, 100, np.dtype(dtype), backward=True) == blocks
+        assert all(c <= n for c, n in zip(blocks, default_block_sizes(d, dtype, False)))
 
 
 Q = np.zeros((2, 8, 4), np.float32)

@@ -8,7 +8,7 @@ import numba_flash
 import reference
 from numba_flash import BlockMask
 from numba_flash.kernels.flash2_forward import key_tile_lists
-from strategies import flash2_block_sizes, problems
+from strategies import flash1_fits, flash2_block_sizes, problems
 from tolerances import assert_close_to_reference
 
 VARIANTS = [("standard", np.float32), ("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
@@ -19,12 +19,18 @@ LAYOUT_KINDS = ("random", "all_zero", "all_one", "empty_rows", "empty_columns", 
 
 
 @st.composite
-def block_masks(draw, batch_shape, n_q, n_k, max_block=12):
-    """A BlockMask for (n_q, n_k) with leading dims that broadcast to batch_shape."""
+def block_masks(draw, batch_shape, n_q, n_k, max_block=12, fits=None):
+    """A BlockMask for (n_q, n_k) with leading dims that broadcast to batch_shape.
+
+    ``fits`` (None: any size): whether blocks of a size can be run (flash1's tiles are the mask's blocks, so they
+    must fit its shared memory); a single block covering everything that does not fit is drawn
+    as all-one blocks of the drawn size instead.
+    """
     block_size = (draw(st.integers(1, max_block)), draw(st.integers(1, max_block)))
     kind = draw(st.sampled_from(LAYOUT_KINDS))
     if kind == "single_block":
-        block_size = (max(block_size[0], n_q), max(block_size[1], n_k))
+        whole = (max(block_size[0], n_q), max(block_size[1], n_k))
+        block_size, kind = (whole, kind) if fits is None or fits(whole) else (block_size, "all_one")
     grid = (-(-n_q // block_size[0]), -(-n_k // block_size[1]))
     # Leading dims: none, the batch dims, or ones where the batch has dims.
     leading = draw(st.sampled_from([(), batch_shape, tuple(1 for _ in batch_shape)]))
@@ -46,9 +52,11 @@ def block_masks(draw, batch_shape, n_q, n_k, max_block=12):
 def test_block_mask_matches_the_element_level_definition(algorithm, dtype, data):
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     n_q, n_k = p.q.shape[-2], p.k.shape[-2]
-    bm = data.draw(block_masks(p.q.shape[:-2], n_q, n_k))
-    # flash1 runs with tiles equal to the mask's blocks; flash2 with any tiles.
-    block_sizes = data.draw(flash2_block_sizes(dtype)) if algorithm == "flash2" else None
+    d = p.q.shape[-1]
+    # flash1 runs with tiles equal to the mask's blocks, so they must fit its shared memory; flash2 takes any tiles.
+    fits = (lambda block_size: flash1_fits(block_size, d)) if algorithm == "flash1" else None
+    bm = data.draw(block_masks(p.q.shape[:-2], n_q, n_k, fits=fits))
+    block_sizes = data.draw(flash2_block_sizes(d, dtype)) if algorithm == "flash2" else None
     out, lse = numba_flash.attention(p.q, p.k, p.v, causal=p.causal, scale=p.scale, block_mask=bm,
                                      algorithm=algorithm, block_sizes=block_sizes, return_lse=True)
     dense = bm.to_dense(n_q, n_k)
@@ -92,6 +100,9 @@ def test_flash2_tile_lists_respect_causality():
     ({"block_mask": BlockMask(np.ones((5, 2, 2), bool), (4, 4))}, ValueError, "broadcast"),
     ({"block_mask": BlockMask(np.ones((2, 2), bool), (4, 4)), "algorithm": "flash1", "block_sizes": (2, 2)},
      ValueError, "mask's blocks"),
+    # flash1's tiles are the mask's blocks: 8 x 64 of them with d = 4 fit, 8 x 4096 do not.
+    ({"block_mask": BlockMask(np.ones((1, 1), bool), (8, 4096)), "algorithm": "flash1"},
+     ValueError, r"block_mask: flash1 .* blocks \(8, 4096\).* shared memory"),
 ])
 def test_bad_masks_are_rejected(kwargs, error, words):
     q = np.zeros((2, 8, 4), np.float32)
