@@ -129,7 +129,9 @@ def main(argv=None):
 
 def write_results(rows, out_dir, quick, settings):
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, "io_dram" + ("_quick" if quick else ""))
+    # Runs that include the GPT-2 setting write io_dram.*; runs of other settings alone io_dram_<names>.*.
+    named = "" if quick or "gpt2" in settings else "_" + "_".join(settings)
+    stem = os.path.join(out_dir, "io_dram" + named + ("_quick" if quick else ""))
     write_csv(stem + ".csv", rows)
     device = numba_flash.device_limits().name
     command = "python3 experiments/dram_traffic.py" + (" --quick" if quick else "") + (

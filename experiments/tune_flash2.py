@@ -4,9 +4,12 @@ For each (dtype, d) every candidate tile shape that fits in shared memory
 is compiled, checked against the torch-free float64 reference on a small
 problem (a fast wrong kernel is no candidate), and timed on a large one
 (median of CUDA-event timings).  The table it writes is what
-``DEFAULT_BLOCK_SIZES`` in ``numba_flash/kernels/flash2_forward.py`` records.
+``DEFAULT_BLOCK_SIZES`` in ``numba_flash/kernels/flash2_forward.py`` records;
+with ``--backward`` the same sweep times the backward (both of its kernels,
+BLOCK_M = the tile a thread block owns, BLOCK_N = the tile it streams) for
+``flash2_backward.DEFAULT_BLOCK_SIZES``.
 
-    PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick]
+    PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick] [--backward]
 """
 import argparse
 import datetime
@@ -17,6 +20,7 @@ import numpy as np
 import numba_flash
 from numba_flash._report import progress, write_csv
 import reference
+from numba_flash.kernels.flash2_backward import BackwardLayout, make_flash2_backward_dkdv, make_flash2_backward_dq
 from numba_flash.kernels.flash2_forward import Flash2Layout, make_flash2_forward
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -26,19 +30,53 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 #: now centres there.
 CANDIDATES = {"float32": [(64, 32), (128, 32), (128, 64), (256, 32)],
               "float16": [(64, 64), (128, 32), (128, 64), (128, 128), (256, 64)]}
+#: The backward's candidates (both dtypes; multiples of 16): its shipped default
+#: (64, 32) and the neighbours in each direction.
+BACKWARD_CANDIDATES = [(64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64)]
 
 
-def fits(block_m, block_n, d, dtype):
-    layout = Flash2Layout(block_m, block_n, d, dtype == "float16")
+def fits(block_m, block_n, d, dtype, backward=False):
+    layout = (BackwardLayout if backward else Flash2Layout)(block_m, block_n, d, dtype == "float16")
     return layout.shared_bytes <= numba_flash.device_limits().shared_bytes_per_block_optin
 
 
-def check(block_sizes, d, dtype):
+def check(block_sizes, d, dtype, backward=False):
+    """Largest error against float64 on a small causal problem (the output, or all three gradients)."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 300, d)).astype(dtype) for _ in range(3))
-    out = numba_flash.attention(q, k, v, causal=True, block_sizes=block_sizes)
-    ref, _ = reference.attention(q, k, v, causal=True)
-    return float(np.abs(out.astype(np.float64) - ref).max())
+    if not backward:
+        out = numba_flash.attention(q, k, v, causal=True, block_sizes=block_sizes)
+        ref, _ = reference.attention(q, k, v, causal=True)
+        return float(np.abs(out.astype(np.float64) - ref).max())
+    o, lse = numba_flash.attention(q, k, v, causal=True, return_lse=True)
+    do = rng.standard_normal(o.shape).astype(dtype)
+    grads = numba_flash.attention_backward(q, k, v, o, lse, do, causal=True, block_sizes=block_sizes)
+    want = reference.attention_backward(q, k, v, do, causal=True)
+    return max(float(np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()) for g, w in zip(grads, want))
+
+
+def kernels(block_m, block_n, d, dtype, backward):
+    """The dense non-causal kernel(s) a timed call launches, for their register and stack use."""
+    is_f16 = dtype == "float16"
+    if backward:
+        return [make_flash2_backward_dkdv(block_m, block_n, d, False, is_f16, True, False, False),
+                make_flash2_backward_dq(block_m, block_n, d, False, is_f16, True, False, False)]
+    return [make_flash2_forward(block_m, block_n, d, False, is_f16, True, False, False)]
+
+
+def resources(kernel_list):
+    """Registers and stack bytes per thread of each kernel, joined by "/" (empty where not reported)."""
+    overloads = [next(iter(kernel.overloads.values()), None) for kernel in kernel_list]
+    return tuple("/".join(str(getattr(o, attribute, "")) for o in overloads) if any(overloads) else ""
+                 for attribute in ("regs_per_thread", "local_mem_per_thread"))
+
+
+def timed_call(q, k, v, do, block_sizes, backward):
+    """The call the sweep times: the forward, or the backward from a fixed O, lse and dO."""
+    if not backward:
+        return lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes)
+    o, lse = numba_flash.attention(q, k, v, return_lse=True)
+    return lambda: numba_flash.attention_backward(q, k, v, o, lse, do, block_sizes=block_sizes)
 
 
 def main(argv=None):
@@ -46,11 +84,15 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small problem (pipeline check)")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--dtypes", default="float32,float16")
+    parser.add_argument("--backward", action="store_true", help="sweep the backward's tiles instead")
     parser.add_argument("--from-log", metavar="LOG", help="rebuild the outputs from the rows a run printed")
     parser.add_argument("--device", default=None, help="the device the logged run used (with --from-log)")
     args = parser.parse_args(argv)
+    direction = "backward" if args.backward else "forward"
+    command = "python3 experiments/tune_flash2.py" + (" --backward" if args.backward else "")
+    suffix = "_backward" if args.backward else ""
     if args.from_log:
-        write(rows_from_log(args.from_log), "python3 experiments/tune_flash2.py", "(4,16,4096,d)", device=args.device,
+        write(rows_from_log(args.from_log), command, "(4,16,4096,d)", suffix, direction, device=args.device,
               note="Rebuilt with --from-log from the rows printed by a run that its time limit cut short "
                    "(the remaining candidates were not measured).")
         return
@@ -62,36 +104,38 @@ def main(argv=None):
         for d in (int(x) for x in args.dims.split(",")):
             shape = (1, 2, 64, d) if args.quick else (4, 16, 4096, d)
             rng = np.random.default_rng(1)
-            q, k, v = (cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(3))
-            for block_m, block_n in progress(CANDIDATES[dtype], f"{dtype} d={d}"):
-                if not fits(block_m, block_n, d, dtype) or (dtype == "float16" and block_n % 16):
+            q, k, v, do = (cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
+            candidates = BACKWARD_CANDIDATES if args.backward else CANDIDATES[dtype]
+            for block_m, block_n in progress(candidates, f"{direction} {dtype} d={d}"):
+                if not fits(block_m, block_n, d, dtype, args.backward) or (dtype == "float16" and block_n % 16):
                     continue
-                err = check((block_m, block_n), d, dtype)
-                ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=(block_m, block_n)),
+                err = check((block_m, block_n), d, dtype, args.backward)
+                ms = time_ms(timed_call(q, k, v, do, (block_m, block_n), args.backward),
                              repeats=3 if args.quick else 10, warmup=1)
-                kernel = make_flash2_forward(block_m, block_n, d, False, dtype == "float16", True, False, False)
-                overload = next(iter(kernel.overloads.values()), None)
-                regs = getattr(overload, "regs_per_thread", "")
-                spill = getattr(overload, "local_mem_per_thread", "")
-                tflops = 4.0 * shape[0] * shape[1] * shape[2] ** 2 * d / (ms * 1e-3) / 1e12
+                regs, spill = resources(kernels(block_m, block_n, d, dtype, args.backward))
+                # The backward does 2.5 forwards' worth of products (the convention of `numba-flash bench`).
+                flops = (2.5 if args.backward else 1.0) * 4.0 * shape[0] * shape[1] * shape[2] ** 2 * d
+                tflops = flops / (ms * 1e-3) / 1e12
                 rows.append(dict(dtype=dtype, d=d, block_m=block_m, block_n=block_n, ms=round(ms, 4),
                                  tflops=round(tflops, 2), max_err=f"{err:.2e}", regs=regs, local_bytes=spill))
                 print(rows[-1], flush=True)
-    write(rows, "python3 experiments/tune_flash2.py" + (" --quick" if args.quick else ""),
-          "(1,2,64,d)" if args.quick else "(4,16,4096,d)", "_quick" if args.quick else "")
+    write(rows, command + (" --quick" if args.quick else ""),
+          "(1,2,64,d)" if args.quick else "(4,16,4096,d)", suffix + ("_quick" if args.quick else ""), direction)
 
 
-def write(rows, command, problem, suffix="", note="", device=None):
+def write(rows, command, problem, suffix="", direction="forward", note="", device=None):
     """CSV and markdown of the sweep, with the fastest tile per (dtype, d)."""
     os.makedirs(RESULTS, exist_ok=True)
     stem = os.path.join(RESULTS, "tune_flash2" + suffix)
     write_csv(stem + ".csv", rows)
     best = {}
     with open(stem + ".md", "w") as f:
-        f.write(f"# flash2 tile shapes\n\nCommand: `{command}`  \n"
+        f.write(f"# flash2 tile shapes ({direction})\n\nCommand: `{command}`  \n"
                 f"Device: {device or numba_flash.device_limits().name}  \n"
                 f"Date: {datetime.date.today()}  \n"
-                f"Problem: (B,H,N,d) = {problem}, non-causal; max_err is against float64 at (2,300,d) causal.\n"
+                f"Problem: (B,H,N,d) = {problem}, non-causal; max_err is against float64 at (2,300,d) causal"
+                + (" (of dQ, dK and dV, each relative to its largest entry)" if direction == "backward" else "")
+                + ".\n"
                 + (f"\n{note}\n" if note else "") + "\n")
         f.write("| dtype | d | BLOCK_M | BLOCK_N | ms | TFLOP/s | max err | regs | local bytes |\n"
                 "|---|---|---|---|---|---|---|---|---|\n")
