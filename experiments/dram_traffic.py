@@ -13,7 +13,9 @@ kernel reads the same data more than once and L2 serves the repeats
 (standard's tiled matmul, flash2's K and V re-read by every query tile).
 
 Settings: the paper's GPT-2 medium (batch 64, 16 heads, N = 1024, d = 64,
-Fig. 2 left) and a long-sequence one (batch 4, 16 heads, N = 4096, d = 64).
+Fig. 2 left), a long-sequence one (batch 4, 16 heads, N = 4096, d = 64) and
+a wide-head one (batch 2, 16 heads, N = 4096, d = 128: flash1's tiles
+shrink to 24 x 24, flash2's K/V tiles double).
 
     PYTHONPATH=$PWD python3 experiments/dram_traffic.py [--quick] [--out DIR]
 
@@ -39,7 +41,7 @@ from numba_flash.kernels.flash2_forward import default_block_sizes
 from numba_flash.tiling import line1_block_sizes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-SETTINGS = {"gpt2": (64, 16, 1024, 64), "long": (4, 16, 4096, 64)}  # (batch, heads, N, d)
+SETTINGS = {"gpt2": (64, 16, 1024, 64), "long": (4, 16, 4096, 64), "d128": (2, 16, 4096, 128)}  # (batch, heads, N, d)
 SETTINGS_QUICK = ((1, 2, 16, 8),)
 KERNELS = (("standard", "float32"), ("flash1", "float32"), ("flash2", "float32"), ("flash2", "float16"))
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
