@@ -66,7 +66,11 @@ def kernels(block_m, block_n, d, dtype, backward):
 
 def resources(kernel_list):
     """Registers and stack bytes per thread of each kernel, joined by "/" (empty where not reported)."""
-    overloads = [next(iter(kernel.overloads.values()), None) for kernel in kernel_list]
+    # Launches above 48 KiB of shared memory compile a specialised copy of the dispatcher (see
+    # kernels/_launch.py), so look there too.  (The simulator's kernels have neither.)
+    copies = [[kernel, *getattr(kernel, "specializations", {}).values()] for kernel in kernel_list]
+    overloads = [next((o for k in kernel_copies for o in getattr(k, "overloads", {}).values()), None)
+                 for kernel_copies in copies]
     return tuple("/".join(str(getattr(o, attribute, "")) for o in overloads) if any(overloads) else ""
                  for attribute in ("regs_per_thread", "local_mem_per_thread"))
 

@@ -55,14 +55,13 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, uint32
-from numba.cuda.types import float16
 
 from ..dropout import NO_DROPOUT, dropout_weight, philox_device
 from ._launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
 from .flash2_forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, make_load_chunk, no_tile_lists,
                              store_split, tile_lists, tile_visits)
-from .fragments import pair_stride, row_stride, tile_products
-from .primitives import exp2, f32_as_u32, load_word, pack_half2, store_vec4, store_word, u32_as_f32
+from .fragments import fragment_row_store, pair_stride, row_stride, tile_products
+from .primitives import exp2, f32_as_u32, load_word, store_vec4, store_word, u32_as_f32
 
 MAX_HEAD_DIM = 256
 BLOCK_MULTIPLE = 16
@@ -127,10 +126,10 @@ def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
     """Device functions both kernels use to move tiles: rows into shared memory, results out."""
     RS = row_stride(D_PAD, IS_F16)
     PS = pair_stride(D_PAD)
-    D_TILES = D_PAD // 8
     ROW_CHUNKS = D_PAD // (8 if IS_F16 else 4)  # 16-byte chunks per row
     CHUNK = 8 if IS_F16 else 4                  # elements per chunk
     load_chunk = make_load_chunk(IS_F16, VEC)
+    store_fragment_row = fragment_row_store(D_PAD, IS_F16, VEC)
 
     @inlined_device_function
     def store_rows(smem, X, tile_start, rows_valid, head_dim, HI, LO, ROWS, tid):
@@ -167,19 +166,7 @@ def _tile_moves(D_PAD, IS_F16, THREADS, VEC):
         for h in range(2):
             row = first_row + row0 + 8 * h
             if row < n_rows:
-                out = (row_base + row) * head_dim
-                for dt in range(D_TILES):
-                    col = dt * 8 + 2 * t
-                    x0 = acc[dt, 2 * h] * scale
-                    x1 = acc[dt, 2 * h + 1] * scale
-                    if IS_F16 and VEC:  # columns col, col + 1 as one packed pair
-                        if col < head_dim:
-                            store_word(X, (out + col) // 2, pack_half2(x0, x1))
-                    else:
-                        if col < head_dim:
-                            store_word(X, out + col, float16(x0) if IS_F16 else x0)
-                        if col + 1 < head_dim:
-                            store_word(X, out + col + 1, float16(x1) if IS_F16 else x1)
+                store_fragment_row(X, acc, h, (row_base + row) * head_dim, head_dim, scale, t)
 
     return store_rows, store_pairs, store_result
 

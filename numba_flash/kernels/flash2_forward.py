@@ -48,12 +48,11 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, uint32
-from numba.cuda.types import float16
 
 from ..dropout import NO_DROPOUT, philox_device
 from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
-from .fragments import pair_stride, row_stride, split_tf32, tile_products
-from .primitives import exp2, load_vec4, load_word, pack_half2, shfl_xor, store_vec4, store_word
+from .fragments import fragment_row_store, pair_stride, row_stride, split_tf32, tile_products
+from .primitives import exp2, load_vec4, load_word, pack_half2, shfl_xor, store_vec4
 
 LOG2_E = 1.4426950408889634
 ROWS_PER_WARP = 16
@@ -227,6 +226,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
     K_B, K_B_LO = (K_W, 0) if IS_F16 else (K_HI, K_LO)
     V_B, V_B_LO = (V_W, 0) if IS_F16 else (V_HI, V_LO)
     rows_by_rows_t, regs_by_rows = tile_products(BLOCK_N, D_PAD, IS_F16)
+    store_fragment_row = fragment_row_store(D_PAD, IS_F16, VEC)
 
     load_chunk = make_load_chunk(IS_F16, VEC)
 
@@ -425,19 +425,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
             row = q0 + row0 + 8 * h
             inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
             if row < n_q:
-                out_row = (bh * n_q + row) * head_dim
-                for dt in range(D_TILES):
-                    col = dt * 8 + 2 * t
-                    o0 = acc[dt, 2 * h] * inv_l
-                    o1 = acc[dt, 2 * h + 1] * inv_l
-                    if IS_F16 and VEC:  # columns col, col + 1 as one packed pair
-                        if col < head_dim:
-                            store_word(O, (out_row + col) // 2, pack_half2(o0, o1))
-                    else:
-                        if col < head_dim:
-                            store_word(O, out_row + col, float16(o0) if IS_F16 else o0)
-                        if col + 1 < head_dim:
-                            store_word(O, out_row + col + 1, float16(o1) if IS_F16 else o1)
+                store_fragment_row(O, acc, h, (bh * n_q + row) * head_dim, head_dim, inv_l, t)
                 if t == 0:
                     LSE[bh, row] = (m_i[h] * float32(1 / LOG2_E) + math.log(l_row)
                                     if l_row > float32(0) else NEG_INF)

@@ -7,6 +7,9 @@ it streams, in 8-wide column tiles) and multiplies through the tensor cores
 * ``rows_by_rows_t``: acc += A B^T with A and B row-major tiles in shared
   memory, contracting over the head dim: S = Q K^T, dP = dO V^T and the
   backward's transposes S^T = K Q^T, dP^T = V dO^T;
+* ``store_fragment_row`` (from ``fragment_row_store``): one of a lane's
+  two rows of a 16 x d accumulator, scaled, to device memory: the forward's
+  O_i and the backward's dK, dV and dQ.
 * ``regs_by_rows``: acc += P B with P an accumulator fragment still in
   registers (the contraction runs over P's column tiles) and B (OTHER x d)
   in shared memory: O += P V, and the backward's dV, dK and dQ.  For tf32
@@ -24,8 +27,10 @@ that make the 32 lanes of a fragment load hit 32 different banks.
 from functools import lru_cache
 
 from numba import cuda
+from numba.cuda.types import float16
 
-from .primitives import load_word, mma_f16, mma_tf32, pack_half2, tf32_round, u32_as_f32
+from ._launch import inlined_device_function
+from .primitives import load_word, mma_f16, mma_tf32, pack_half2, store_word, tf32_round, u32_as_f32
 
 
 def padded_stride(words, residue):
@@ -136,3 +141,32 @@ def tile_products(OTHER, D_PAD, IS_F16):
                     acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = c0, c1, c2, c3
 
     return rows_by_rows_t, regs_by_rows
+
+
+@lru_cache(maxsize=None)
+def fragment_row_store(D_PAD, IS_F16, VEC):
+    """store_fragment_row(X, acc, h, out, head_dim, scale, t) for a 16 x D_PAD accumulator fragment.
+
+    Writes row h of the lane's two (0: row g, 1: row g + 8), times scale, to
+    X[out + c] for the lane's columns c = 8 dt + 2t, 8 dt + 2t + 1 below head_dim.
+    X is flat: float32 or float16 elements, or for float16 with VEC packed pairs
+    (d even, so a pair never straddles head_dim).
+    """
+    D_TILES = D_PAD // 8
+
+    @inlined_device_function
+    def store_fragment_row(X, acc, h, out, head_dim, scale, t):
+        for dt in range(D_TILES):
+            col = dt * 8 + 2 * t
+            x0 = acc[dt, 2 * h] * scale
+            x1 = acc[dt, 2 * h + 1] * scale
+            if IS_F16 and VEC:  # columns col, col + 1 as one packed pair
+                if col < head_dim:
+                    store_word(X, (out + col) // 2, pack_half2(x0, x1))
+            else:
+                if col < head_dim:
+                    store_word(X, out + col, float16(x0) if IS_F16 else x0)
+                if col + 1 < head_dim:
+                    store_word(X, out + col + 1, float16(x1) if IS_F16 else x1)
+
+    return store_fragment_row
