@@ -7,9 +7,12 @@ problem (a fast wrong kernel is no candidate), and timed on a large one
 ``DEFAULT_BLOCK_SIZES`` in ``numba_flash/kernels/flash2_forward.py`` records;
 with ``--backward`` the same sweep times the backward (both of its kernels,
 BLOCK_M = the tile a thread block owns, BLOCK_N = the tile it streams) for
-``flash2_backward.DEFAULT_BLOCK_SIZES``.
+``flash2_backward.DEFAULT_BLOCK_SIZES``.  The sweep is non-causal at N = 4096;
+``--backward --confirm`` times the cases it does not cover (causal calls, N = 8192,
+an odd head dim) with their candidate tiles in interleaved rounds, so that slow
+drift of the clock or the card's temperature cannot favour one tile.
 
-    PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick] [--backward]
+    PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick] [--backward [--confirm]]
 """
 import argparse
 import datetime
@@ -33,6 +36,17 @@ CANDIDATES = {"float32": [(64, 32), (128, 32), (128, 64), (256, 32)],
 #: The backward's candidates (both dtypes; multiples of 16): its shipped default
 #: (64, 32) and the neighbours in each direction.
 BACKWARD_CANDIDATES = [(64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64)]
+#: ``--confirm``: (dtype, (B, H, N, d), causal, candidate tiles) for the backward.
+CONFIRM_CASES = [
+    ("float32", (4, 16, 4096, 64), False, [(64, 32), (128, 32), (128, 64)]),
+    ("float32", (4, 16, 4096, 64), True, [(64, 32), (128, 64)]),
+    ("float16", (4, 16, 4096, 64), True, [(64, 32), (128, 32), (128, 64)]),
+    ("float16", (4, 16, 4096, 96), False, [(64, 32), (128, 64)]),
+    ("float16", (4, 16, 4096, 128), False, [(64, 32), (128, 64)]),
+    ("float16", (2, 16, 8192, 128), False, [(64, 32), (128, 32), (128, 64)]),
+    ("float16", (2, 16, 8192, 128), True, [(64, 32), (64, 64), (128, 32), (128, 64)]),
+]
+CONFIRM_ROUNDS = 5
 
 
 def fits(block_m, block_n, d, dtype, backward=False):
@@ -75,12 +89,82 @@ def resources(kernel_list):
                  for attribute in ("regs_per_thread", "local_mem_per_thread"))
 
 
-def timed_call(q, k, v, do, block_sizes, backward):
+def timed_call(q, k, v, do, block_sizes, backward, causal=False):
     """The call the sweep times: the forward, or the backward from a fixed O, lse and dO."""
     if not backward:
         return lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes)
-    o, lse = numba_flash.attention(q, k, v, return_lse=True)
-    return lambda: numba_flash.attention_backward(q, k, v, o, lse, do, block_sizes=block_sizes)
+    o, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True)
+    return lambda: numba_flash.attention_backward(q, k, v, o, lse, do, causal=causal, block_sizes=block_sizes)
+
+
+def device_inputs(shape, dtype):
+    """Random q, k, v and dO of ``shape``, on the device."""
+    from numba import cuda
+
+    rng = np.random.default_rng(1)
+    return [cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(4)]
+
+
+def confirm(out, quick):
+    """Interleaved rounds of the backward's candidate tiles in ``CONFIRM_CASES``, beside the default."""
+    import statistics
+
+    from numba_flash._report import markdown_header, markdown_table, pyplot, save_figure
+    from numba_flash.device import in_simulator
+    from numba_flash.kernels.flash2_backward import default_block_sizes
+    from numba_flash.timing import time_ms
+
+    rows = []
+    # --quick: the first two cases' tiles on tiny problems, in the simulator: the pipeline, not the timing.
+    for dtype, shape, causal, candidates in progress(CONFIRM_CASES[:2] if quick else CONFIRM_CASES, "backward cases"):
+        if quick:
+            shape = (1, 1, shape[2] // 128, shape[3] // 8)
+        q, k, v, do = device_inputs(shape, dtype)
+        calls = [timed_call(q, k, v, do, tiles, True, causal) for tiles in candidates]
+        samples = [[] for _ in candidates]
+        for _ in range(1 if quick else CONFIRM_ROUNDS):
+            for call, times in zip(calls, samples):
+                times.append(time_ms(call, repeats=1 if quick else 8, warmup=1))
+        default = default_block_sizes(shape[3], dtype, causal)
+        for tiles, times in zip(candidates, samples):
+            rows.append(dict(dtype=dtype, shape=str(shape).replace(" ", ""), causal=causal, block_m=tiles[0],
+                             block_n=tiles[1], median_ms=round(statistics.median(times), 3),
+                             min_ms=round(min(times), 3), default="yes" if tiles == default else ""))
+        print(rows[-len(candidates):], flush=True)
+
+    stem = os.path.join(out, "tune_flash2_backward_confirm" + ("_quick" if quick else ""))
+    write_csv(stem + ".csv", rows)
+    cases = list(dict.fromkeys((r["dtype"], r["shape"], r["causal"]) for r in rows))
+    fastest = {case: min(float(r["median_ms"]) for r in rows if (r["dtype"], r["shape"], r["causal"]) == case)
+               for case in cases}
+    command = "python3 experiments/tune_flash2.py --backward --confirm" + (" --quick" if quick else "")
+    with open(stem + ".md", "w") as f:
+        f.write(markdown_header("flash2 backward: candidate tiles in interleaved rounds", command,
+                                numba_flash.device_limits().name,
+                                "simulator wall clock (not a measurement)" if in_simulator() else
+                                f"CUDA events; per tile the median and minimum of {CONFIRM_ROUNDS} rounds, each "
+                                "the median of 8 calls, tiles taking turns within a round"))
+        f.write("\nShapes are (B, H, N, d); `default` marks what "
+                "`flash2_backward.default_block_sizes` picks for the case.\n\n" + markdown_table(rows))
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for x, case in enumerate(cases):
+            case_rows = [r for r in rows if (r["dtype"], r["shape"], r["causal"]) == case]
+            width = 0.8 / len(case_rows)
+            for i, r in enumerate(case_rows):
+                bar_x = x - 0.4 + (i + 0.5) * width
+                ax.bar(bar_x, float(r["median_ms"]) / fastest[case], width,
+                       color="tab:orange" if r["default"] else "tab:blue", edgecolor="black", linewidth=0.5)
+                ax.text(bar_x, 1.005, f"{r['block_m']}x{r['block_n']}", rotation=90, ha="center", va="bottom",
+                        fontsize=7)
+        ax.set_xticks(range(len(cases)),
+                      [f"{dtype}\n{shape}" + ("\ncausal" if causal else "") for dtype, shape, causal in cases],
+                      fontsize=7)
+        ax.set_ylim(0.95, None)
+        ax.set_ylabel("backward time / fastest tile of the case")
+        ax.set_title(f"flash2 backward tiles (orange: the default), {numba_flash.device_limits().name}")
+        save_figure(fig, stem)
 
 
 def main(argv=None):
@@ -89,26 +173,33 @@ def main(argv=None):
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--dtypes", default="float32,float16")
     parser.add_argument("--backward", action="store_true", help="sweep the backward's tiles instead")
+    parser.add_argument("--confirm", action="store_true",
+                        help="with --backward: time CONFIRM_CASES (causal, N = 8192, odd d) in interleaved rounds")
+    parser.add_argument("--out", default=RESULTS, help="directory for the outputs")
     parser.add_argument("--from-log", metavar="LOG", help="rebuild the outputs from the rows a run printed")
     parser.add_argument("--device", default=None, help="the device the logged run used (with --from-log)")
     args = parser.parse_args(argv)
+    if args.confirm and not args.backward:
+        parser.error("--confirm times the backward's cases: give --backward too")
+    os.makedirs(args.out, exist_ok=True)
+    if args.confirm:
+        confirm(args.out, args.quick)
+        return
     direction = "backward" if args.backward else "forward"
     command = "python3 experiments/tune_flash2.py" + (" --backward" if args.backward else "")
     suffix = "_backward" if args.backward else ""
     if args.from_log:
-        write(rows_from_log(args.from_log), command, "(4,16,4096,d)", suffix, direction, device=args.device,
+        write(rows_from_log(args.from_log), args.out, command, "(4,16,4096,d)", suffix, direction, device=args.device,
               note="Rebuilt with --from-log from the rows printed by a run that its time limit cut short "
                    "(the remaining candidates were not measured).")
         return
-    from numba import cuda
     from numba_flash.timing import time_ms
 
     rows = []
     for dtype in args.dtypes.split(","):
         for d in (int(x) for x in args.dims.split(",")):
             shape = (1, 2, 64, d) if args.quick else (4, 16, 4096, d)
-            rng = np.random.default_rng(1)
-            q, k, v, do = (cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
+            q, k, v, do = device_inputs(shape, dtype)
             candidates = BACKWARD_CANDIDATES if args.backward else CANDIDATES[dtype]
             for block_m, block_n in progress(candidates, f"{direction} {dtype} d={d}"):
                 if not fits(block_m, block_n, d, dtype, args.backward) or (dtype == "float16" and block_n % 16):
@@ -123,14 +214,13 @@ def main(argv=None):
                 rows.append(dict(dtype=dtype, d=d, block_m=block_m, block_n=block_n, ms=round(ms, 4),
                                  tflops=round(tflops, 2), max_err=f"{err:.2e}", regs=regs, local_bytes=spill))
                 print(rows[-1], flush=True)
-    write(rows, command + (" --quick" if args.quick else ""),
+    write(rows, args.out, command + (" --quick" if args.quick else ""),
           "(1,2,64,d)" if args.quick else "(4,16,4096,d)", suffix + ("_quick" if args.quick else ""), direction)
 
 
-def write(rows, command, problem, suffix="", direction="forward", note="", device=None):
+def write(rows, out, command, problem, suffix="", direction="forward", note="", device=None):
     """CSV and markdown of the sweep, with the fastest tile per (dtype, d)."""
-    os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, "tune_flash2" + suffix)
+    stem = os.path.join(out, "tune_flash2" + suffix)
     write_csv(stem + ".csv", rows)
     best = {}
     with open(stem + ".md", "w") as f:

@@ -95,9 +95,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     (B_r, B_c) of Algorithm 4 (default: ``flash1_backward_block_sizes``);
     for "flash2" the tile a thread block owns (B_r queries in the dQ pass,
     B_r keys in the dK/dV pass) and the tile it streams (B_c), both
-    multiples of 16 (default (64, 32) up to d = 128 and (32, 16) above, but
-    (128, 64) for float16 up to d = 64 when not causal; (16, 16) in the
-    simulator).
+    multiples of 16 (default: (128, 64) for float16 up to d = 128, but
+    (64, 32) up to d = 64 when causal; for float32 (128, 64) up to d = 64,
+    (64, 32) up to d = 128; (32, 16) above d = 128; (16, 16) in the
+    simulator; the measurements are in kernels/flash2_backward.py).
     """
     call = check_backward_args(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
                                dropout_p=dropout_p, seed=seed, algorithm=algorithm, block_sizes=block_sizes)

@@ -105,6 +105,23 @@ def test_dram_experiment_runs_quick_and_reports_the_model(tmp_path):
     assert model[0] > model[1] and model[0] > model[2] > model[3] > 0  # standard moves most; float16 half of float32
 
 
+
+def test_backward_tile_confirmation_runs_quick_and_marks_the_defaults(tmp_path):
+    from numba_flash.kernels.flash2_backward import default_block_sizes
+
+    load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--out", str(tmp_path)])
+    with open(tmp_path / "tune_flash2_backward_confirm_quick.csv") as f:
+        rows = list(csv.DictReader(f))
+    cases = {(r["dtype"], r["shape"], r["causal"]) for r in rows}
+    assert len(cases) == 2 and all(float(r["median_ms"]) >= float(r["min_ms"]) > 0 for r in rows)
+    for dtype, shape, causal in cases:
+        d = int(shape.strip("()").split(",")[3])
+        marked = [(int(r["block_m"]), int(r["block_n"])) for r in rows
+                  if (r["dtype"], r["shape"], r["causal"]) == (dtype, shape, causal) and r["default"] == "yes"]
+        assert marked == [default_block_sizes(d, dtype, causal == "True")]
+    assert (tmp_path / "tune_flash2_backward_confirm_quick.md").read_text().startswith("# flash2 backward")
+
+
 NCU_CSV = '''==PROF== Connected to process 1
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","dram__bytes_read.sum","dram__bytes_write.sum"
 "","","","","","","","","","","","byte","byte"

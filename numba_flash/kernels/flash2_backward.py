@@ -65,31 +65,36 @@ from .primitives import exp2, f32_as_u32, load_word, store_vec4, store_word, u32
 
 MAX_HEAD_DIM = 256
 BLOCK_MULTIPLE = 16
-#: Default (B_r, B_c) per dtype, for head dims up to each bound.  Measured with
-#: ``experiments/tune_flash2.py --backward`` on the H200, (B,H,N,d) = (4,16,4096,d),
-#: non-causal (experiments/results/tune_flash2_backward.md), ms:
-#:   float32 d=64:  (64,16) 30.3  (64,32) 24.4  (64,64) 38.3  (128,16) 29.4  (128,32) 24.4  (128,64) 24.1
-#:   float32 d=128: (64,16) 82.3  (64,32) 64.4  (the sweep's time ran out here)
-#:   float16 d=64:  (64,16) 10.2  (64,32) 8.9  (64,64) 8.4  (128,16) 13.6  (128,32) 9.9  (128,64) 7.7
-#:   float16 d=128: (64,16) 17.9  (64,32) 18.6  (the sweep's time ran out here)
-#: float32 keeps (64, 32) (within 1% of the best); B_r = 64 keeps dK and dV of
-#: d = 128 within the register file, and (32, 16) lets the float32 tiles of
+#: Default (B_r, B_c) per (dtype, causal), for head dims up to each bound.  Chosen on the
+#: H200 by ``experiments/tune_flash2.py --backward`` ((B,H,N,d) = (4,16,4096,d), non-causal;
+#: experiments/results/tune_flash2_backward.md) and checked by interleaved timings of the
+#: candidates, five rounds each (ms, medians):
+#:   float32 d=64:            (64,32) 25.9  (128,32) 25.6  (128,64) 24.6
+#:   float32 d=64 causal:     (64,32) 13.1  (128,64) 12.7
+#:   float16 d=64 causal:     (64,32) 5.54  (128,32) 6.11  (128,64) 5.84
+#:   float16 d=96:            (64,32) 14.7  (128,64) 13.2
+#:   float16 d=128, N=8192:   (64,32) 33.9  (128,32) 32.4  (128,64) 28.0
+#:   float16 d=128 causal:    (64,32) 19.0  (64,64) 19.3  (128,32) 18.4  (128,64) 16.3
+#: (non-causal float16 d=64 is (128,64) by the sweep: 7.7 against 8.9 for (64,32).)
+#: Causal float16 at d <= 64 is the one case where smaller tiles win: the kernel is
+#: short there, so the many diagonal tiles' masked work and the imbalance of fewer,
+#: longer blocks over the triangle outweigh the bigger tiles' reuse.  float32 keeps
+#: (64, 32) above d = 64: B_r = 64 keeps d = 128's dK and dV accumulators within the
+#: register file (the sweep: (64,32) 64.4 ms, (64,16) 82.3); (32, 16) lets the tiles of
 #: d = 256 fit in shared memory.
+_FLOAT32_BLOCK_SIZES = [(64, (128, 64)), (128, (64, 32)), (256, (32, 16))]
 DEFAULT_BLOCK_SIZES = {
-    "float32": [(128, (64, 32)), (256, (32, 16))],
-    "float16": [(64, (128, 64)), (128, (64, 32)), (256, (32, 16))],
+    ("float32", False): _FLOAT32_BLOCK_SIZES,
+    ("float32", True): _FLOAT32_BLOCK_SIZES,
+    ("float16", False): [(128, (128, 64)), (256, (32, 16))],
+    ("float16", True): [(64, (64, 32)), (128, (128, 64)), (256, (32, 16))],
 }
-#: Causal calls cap the tiles at (64, 32): the larger float16 tiles that win without
-#: a mask lose with one (benchmark at (4,16,4096,64), float16, causal: 6.19 ms with
-#: (128, 64) against 5.29 ms with (64, 32)), as more of each diagonal tile is masked
-#: work and fewer, longer blocks balance worse over the triangle.
-CAUSAL_MAX_BLOCK_SIZES = (64, 32)
 
 
 def default_block_sizes(head_dim, dtype, causal=False):
-    for bound, blocks in DEFAULT_BLOCK_SIZES[np.dtype(dtype).name]:
+    for bound, blocks in DEFAULT_BLOCK_SIZES[np.dtype(dtype).name, bool(causal)]:
         if head_dim <= bound:
-            return tuple(min(b, cap) for b, cap in zip(blocks, CAUSAL_MAX_BLOCK_SIZES)) if causal else blocks
+            return blocks
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
