@@ -52,6 +52,8 @@ RUNS = [
     ("backward", "flash2", np.float32, (32, 32), "sparse"),
     ("backward", "flash2", np.float32, (32, 32), "dropout"),
     ("backward", "flash2", np.float16, (32, 32), "dense"),
+    ("backward", "flash2", np.float32, (128, 64), "dense"),  # the default tiles at d <= 64 (float16 to d = 128)
+    ("backward", "flash2", np.float16, (128, 64), "dense"),
     ("backward", "flash1", np.float32, (16, 16), "sparse_dropout"),
     ("backward", "flash2", np.float32, (32, 32), "sparse_dropout"),
     ("backward", "flash2", np.float16, (32, 32), "sparse_dropout"),
