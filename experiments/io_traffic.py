@@ -10,7 +10,9 @@ Four parts, each written to ``results/io_<part>{_quick}.{csv,md,png}``:
 
 * ``gpt2``        Fig. 2 left: standard vs flash1 vs flash2 at the GPT-2
                   medium setting (N = 1024, d = 64, 16 heads, batch 64):
-                  model GB, GFLOPs, runtime, traffic relative to standard;
+                  model GB, DRAM GB measured by ncu (read from
+                  ``dram_traffic.py``'s results of the same setting), GFLOPs,
+                  runtime, traffic relative to standard;
 * ``block_size``  Fig. 2 middle: flash1's traffic (model) and runtime against
                   B_c, with B_r = 16 so that B_c reaches 64 within flash1's
                   48 KiB of shared memory (larger B_c: model only);
@@ -26,7 +28,9 @@ clock (flagged in every output): a pipeline check, not a measurement.
     PYTHONPATH=$PWD python3 experiments/io_traffic.py [--quick] [--out DIR] [--parts gpt2 memory ...]
 """
 import argparse
+import csv
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -43,6 +47,8 @@ from numba_flash.tiling import line1_block_sizes
 from numba_flash.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+#: dram_traffic.py's Nsight Compute measurement of the GPT-2 setting (and others).
+DRAM_RESULTS = os.path.join(RESULTS, "io_dram.csv")
 PARTS = ("gpt2", "block_size", "scaling", "memory")
 GB = 1e9
 MB = 1e6
@@ -61,6 +67,11 @@ class Setting:
 
     def __str__(self):
         return f"N = {self.n}, d = {self.d}, {self.heads} heads, batch {self.batch}"
+
+    @property
+    def label(self):
+        """How ``dram_traffic.py`` names the setting in its results."""
+        return f"B={self.batch} H={self.heads} N={self.n} d={self.d}"
 
 
 #: Fig. 2's setting (GPT-2 medium), and the simulator's stand-in.
@@ -124,6 +135,16 @@ def runtime_ms(setting, algorithm, dtype, block_sizes, quick):
     return time_ms(run, repeats=1, warmup=0) if quick else time_ms(run, repeats=5, warmup=1)
 
 
+def measured_dram_gb(setting):
+    """ncu's DRAM GB (read + written) per kernel ("flash2 float16", ...) at ``setting``, from the
+    results of ``dram_traffic.py`` (the profiler runs there, one call per kernel); {} if none."""
+    if not os.path.exists(DRAM_RESULTS):
+        return {}
+    with open(DRAM_RESULTS) as f:
+        return {row["kernel"]: float(row["dram_read_GB"]) + float(row["dram_write_GB"])
+                for row in csv.DictReader(f) if row["setting"] == setting.label}
+
+
 def tiles(block_sizes):
     return "" if block_sizes is None else f"{block_sizes[0]}x{block_sizes[1]}"
 
@@ -131,16 +152,25 @@ def tiles(block_sizes):
 def gpt2(quick):
     setting = GPT2_QUICK if quick else GPT2
     rows = []
+    dram = measured_dram_gb(setting)
     for label, algorithm, dtype, block_sizes in variants(setting, quick):
         traffic = io.attention_traffic(algorithm, setting.batch_heads, setting.n, setting.n, setting.d,
                                        block_sizes=block_sizes, dtype=dtype)
         ms = runtime_ms(setting, algorithm, dtype, block_sizes, quick)
         rows.append(dict(kernel=label, tiles=tiles(block_sizes), read_GB=traffic.read_bytes / GB,
                          write_GB=traffic.write_bytes / GB, total_GB=traffic.total_bytes / GB,
+                         dram_GB_ncu=dram.get(f"{algorithm} {np.dtype(dtype).name}", math.nan),
                          gflop=forward_flops(setting) / 1e9, ms=ms,
                          tflops=forward_flops(setting) / (ms * 1e-3) / 1e12))
     for row in rows:
         row["standard_over_this"] = rows[0]["total_GB"] / row["total_GB"]
+        row["standard_over_this_dram"] = rows[0]["dram_GB_ncu"] / row["dram_GB_ncu"]
+    measured = ("DRAM GB (ncu): Nsight Compute's dram__bytes_read.sum + dram__bytes_write.sum for the same call "
+                "(`experiments/dram_traffic.py --settings gpt2`, results/io_dram.md; caches flushed before each "
+                "kernel); standard moves "
+                + ", ".join(f"{row['standard_over_this_dram']:.1f}x {row['kernel']}'s" for row in rows[1:])
+                + " DRAM bytes." if dram else
+                "DRAM GB (ncu): not measured for this setting (`experiments/dram_traffic.py` measures it).")
     paper_ratio = PAPER_GPT2["standard"][0] / PAPER_GPT2["FlashAttention"][0]
     notes = (f"Setting: {setting}, forward only, causal off; GFLOP = 4 N^2 d x batch x heads "
              f"(the two products; the softmax's exponentials are not counted).\n\n"
@@ -149,7 +179,8 @@ def gpt2(quick):
              f"FlashAttention {PAPER_GPT2['FlashAttention'][0]} GB, {PAPER_GPT2['FlashAttention'][1]} ms, "
              f"{PAPER_GPT2['FlashAttention'][2]} GFLOPs: {paper_ratio:.1f}x fewer HBM bytes.  "
              f"Here (forward, bytes requested): standard moves "
-             + ", ".join(f"{row['standard_over_this']:.1f}x {row['kernel']}'s" for row in rows[1:]) + " traffic.\n\n"
+             + ", ".join(f"{row['standard_over_this']:.1f}x {row['kernel']}'s" for row in rows[1:]) + " traffic.  "
+             + measured + "\n\n"
              f"Our standard kernel's tiled matmul reads Q and K once per {MATMUL_TILE} x {MATMUL_TILE} tile of "
              f"S and P d/{MATMUL_TILE} times, and its softmax reads S three times, so its requests are several "
              f"times the paper's ~4 N^2 (caches serve many of them on a GPU).  The paper's GFLOPs are below "
@@ -160,9 +191,14 @@ def gpt2(quick):
 def plot_gpt2(rows, plt):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = [row["kernel"] for row in rows]
-    axes[0].bar(labels, [row["total_GB"] for row in rows], color="tab:blue")
-    axes[0].set_ylabel("device memory read + written (GB, model)")
+    x = np.arange(len(rows))
+    axes[0].bar(x - 0.2, [row["total_GB"] for row in rows], 0.4, color="tab:blue", label="model (requested)")
+    axes[0].bar(x + 0.2, [row["dram_GB_ncu"] for row in rows], 0.4, color="tab:green", label="DRAM (ncu)")
+    axes[0].set_xticks(x, labels)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("bytes read + written per call (GB)")
     axes[0].set_title("traffic (forward)")
+    axes[0].legend(fontsize=8)
     axes[1].bar(labels, [row["ms"] for row in rows], color="tab:orange")
     axes[1].set_ylabel("runtime per call (ms)")
     axes[1].set_title("runtime (forward)")

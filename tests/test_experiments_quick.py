@@ -3,6 +3,7 @@ import csv
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 import numba_flash
@@ -49,6 +50,14 @@ def test_every_part_draws_a_plot(io_traffic, results):
     pytest.importorskip("matplotlib")
     for part in io_traffic.PARTS:
         assert (results / f"io_{part}_quick.png").stat().st_size > 0, part
+
+
+def test_fig2_left_finds_the_ncu_measurement_of_its_setting(io_traffic):
+    # The committed results/io_dram.csv (dram_traffic.py on the H200) must join every kernel of Fig. 2 left.
+    measured = io_traffic.measured_dram_gb(io_traffic.GPT2)
+    kernels = {f"{algorithm} {np.dtype(dtype).name}" for _, algorithm, dtype, _ in io_traffic.variants(io_traffic.GPT2, False)}
+    assert set(measured) == kernels and all(gb > 0 for gb in measured.values())
+    assert io_traffic.measured_dram_gb(io_traffic.GPT2_QUICK) == {}
 
 
 def test_flash_moves_less_than_standard(results):
