@@ -200,6 +200,7 @@ def plot_gpt2(rows, plt):
     axes[0].set_title("traffic (forward)")
     axes[0].legend(fontsize=8)
     axes[1].bar(labels, [row["ms"] for row in rows], color="tab:orange")
+    axes[1].set_yscale("log")
     axes[1].set_ylabel("runtime per call (ms)")
     axes[1].set_title("runtime (forward)")
     for ax in axes:
