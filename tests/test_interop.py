@@ -58,3 +58,46 @@ def test_non_contiguous_device_inputs_are_rejected_clearly(lib):
     every_other_row = x[:, ::2, :]
     with pytest.raises(ValueError, match="q must be C-contiguous"):
         numba_flash.attention(every_other_row, every_other_row, every_other_row)
+
+
+@pytest.mark.gpu_only
+def test_torch_inputs_on_a_side_stream_are_read_after_their_producer():
+    # numba_flash.attention imports torch tensors without a host sync and launches on the stream their
+    # interface names (torch's current stream): a launch anywhere else would overtake the busy side
+    # stream and read q2 before it is written.
+    import torch
+
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.tensor(rng.standard_normal((2, 2, 300, 64)).astype(np.float32), device="cuda") for _ in range(3))
+    expected_out, expected_lse = numba_flash.attention(q, k, v, return_lse=True)
+    expected_grads = numba_flash.attention_backward(q, k, v, expected_out, expected_lse, q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        q2 = q * 1  # written on the side stream, after the sleep
+        out, lse = numba_flash.attention(q2, k, v, return_lse=True)
+        torch.cuda._sleep(50_000_000)
+        do = q * 1
+        grads = numba_flash.attention_backward(q2, k, v, out, lse, do)
+    # The results carry the side stream, so their copies to the host wait for our kernels.
+    np.testing.assert_array_equal(out.copy_to_host(), expected_out.copy_to_host())
+    np.testing.assert_array_equal(lse.copy_to_host(), expected_lse.copy_to_host())
+    for got, expected in zip(grads, expected_grads):
+        np.testing.assert_array_equal(got.copy_to_host(), expected.copy_to_host())
+
+
+@pytest.mark.gpu_only
+def test_inputs_on_different_streams_are_synced_on_the_host_instead():
+    from numba_flash._arrays import producer_stream
+
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 2, 100, 32)).astype(np.float32) for _ in range(3))
+    first, second = cuda.stream(), cuda.stream()
+    on_one = [cuda.to_device(x, stream=first) for x in (q, k, v)]
+    assert int(producer_stream(on_one).handle) == int(first.handle)
+    mixed = [cuda.to_device(q, stream=second)] + on_one[1:]
+    assert producer_stream(mixed) is None  # no one stream orders them all
+    expected = numba_flash.attention(q, k, v)
+    for arrays in (on_one, mixed):
+        np.testing.assert_array_equal(numba_flash.attention(*arrays).copy_to_host(), expected)
