@@ -31,52 +31,24 @@ def cuda_interface(x):
         raise TypeError(f"{exc}; call .detach() first, or use numba_flash.torch for autograd") from exc
 
 
-def producer_stream(arrays):
-    """The stream to launch on for these CUDA arrays, or None to fall back on a host sync.
-
-    The CUDA Array Interface names the stream on which each array's producer
-    (torch's current stream, say) may still be writing it.  Numba's import
-    would make the host wait for that stream on every call, stalling the
-    whole pipeline; launching our kernels on the named stream orders them
-    after the producer's work instead.  That needs one stream for all the
-    arrays: when they name different ones, this returns None and the arrays
-    are imported with the host sync, the kernels launched on stream 0.
-    Arrays that name no stream (Numba's own, the simulator's) give stream 0.
-    """
-    if in_simulator():
-        return 0
-    named = {cuda_interface(x).get("stream") for x in arrays}
-    if len(named) > 1:
-        return None
-    (handle,) = named
-    # 1 and 2 are CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, handles the driver takes as they are.
-    return 0 if handle is None else cuda.external_stream(handle)
-
-
-def _import(x, stream):
-    """A Numba view of a CUDA array; no host sync when the kernels will run on its producer's stream."""
-    return x if in_simulator() else cuda.as_cuda_array(x, sync=stream is None)
-
-
-def as_heads(x, on_device, stream=0):
-    """View x (..., N, d) as (batch*heads, N, d) on the device (``stream``: from ``producer_stream``)."""
+def as_heads(x, on_device):
+    """View x (..., N, d) as (batch*heads, N, d) on the device."""
     n, d = x.shape[-2:]
     if on_device:
-        return _import(x, stream).reshape(-1, n, d)
+        return (x if in_simulator() else cuda.as_cuda_array(x)).reshape(-1, n, d)
     return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n, d))
 
 
-def as_rows(x, on_device, stream=0):
+def as_rows(x, on_device):
     """View a per-row statistic x (..., N) as (batch*heads, N) on the device."""
     n = tuple(x.shape)[-1]  # the simulator's device-array shapes refuse negative indices
     if on_device:
-        return _import(x, stream).reshape(-1, n)
+        return (x if in_simulator() else cuda.as_cuda_array(x)).reshape(-1, n)
     return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n))
 
 
-def empty(shape, dtype, stream=0):
-    """A device array for results; it carries ``stream``, so its copies and consumers order after our kernels."""
-    return cuda.device_array(shape, dtype=dtype, stream=stream or 0)
+def empty(shape, dtype):
+    return cuda.device_array(shape, dtype=dtype)
 
 
 def deliver(x, batch_shape, on_device):

@@ -1,6 +1,4 @@
 """The public API of numba-flash."""
-from functools import partial
-
 import numpy as np
 from numba import cuda
 
@@ -70,12 +68,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     call = check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
                                 dropout_p=dropout_p, seed=seed, algorithm=algorithm,
                                 block_sizes=block_sizes)
-    stream = _arrays.producer_stream((q, k, v)) if call.on_device else 0
-    q3, k3, v3 = (_arrays.as_heads(x, call.on_device, stream) for x in (q, k, v))
-    stream = stream or 0
-    o = _arrays.empty((call.batch_heads, call.n_q, call.head_dim), call.dtype, stream)
-    lse = _arrays.empty((call.batch_heads, call.n_q), np.float32, stream)
-    run_forward(call, q3, k3, v3, o, lse, empty=partial(_arrays.empty, stream=stream), stream=stream)
+    q3, k3, v3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v))
+    o = _arrays.empty((call.batch_heads, call.n_q, call.head_dim), call.dtype)
+    lse = _arrays.empty((call.batch_heads, call.n_q), np.float32)
+    run_forward(call, q3, k3, v3, o, lse)
     out = _arrays.deliver(o, call.batch_shape, call.on_device)
     if return_lse:
         return out, _arrays.deliver(lse, call.batch_shape, call.on_device)
@@ -106,16 +102,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     """
     call = check_backward_args(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
                                dropout_p=dropout_p, seed=seed, algorithm=algorithm, block_sizes=block_sizes)
-    stream = _arrays.producer_stream((q, k, v, o, lse, do)) if call.on_device else 0
-    q3, k3, v3, o3, do3 = (_arrays.as_heads(x, call.on_device, stream) for x in (q, k, v, o, do))
-    lse2 = _arrays.as_rows(lse, call.on_device, stream)
-    stream = stream or 0
+    q3, k3, v3, o3, do3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v, o, do))
     bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
-    dq = _arrays.empty((bh, n_q, d), call.dtype, stream)
-    dk = _arrays.empty((bh, n_k, d), call.dtype, stream)
-    dv = _arrays.empty((bh, n_k, d), call.dtype, stream)
-    run_backward(call, q3, k3, v3, o3, do3, lse2, dq, dk, dv, empty=partial(_arrays.empty, stream=stream),
-                 stream=stream)
+    dq = _arrays.empty((bh, n_q, d), call.dtype)
+    dk = _arrays.empty((bh, n_k, d), call.dtype)
+    dv = _arrays.empty((bh, n_k, d), call.dtype)
+    run_backward(call, q3, k3, v3, o3, do3, _arrays.as_rows(lse, call.on_device), dq, dk, dv)
     return tuple(_arrays.deliver(x, call.batch_shape, call.on_device) for x in (dq, dk, dv))
 
 

@@ -33,12 +33,8 @@ __all__ = ["attention", "FlashAttentionFunction"]
 
 
 def _device_view(tensor):
-    """A Numba view of a contiguous CUDA tensor (no copy).
-
-    Without the host sync Numba's import would do by default: the tensor's
-    interface names torch's current stream, which is where our kernels run.
-    """
-    return cuda.as_cuda_array(tensor.detach(), sync=False)
+    """A Numba view of a contiguous CUDA tensor (no copy)."""
+    return cuda.as_cuda_array(tensor.detach())
 
 
 class FlashAttentionFunction(torch.autograd.Function):
