@@ -58,8 +58,8 @@ from numba import cuda, float32, uint32
 
 from ..dropout import NO_DROPOUT, dropout_weight, philox_device
 from ._launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
-from .flash2_forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, make_load_chunk, no_tile_lists,
-                             store_split, tile_lists, tile_visits)
+from .flash2_forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, listed_tile, make_load_chunk,
+                             no_tile_lists, store_split, tile_lists, tile_visits, tiles_for_head_dim)
 from .fragments import fragment_row_store, pair_stride, row_stride, tile_products
 from .primitives import exp2, f32_as_u32, load_word, store_vec4, store_word, u32_as_f32
 
@@ -92,10 +92,7 @@ DEFAULT_BLOCK_SIZES = {
 
 
 def default_block_sizes(head_dim, dtype, causal=False):
-    for bound, blocks in DEFAULT_BLOCK_SIZES[np.dtype(dtype).name, bool(causal)]:
-        if head_dim <= bound:
-            return blocks
-    raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
+    return tiles_for_head_dim(DEFAULT_BLOCK_SIZES[np.dtype(dtype).name, bool(causal)], head_dim)
 
 
 @dataclass(frozen=True)
@@ -268,9 +265,7 @@ def make_flash2_backward_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, CAUSAL, IS_F16, 
             n_visits = (n_q + BLOCK_QUERIES - 1) // BLOCK_QUERIES - first
         for j in range(n_visits):
             if HAS_MASK:
-                entry = load_word(tile_entries, first + j)
-                q0 = (entry >> 1) * BLOCK_QUERIES
-                partly_masked = (entry & 1) != 0
+                q0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_QUERIES)
             else:
                 q0 = (first + j) * BLOCK_QUERIES
                 partly_masked = False
@@ -396,9 +391,7 @@ def make_flash2_backward_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, CAUSAL, IS_F16, VE
                 n_blocks = min(n_blocks, (min(q0 + BLOCK_QUERIES, n_q) + BLOCK_KEYS - 1) // BLOCK_KEYS)
         for j in range(n_blocks):
             if HAS_MASK:
-                entry = load_word(tile_entries, first + j)
-                k0 = (entry >> 1) * BLOCK_KEYS
-                partly_masked = (entry & 1) != 0
+                k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_KEYS)
             else:
                 k0 = j * BLOCK_KEYS
                 partly_masked = False

@@ -50,7 +50,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from ..dropout import NO_DROPOUT, philox_device
-from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
+from ._launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
 from .fragments import fragment_row_store, pair_stride, row_stride, split_tf32, tile_products
 from .primitives import exp2, load_vec4, load_word, pack_half2, shfl_xor, store_vec4
 
@@ -76,12 +76,24 @@ DEFAULT_BLOCK_SIZES = {
 }
 
 
-def default_block_sizes(head_dim, dtype):
-    """The tuned (BLOCK_M, BLOCK_N) for this head dim and dtype."""
-    for bound, blocks in DEFAULT_BLOCK_SIZES[np.dtype(dtype).name]:
+def tiles_for_head_dim(table, head_dim):
+    """The tiles of the first (largest head dim, tiles) entry of ``table`` that covers ``head_dim``."""
+    for bound, blocks in table:
         if head_dim <= bound:
             return blocks
-    raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
+    raise ValueError(f"head dim {head_dim} exceeds {table[-1][0]}")
+
+
+def default_block_sizes(head_dim, dtype):
+    """The tuned (BLOCK_M, BLOCK_N) for this head dim and dtype."""
+    return tiles_for_head_dim(DEFAULT_BLOCK_SIZES[np.dtype(dtype).name], head_dim)
+
+
+@inlined_device_function
+def listed_tile(tile_entries, index, block):
+    """Entry ``index`` of a ``tile_lists`` list: the tile's first row (or key), and whether it is partly masked."""
+    entry = load_word(tile_entries, index)
+    return (entry >> 1) * block, (entry & 1) != 0
 
 
 @dataclass(frozen=True)
@@ -349,9 +361,7 @@ def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, 
             if j < 0:
                 continue
             if HAS_MASK:
-                entry = load_word(tile_entries, first + j)
-                k0 = (entry >> 1) * BLOCK_N
-                partly_masked = (entry & 1) != 0
+                k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_N)
             else:
                 k0 = j * BLOCK_N
                 partly_masked = False
