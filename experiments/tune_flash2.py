@@ -15,13 +15,12 @@ drift of the clock or the card's temperature cannot favour one tile.
     PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick] [--backward [--confirm]]
 """
 import argparse
-import datetime
 import os
 
 import numpy as np
 
 import numba_flash
-from numba_flash._report import progress, write_csv
+from numba_flash._report import markdown_header, progress, write_csv
 import reference
 from numba_flash.kernels.flash2_backward import BackwardLayout, make_flash2_backward_dkdv, make_flash2_backward_dq
 from numba_flash.kernels.flash2_forward import Flash2Layout, make_flash2_forward
@@ -109,7 +108,7 @@ def confirm(out, quick):
     """Interleaved rounds of the backward's candidate tiles in ``CONFIRM_CASES``, beside the default."""
     import statistics
 
-    from numba_flash._report import markdown_header, markdown_table, pyplot, save_figure
+    from numba_flash._report import markdown_table, pyplot, save_figure
     from numba_flash.device import in_simulator
     from numba_flash.kernels.flash2_backward import default_block_sizes
     from numba_flash.timing import time_ms
@@ -224,10 +223,9 @@ def write(rows, out, command, problem, suffix="", direction="forward", note="", 
     write_csv(stem + ".csv", rows)
     best = {}
     with open(stem + ".md", "w") as f:
-        f.write(f"# flash2 tile shapes ({direction})\n\nCommand: `{command}`  \n"
-                f"Device: {device or numba_flash.device_limits().name}  \n"
-                f"Date: {datetime.date.today()}  \n"
-                f"Problem: (B,H,N,d) = {problem}, non-causal; max_err is against float64 at (2,300,d) causal"
+        f.write(markdown_header(f"flash2 tile shapes ({direction})", command,
+                                device or numba_flash.device_limits().name)
+                + f"Problem: (B,H,N,d) = {problem}, non-causal; max_err is against float64 at (2,300,d) causal"
                 + (" (of dQ, dK and dV, each relative to its largest entry)" if direction == "backward" else "")
                 + ".\n"
                 + (f"\n{note}\n" if note else "") + "\n")
