@@ -15,9 +15,9 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import markdown_header, progress, pyplot, save_figure, timer_note, write_csv
+from numba_flash.tools.report import markdown_header, progress, pyplot, save_figure, timer_note, write_csv
 from numba_flash.tiling import flash1_sram_elements
-from numba_flash.timing import time_ms
+from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 SRAM_BYTES = 48 * 1024

@@ -27,11 +27,11 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
+from numba_flash.tools.report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
                                  write_csv)
 from numba_flash import masks
-from numba_flash.kernels.flash2_forward import default_block_sizes
-from numba_flash.timing import time_ms
+from numba_flash.kernels.fast.forward import default_block_sizes
+from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 DENSITIES = (0.1, 0.2, 0.5, 0.9)

@@ -36,8 +36,8 @@ import numpy as np
 
 import numba_flash
 from numba_flash import io
-from numba_flash._report import markdown_header, markdown_table, progress, pyplot, save_figure, write_csv
-from numba_flash.kernels.flash2_forward import default_block_sizes
+from numba_flash.tools.report import markdown_header, markdown_table, progress, pyplot, save_figure, write_csv
+from numba_flash.kernels.fast.forward import default_block_sizes
 from numba_flash.tiling import line1_block_sizes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")

@@ -24,7 +24,7 @@ import torch
 from numba import cuda
 
 import numba_flash
-from numba_flash.timing import time_ms
+from numba_flash.tools.timing import time_ms
 
 SHAPE = (8, 16, 1024, 64)
 CALLS = 200

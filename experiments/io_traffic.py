@@ -37,14 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 
 import numba_flash
-from numba_flash._report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
+from numba_flash.tools.report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
                                  write_csv)
 from numba_flash import io
-from numba_flash.kernels.flash1_forward import shared_bytes as flash1_shared_bytes
-from numba_flash.kernels.flash2_forward import default_block_sizes
-from numba_flash.kernels.standard_attention import MATMUL_TILE
+from numba_flash.kernels.literal.flash1_forward import shared_bytes as flash1_shared_bytes
+from numba_flash.kernels.fast.forward import default_block_sizes
+from numba_flash.kernels.literal.standard_attention import MATMUL_TILE
 from numba_flash.tiling import line1_block_sizes
-from numba_flash.timing import time_ms
+from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 #: dram_traffic.py's Nsight Compute measurement of the GPT-2 setting (and others).

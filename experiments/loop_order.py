@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 import numba_flash
-from numba_flash._report import markdown_header, progress, pyplot, save_figure, write_csv
-from numba_flash.timing import time_ms
+from numba_flash.tools.report import markdown_header, progress, pyplot, save_figure, write_csv
+from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 BLOCKS = (48, 48)

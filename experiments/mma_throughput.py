@@ -1,7 +1,7 @@
 """Ceilings for flash2: how fast can Numba issue tensor-core mma.sync on this GPU?
 
 Each warp runs two independent accumulator chains of ``mma.sync`` (through
-``numba_flash.kernels.primitives``) on register operands, no memory
+``numba_flash.kernels.fast.primitives``) on register operands, no memory
 traffic; 8 blocks of 256 threads per SM.  The result is the ceiling of the
 matrix instructions flash2 uses: divide the tf32 rate by three for 3xTF32
 (float32-accurate) products.  An FMA loop (eight dependent chains per
@@ -19,8 +19,8 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 import numba_flash
-from numba_flash.kernels.primitives import mma_f16, mma_tf32, tf32_round
-from numba_flash.timing import time_ms
+from numba_flash.kernels.fast.primitives import mma_f16, mma_tf32, tf32_round
+from numba_flash.tools.timing import time_ms
 
 ITERATIONS = 4096
 

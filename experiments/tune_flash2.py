@@ -20,10 +20,10 @@ import os
 import numpy as np
 
 import numba_flash
-from numba_flash._report import markdown_header, progress, write_csv
+from numba_flash.tools.report import markdown_header, progress, write_csv
 import reference
-from numba_flash.kernels.flash2_backward import BackwardLayout, make_flash2_backward_dkdv, make_flash2_backward_dq
-from numba_flash.kernels.flash2_forward import Flash2Layout, make_flash2_forward
+from numba_flash.kernels.fast.backward import BackwardLayout, make_flash2_backward_dkdv, make_flash2_backward_dq
+from numba_flash.kernels.fast.forward import Flash2Layout, make_flash2_forward
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 #: Candidate tiles per dtype (BLOCK_M, BLOCK_N): a first sweep on the H200 over
@@ -108,10 +108,10 @@ def confirm(out, quick):
     """Interleaved rounds of the backward's candidate tiles in ``CONFIRM_CASES``, beside the default."""
     import statistics
 
-    from numba_flash._report import markdown_table, pyplot, save_figure
-    from numba_flash.device import in_simulator
-    from numba_flash.kernels.flash2_backward import default_block_sizes
-    from numba_flash.timing import time_ms
+    from numba_flash.tools.report import markdown_table, pyplot, save_figure
+    from numba_flash.runtime.device import in_simulator
+    from numba_flash.kernels.fast.backward import default_block_sizes
+    from numba_flash.tools.timing import time_ms
 
     rows = []
     # --quick: the first two cases' tiles on tiny problems, in the simulator: the pipeline, not the timing.
@@ -192,7 +192,7 @@ def main(argv=None):
               note="Rebuilt with --from-log from the rows printed by a run that its time limit cut short "
                    "(the remaining candidates were not measured).")
         return
-    from numba_flash.timing import time_ms
+    from numba_flash.tools.timing import time_ms
 
     rows = []
     for dtype in args.dtypes.split(","):

@@ -11,14 +11,14 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import _arrays
+from .runtime import arrays as _arrays
 from ._checks import positive_int_pair
-from .block_mask import BlockMask
-from .device import device_limits, in_simulator
-from .kernels import flash1_backward as _flash1_backward
-from .kernels import flash1_forward as _flash1
-from .kernels import flash2_backward as _flash2_backward
-from .kernels import flash2_forward as _flash2
+from .sparsity.block_mask import BlockMask
+from .runtime.device import device_limits, in_simulator
+from .kernels.literal import flash1_backward as _flash1_backward
+from .kernels.literal import flash1_forward as _flash1
+from .kernels.fast import backward as _flash2_backward
+from .kernels.fast import forward as _flash2
 from .tiling import flash1_backward_block_sizes, line1_block_sizes
 
 ALGORITHMS = ("standard", "flash1", "flash2")

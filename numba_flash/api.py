@@ -2,14 +2,14 @@
 import numpy as np
 from numba import cuda
 
-from . import _arrays
+from .runtime import arrays as _arrays
 from ._validation import check_attention_args, check_backward_args
 from .dropout import kernel_args as dropout_kernel_args
-from .kernels.flash1_backward import flash1_backward
-from .kernels.flash1_forward import flash1_forward
-from .kernels.flash2_backward import backward_mask_args, flash2_backward
-from .kernels.flash2_forward import block_mask_args, flash2_forward
-from .kernels.standard_attention import standard_attention
+from .kernels.literal.flash1_backward import flash1_backward
+from .kernels.literal.flash1_forward import flash1_forward
+from .kernels.fast.backward import backward_mask_args, flash2_backward
+from .kernels.fast.forward import block_mask_args, flash2_forward
+from .kernels.literal.standard_attention import standard_attention
 
 
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,

@@ -16,7 +16,7 @@ def demo(args):
     import reference
 
     from . import attention, device_limits, in_simulator
-    from .timing import time_ms
+    from .tools.timing import time_ms
 
     simulated = in_simulator()
     shape = tuple(args.shape) if args.shape else (DEMO_SHAPE_SIMULATOR if simulated else DEMO_SHAPE_GPU)
@@ -44,7 +44,7 @@ ALGORITHMS_IN_DEMO = ("standard", "flash1", "flash2")
 
 
 def bench(args):
-    from .bench import main as bench_main
+    from .tools.bench import main as bench_main
 
     return bench_main(args)
 

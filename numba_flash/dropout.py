@@ -17,7 +17,7 @@ the kernels.
 import numpy as np
 from numba import float32, uint32
 
-from .kernels._launch import inlined_device_function
+from .runtime.launch import inlined_device_function
 
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57

@@ -50,7 +50,7 @@ import numbers
 import numpy as np
 
 from ._checks import boolean_grid, positive_int_pair
-from .block_mask import BlockMask
+from .sparsity.block_mask import BlockMask
 
 __all__ = ["from_dense", "causal", "causal_elements", "local", "local_elements", "butterfly",
            "strided", "strided_elements", "fixed", "fixed_elements", "bigbird", "longformer",

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from .device import device_limits
+from .runtime.device import device_limits
 
 
 def flash1_sram_elements(block_rows, block_cols, head_dim):

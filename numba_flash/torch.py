@@ -27,7 +27,7 @@ from numba import cuda
 
 from . import api
 from ._validation import check_attention_args
-from .device import in_simulator
+from .runtime.device import in_simulator
 
 __all__ = ["attention", "FlashAttentionFunction"]
 

@@ -24,11 +24,11 @@ from numba.cuda import dispatcher
 # Device functions that are not inlined by Numba compile for the current
 # device's compute capability; without a driver, say sm_90.
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-from numba_flash.kernels.flash2_forward import make_flash2_forward
-from numba_flash.kernels.flash2_backward import make_flash2_backward_dkdv, make_flash2_backward_dq, preprocess
-from numba_flash.kernels.flash1_forward import make_flash1_forward
-from numba_flash.kernels.flash1_backward import make_flash1_backward
-from numba_flash.kernels.standard_attention import make_batched_matmul, make_row_softmax
+from numba_flash.kernels.fast.forward import make_flash2_forward
+from numba_flash.kernels.fast.backward import make_flash2_backward_dkdv, make_flash2_backward_dq, preprocess
+from numba_flash.kernels.literal.flash1_forward import make_flash1_forward
+from numba_flash.kernels.literal.flash1_backward import make_flash1_backward
+from numba_flash.kernels.literal.standard_attention import make_batched_matmul, make_row_softmax
 a3 = T.Array(T.float32, 3, "C"); l2 = T.Array(T.float32, 2, "C"); u8 = T.Array(T.uint8, 3, "C")
 i2 = T.Array(T.int32, 2, "C"); i1 = T.Array(T.int32, 1, "C")
 drop = (T.int64, T.float64, T.int64, T.int64)

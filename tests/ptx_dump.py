@@ -13,8 +13,8 @@ import numba_flash  # noqa
 from numba import cuda, types as T
 from numba.cuda import dispatcher
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-from numba_flash.kernels.flash2_forward import make_flash2_forward
-from numba_flash.kernels.flash2_backward import make_flash2_backward_dkdv, make_flash2_backward_dq
+from numba_flash.kernels.fast.forward import make_flash2_forward
+from numba_flash.kernels.fast.backward import make_flash2_backward_dkdv, make_flash2_backward_dq
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
 l2 = T.Array(T.float32, 2, "C"); u8 = T.Array(T.uint8, 3, "C"); i2 = T.Array(T.int32, 2, "C"); i1 = T.Array(T.int32, 1, "C")

@@ -65,7 +65,7 @@ def batch_shapes(max_batch_heads):
 def flash1_fits(block_sizes, head_dim, backward=False):
     """Whether the literal kernel's tiles (forward or Algorithm 4's) fit in static shared memory."""
     from numba_flash import device_limits
-    from numba_flash.kernels import flash1_backward, flash1_forward
+    from numba_flash.kernels.literal import flash1_backward, flash1_forward
 
     kernel = flash1_backward if backward else flash1_forward
     return kernel.shared_bytes(*block_sizes, head_dim) <= device_limits().shared_bytes_per_block
@@ -84,8 +84,8 @@ def flash2_block_sizes(head_dim, dtype, backward=False):
     backward both sizes to be multiples of 16 (tiles of warps in both passes).
     """
     from numba_flash import device_limits
-    from numba_flash.kernels.flash2_backward import BackwardLayout
-    from numba_flash.kernels.flash2_forward import Flash2Layout
+    from numba_flash.kernels.fast.backward import BackwardLayout
+    from numba_flash.kernels.fast.forward import Flash2Layout
 
     limit = device_limits().shared_bytes_per_block_optin
     is_f16 = np.dtype(dtype) == np.float16

@@ -109,7 +109,7 @@ def test_device_arrays_in_give_device_gradients_out(algorithm, dtype):
 def test_default_flash2_backward_tiles_are_legal_for_every_head_dim(dtype, causal):
     # The GPU defaults (the simulator uses (16, 16)) must pass the same checks as tiles a user gives.
     from numba_flash._validation import check_block_sizes
-    from numba_flash.kernels.flash2_backward import MAX_HEAD_DIM, default_block_sizes
+    from numba_flash.kernels.fast.backward import MAX_HEAD_DIM, default_block_sizes
 
     for d in range(1, MAX_HEAD_DIM + 1):
         blocks = default_block_sizes(d, dtype, causal)

@@ -1,7 +1,7 @@
 """The benchmark's tables and target checks (the timing itself needs a GPU; these need none)."""
 import math
 
-from numba_flash.bench import Row, backward_target_summary, format_table, target_summary
+from numba_flash.tools.bench import Row, backward_target_summary, format_table, target_summary
 
 SHAPE = (4, 16, 4096, 64)
 

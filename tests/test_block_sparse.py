@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import numba_flash
 import reference
 from numba_flash import BlockMask
-from numba_flash.kernels.flash2_forward import key_tile_lists
+from numba_flash.kernels.fast.forward import key_tile_lists
 from strategies import flash1_fits, flash2_block_sizes, problems
 from tolerances import assert_close_to_reference
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import numba_flash
-from numba_flash.kernels import flash1_forward, flash2_forward, standard_attention
+from numba_flash.kernels.literal import flash1_forward, standard_attention
+from numba_flash.kernels.fast import forward as flash2_forward
 
 Q = np.zeros((2, 8, 4), np.float32)
 

@@ -116,7 +116,7 @@ def test_dram_experiment_runs_quick_and_reports_the_model(tmp_path):
 
 
 def test_backward_tile_confirmation_runs_quick_and_marks_the_defaults(tmp_path):
-    from numba_flash.kernels.flash2_backward import default_block_sizes
+    from numba_flash.kernels.fast.backward import default_block_sizes
 
     load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--out", str(tmp_path)])
     with open(tmp_path / "tune_flash2_backward_confirm_quick.csv") as f:

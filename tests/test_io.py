@@ -16,8 +16,8 @@ import pytest
 
 import numba_flash
 from numba_flash import BlockMask, io
-from numba_flash.kernels._launch import no_mask_layout
-from numba_flash.kernels.flash2_forward import no_tile_lists
+from numba_flash.runtime.launch import no_mask_layout
+from numba_flash.kernels.fast.forward import no_tile_lists
 from numba_flash.tiling import line1_block_sizes
 from traffic_counter import count_traffic
 

@@ -19,7 +19,7 @@ from hypothesis import given, strategies as st
 
 import reference
 from numba_flash import cli, masks
-from numba_flash.block_mask import BlockMask
+from numba_flash.sparsity.block_mask import BlockMask
 
 MAX_N = 24
 MAX_BLOCK = 8

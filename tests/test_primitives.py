@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_flash.kernels.primitives import (
+from numba_flash.kernels.fast.primitives import (
     f32_as_u32, mma_f16, mma_tf32, pack_half2, shfl_xor, tf32_round, u32_as_f32, unpack_half2,
 )
 

@@ -5,7 +5,7 @@ wrappers: the host holds ``FakeCUDAArray``s, and inside the kernel every
 argument is a ``FakeWithinKernelCUDAArray`` whose ``__getitem__`` and
 ``__setitem__`` index the NumPy array.  Every global load and store of a
 kernel, including those of the ``load_word``/``load_vec4``/``store_word``/
-``store_vec4`` twins in ``numba_flash.kernels.primitives`` (which index their
+``store_vec4`` twins in ``numba_flash.kernels.fast.primitives`` (which index their
 array element by element), goes through those two methods.  Shared and local
 memory are plain NumPy arrays in the simulator and never do, so they are not
 counted.

@@ -25,8 +25,8 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ..dropout import NO_DROPOUT, dropout_weight
-from ._launch import cuda_kernel, launch, no_mask_layout
+from ...dropout import NO_DROPOUT, dropout_weight
+from ...runtime.launch import cuda_kernel, launch, no_mask_layout
 from .tiles import load_rows, zero_tile
 
 

@@ -5,7 +5,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from ..device import device_limits, in_simulator
+from .device import device_limits, in_simulator
 
 _STATIC_SHARED_LIMIT = 48 * 1024
 

@@ -60,9 +60,9 @@ from typing import Mapping, Tuple
 
 import numpy as np
 
-from .kernels.flash2_backward import BackwardLayout
-from .kernels.flash2_forward import Flash2Layout, key_tile_lists, tile_visits
-from .kernels.standard_attention import MATMUL_TILE
+from ..kernels.fast.backward import BackwardLayout
+from ..kernels.fast.forward import Flash2Layout, key_tile_lists, tile_visits
+from ..kernels.literal.standard_attention import MATMUL_TILE
 
 FLOAT32 = 4  # bytes: S, P, l, m, lse, and q, k, v, o unless flash2 runs in float16
 INT32 = 4    # flash2's tile lists

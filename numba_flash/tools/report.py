@@ -33,7 +33,7 @@ def progress(iterable, description):
 
 def timer_note(repeats):
     """How the numbers were timed, as the results files say it."""
-    from .device import in_simulator
+    from ..runtime.device import in_simulator
 
     return "simulator wall clock (not a measurement)" if in_simulator() else f"CUDA events, median of {repeats}"
 

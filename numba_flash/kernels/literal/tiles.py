@@ -11,7 +11,7 @@ once kernels are compiled with line info, as ours are for ncu.
 """
 from numba import float32
 
-from ._launch import inlined_device_function
+from ...runtime.launch import inlined_device_function
 
 
 @inlined_device_function

@@ -18,9 +18,9 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ..device import in_simulator
-from ..dropout import NO_DROPOUT, dropout_weight
-from ._launch import cdiv, cuda_kernel, launch, no_mask_layout
+from ...runtime.device import in_simulator
+from ...dropout import NO_DROPOUT, dropout_weight
+from ...runtime.launch import cdiv, cuda_kernel, launch, no_mask_layout
 
 # Launch shapes.  The simulator runs every CUDA thread as a Python thread, so
 # it gets smaller blocks; the kernels' logic is the same for any of these.

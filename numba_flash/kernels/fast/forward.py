@@ -49,8 +49,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32
 
-from ..dropout import NO_DROPOUT, philox_device
-from ._launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
+from ...dropout import NO_DROPOUT, philox_device
+from ...runtime.launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
 from .fragments import fragment_row_store, pair_stride, row_stride, split_tf32, tile_products
 from .primitives import exp2, load_vec4, load_word, pack_half2, shfl_xor, store_vec4
 

@@ -23,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from . import attention, device_limits, in_simulator
+from .. import attention, device_limits, in_simulator
 from .timing import time_ms
 
 #: (batch, heads, N, d): the shapes issue #3 asks for.
@@ -116,7 +116,7 @@ def run_backward_case(shape, dtype, causal, repeats, torch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from . import torch as nft
+    from .. import torch as nft
 
     tdtype = torch.float16 if dtype == "float16" else torch.float32
     q, k, v = (torch.randn(shape, device="cuda", dtype=tdtype, requires_grad=True) for _ in range(3))

@@ -56,9 +56,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32
 
-from ..dropout import NO_DROPOUT, dropout_weight, philox_device
-from ._launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
-from .flash2_forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, listed_tile, make_load_chunk,
+from ...dropout import NO_DROPOUT, dropout_weight, philox_device
+from ...runtime.launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
+from .forward import (LOG2_E, ROWS_PER_WARP, Flash2Layout, _aligned16, _flat, listed_tile, make_load_chunk,
                              no_tile_lists, store_split, tile_lists, tile_visits, tiles_for_head_dim)
 from .fragments import fragment_row_store, pair_stride, row_stride, tile_products
 from .primitives import exp2, f32_as_u32, load_word, store_vec4, store_word, u32_as_f32

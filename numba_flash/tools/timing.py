@@ -4,7 +4,7 @@ import time
 
 from numba import cuda
 
-from .device import in_simulator
+from ..runtime.device import in_simulator
 
 
 def time_ms(run, *, repeats=20, warmup=3, setup=None):

@@ -29,7 +29,7 @@ from functools import lru_cache
 from numba import cuda
 from numba.cuda.types import float16
 
-from ._launch import inlined_device_function
+from ...runtime.launch import inlined_device_function
 from .primitives import load_word, mma_f16, mma_tf32, pack_half2, store_word, tf32_round, u32_as_f32
 
 

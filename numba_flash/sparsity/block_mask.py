@@ -22,7 +22,7 @@ Masks combine with ``&`` and ``|`` (same block size; layouts broadcast), and
 """
 import numpy as np
 
-from ._checks import boolean_grid, positive_int_pair
+from .._checks import boolean_grid, positive_int_pair
 
 #: How many prepared forms (device layouts, tile lists) one mask keeps.
 _CACHE_ENTRIES = 8
