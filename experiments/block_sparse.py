@@ -30,7 +30,7 @@ import numba_flash
 from numba_flash.tools.report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
                                  write_csv)
 from numba_flash import masks
-from numba_flash.kernels.fast.forward import default_block_sizes
+from numba_flash.tiling import flash2_tuned_block_sizes
 from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -61,7 +61,7 @@ def main(argv=None):
     from numba import cuda
 
     lengths, head_dim, heads = ((32,), 8, 1) if args.quick else ((4096, 16384), 64, 16)
-    block_sizes = (16, 16) if args.quick else default_block_sizes(head_dim, np.float32)
+    block_sizes = (16, 16) if args.quick else flash2_tuned_block_sizes(head_dim, "tf32x3")
     block = max(block_sizes)  # square mask blocks that whole kernel tiles fit in
     repeats = 1 if args.quick else 20
     rows = []

@@ -37,8 +37,7 @@ import numpy as np
 import numba_flash
 from numba_flash import io
 from numba_flash.tools.report import markdown_header, markdown_table, progress, pyplot, save_figure, write_csv
-from numba_flash.kernels.fast.forward import default_block_sizes
-from numba_flash.tiling import line1_block_sizes
+from numba_flash.tiling import flash2_tuned_block_sizes, line1_block_sizes, precision_of
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 SETTINGS = {"gpt2": (64, 16, 1024, 64), "long": (4, 16, 4096, 64), "d128": (2, 16, 4096, 128)}  # (batch, heads, N, d)
@@ -54,7 +53,7 @@ def block_sizes(algorithm, dtype, n, d, quick):
     if algorithm == "flash1":
         return line1_block_sizes(d, n_q=n, n_k=n)
     if algorithm == "flash2":
-        return (16, 16) if quick else default_block_sizes(d, dtype)
+        return (16, 16) if quick else flash2_tuned_block_sizes(d, precision_of(dtype))
     return None
 
 

@@ -40,10 +40,8 @@ import numba_flash
 from numba_flash.tools.report import (markdown_header, markdown_table, progress, pyplot, save_figure, timer_note,
                                  write_csv)
 from numba_flash import io
-from numba_flash.kernels.literal.flash1_forward import shared_bytes as flash1_shared_bytes
-from numba_flash.kernels.fast.forward import default_block_sizes
 from numba_flash.kernels.literal.standard_attention import MATMUL_TILE
-from numba_flash.tiling import line1_block_sizes
+from numba_flash.tiling import flash1_shared_bytes, flash2_tuned_block_sizes, line1_block_sizes, precision_of
 from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -108,7 +106,7 @@ PAPER_MEMORY = {"standard": {512: 336, 1024: 1184, 2048: 4416, 4096: 17024},
 def variants(setting, quick):
     """(label, algorithm, dtype, block sizes) of each kernel at this setting, with its default tiles."""
     def flash2_tiles(dtype):
-        return FLASH2_QUICK_TILES if quick else default_block_sizes(setting.d, dtype)
+        return FLASH2_QUICK_TILES if quick else flash2_tuned_block_sizes(setting.d, precision_of(dtype))
 
     return [
         ("standard", "standard", np.float32, None),

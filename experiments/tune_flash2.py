@@ -4,10 +4,10 @@ For each (dtype, d) every candidate tile shape that fits in shared memory
 is compiled, checked against the torch-free float64 reference on a small
 problem (a fast wrong kernel is no candidate), and timed on a large one
 (median of CUDA-event timings).  The table it writes is what
-``DEFAULT_BLOCK_SIZES`` in ``numba_flash/kernels/flash2_forward.py`` records;
-with ``--backward`` the same sweep times the backward (both of its kernels,
+``FORWARD_BLOCK_SIZES`` in ``numba_flash/tiling.py`` records; with
+``--backward`` the same sweep times the backward (both of its kernels,
 BLOCK_M = the tile a thread block owns, BLOCK_N = the tile it streams) for
-``flash2_backward.DEFAULT_BLOCK_SIZES``.  The sweep is non-causal at N = 4096;
+``tiling.BACKWARD_BLOCK_SIZES``.  The sweep is non-causal at N = 4096;
 ``--backward --confirm`` times the cases it does not cover (causal calls, N = 8192,
 an odd head dim) with their candidate tiles in interleaved rounds, so that slow
 drift of the clock or the card's temperature cannot favour one tile.
@@ -22,8 +22,10 @@ import numpy as np
 import numba_flash
 from numba_flash.tools.report import markdown_header, progress, write_csv
 import reference
-from numba_flash.kernels.fast.backward import BackwardLayout, make_flash2_backward_dkdv, make_flash2_backward_dq
-from numba_flash.kernels.fast.forward import Flash2Layout, make_flash2_forward
+from numba_flash._validation import check_block_sizes
+from numba_flash.kernels.fast.backward import make_dkdv, make_dq
+from numba_flash.kernels.fast.forward import make_forward
+from numba_flash.tiling import padded_head_dim, precision_of
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 #: Candidate tiles per dtype (BLOCK_M, BLOCK_N): a first sweep on the H200 over
@@ -49,8 +51,12 @@ CONFIRM_ROUNDS = 5
 
 
 def fits(block_m, block_n, d, dtype, backward=False):
-    layout = (BackwardLayout if backward else Flash2Layout)(block_m, block_n, d, dtype == "float16")
-    return layout.shared_bytes <= numba_flash.device_limits().shared_bytes_per_block_optin
+    """Whether the library takes these tiles (its own check: shared memory, threads, multiples)."""
+    try:
+        check_block_sizes((block_m, block_n), "flash2", d, 4096, 4096, dtype, backward=backward)
+    except ValueError:
+        return False
+    return True
 
 
 def check(block_sizes, d, dtype, backward=False):
@@ -70,21 +76,18 @@ def check(block_sizes, d, dtype, backward=False):
 
 def kernels(block_m, block_n, d, dtype, backward):
     """The dense non-causal kernel(s) a timed call launches, for their register and stack use."""
-    is_f16 = dtype == "float16"
+    flags = (padded_head_dim(d, precision_of(dtype)), precision_of(dtype), True, False, False, False)
     if backward:
-        return [make_flash2_backward_dkdv(block_m, block_n, d, False, is_f16, True, False, False),
-                make_flash2_backward_dq(block_m, block_n, d, False, is_f16, True, False, False)]
-    return [make_flash2_forward(block_m, block_n, d, False, is_f16, True, False, False)]
+        return [make_dkdv(block_m, block_n, *flags), make_dq(block_m, block_n, *flags)]
+    return [make_forward(block_m, block_n, *flags)]
 
 
 def resources(kernel_list):
-    """Registers and stack bytes per thread of each kernel, joined by "/" (empty where not reported)."""
-    # Launches above 48 KiB of shared memory compile a specialised copy of the dispatcher (see
-    # kernels/_launch.py), so look there too.  (The simulator's kernels have neither.)
-    copies = [[kernel, *getattr(kernel, "specializations", {}).values()] for kernel in kernel_list]
-    overloads = [next((o for k in kernel_copies for o in getattr(k, "overloads", {}).values()), None)
-                 for kernel_copies in copies]
-    return tuple("/".join(str(getattr(o, attribute, "")) for o in overloads) if any(overloads) else ""
+    """Registers and stack bytes per thread of each kernel, joined by "/" (empty in the simulator)."""
+    if numba_flash.in_simulator():
+        return "", ""
+    compiled = [kernel.compiled for kernel in kernel_list]
+    return tuple("/".join(str(getattr(c, attribute)) for c in compiled)
                  for attribute in ("regs_per_thread", "local_mem_per_thread"))
 
 
@@ -110,7 +113,7 @@ def confirm(out, quick):
 
     from numba_flash.tools.report import markdown_table, pyplot, save_figure
     from numba_flash.runtime.device import in_simulator
-    from numba_flash.kernels.fast.backward import default_block_sizes
+    from numba_flash.tiling import flash2_tuned_block_sizes
     from numba_flash.tools.timing import time_ms
 
     rows = []
@@ -124,7 +127,7 @@ def confirm(out, quick):
         for _ in range(1 if quick else CONFIRM_ROUNDS):
             for call, times in zip(calls, samples):
                 times.append(time_ms(call, repeats=1 if quick else 8, warmup=1))
-        default = default_block_sizes(shape[3], dtype, causal)
+        default = flash2_tuned_block_sizes(shape[3], precision_of(dtype), backward=True, causal=causal)
         for tiles, times in zip(candidates, samples):
             rows.append(dict(dtype=dtype, shape=str(shape).replace(" ", ""), causal=causal, block_m=tiles[0],
                              block_n=tiles[1], median_ms=round(statistics.median(times), 3),
@@ -144,7 +147,7 @@ def confirm(out, quick):
                                 f"CUDA events; per tile the median and minimum of {CONFIRM_ROUNDS} rounds, each "
                                 "the median of 8 calls, tiles taking turns within a round"))
         f.write("\nShapes are (B, H, N, d); `default` marks what "
-                "`flash2_backward.default_block_sizes` picks for the case.\n\n" + markdown_table(rows))
+                "`tiling.flash2_tuned_block_sizes` picks for the case.\n\n" + markdown_table(rows))
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(9, 4.5))

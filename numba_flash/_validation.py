@@ -1,8 +1,10 @@
 """Every check on user input, in one place, before anything is launched.
 
-``check_attention_args`` turns the arguments of ``attention`` into an
-``AttentionCall`` whose fields the kernels can trust, or raises a
-ValueError/TypeError that names the offending argument.
+``check_attention_args`` turns the arguments of ``attention`` (and the shared
+part of ``attention_backward``) into an ``AttentionCall`` whose fields the
+kernels can trust, or raises a ValueError/TypeError that names the
+offending argument.  The defaults live here too: the algorithm, the scale,
+and (through ``tiling``) the tiles.
 """
 import math
 import numbers
@@ -11,102 +13,127 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .runtime import arrays as _arrays
 from ._checks import positive_int_pair
+from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_strides
+from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .runtime.device import device_limits, in_simulator
-from .kernels.literal import flash1_backward as _flash1_backward
-from .kernels.literal import flash1_forward as _flash1
-from .kernels.fast import backward as _flash2_backward
-from .kernels.fast import forward as _flash2
-from .tiling import flash1_backward_block_sizes, line1_block_sizes
+from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, flash1_backward_block_sizes, flash1_backward_shared_bytes,
+                     flash1_shared_bytes, flash2_backward_shared_bytes, flash2_default_block_sizes,
+                     flash2_forward_layout, flash2_threads, k_step, line1_block_sizes, padded_head_dim)
 
 ALGORITHMS = ("standard", "flash1", "flash2")
-#: flash2's default tiles (forward and backward) in the simulator.
-SIMULATOR_FLASH2_BLOCK_SIZES = (16, 16)
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
-#: dtypes each algorithm accepts (the fast kernel also takes float16).
-DTYPES = {
-    "standard": (np.dtype(np.float32),),
-    "flash1": (np.dtype(np.float32),),
-    "flash2": (np.dtype(np.float32), np.dtype(np.float16)),
-}
+#: dtypes each algorithm accepts (the fast kernel also takes the 16-bit types).
+DTYPES = {"standard": ("float32",), "flash1": ("float32",), "flash2": ("float32", "float16", "bfloat16")}
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """A validated call: shapes, dtype and options the kernels can rely on."""
+    """A validated call: shapes, dtype and options the kernels can rely on.
+
+    q is (*batch_shape, heads, n_q, head_dim) viewed as (batch, heads, n_q, d)
+    (inputs of 2 dims have one head and no batch); k and v have
+    ``kv_heads`` heads, a divisor of ``heads`` (grouped-query attention).
+    """
 
     algorithm: str
     batch_shape: Tuple[int, ...]
+    heads: int
+    kv_heads: int
     n_q: int
     n_k: int
     head_dim: int
-    dtype: np.dtype
+    dtype: str
     scale: float
     causal: bool
+    causal_offset: int          # key j visible to query i iff j <= i + causal_offset
     block_sizes: Optional[Tuple[int, int]]
-    on_device: bool
+    kind: str                   # "torch", "cuda" or "host"
+    q_shape: Tuple[int, ...]
+    kv_shape: Tuple[int, ...]
+    strides: Tuple[Strides, Strides, Strides]   # of q, k, v (host inputs: C order after the copy)
+    vec: bool                   # every row of q, k, v starts on a 16-byte boundary
     block_mask: Optional[BlockMask] = None
     dropout_p: float = 0.0
-    seed: int = 0
+
+    @property
+    def batch(self):
+        return int(np.prod(self.batch_shape, dtype=np.int64))
 
     @property
     def batch_heads(self):
-        return int(np.prod(self.batch_shape, dtype=np.int64))
+        return self.batch * self.heads
+
+    @property
+    def group(self):
+        return self.heads // self.kv_heads
+
+    @property
+    def precision(self):
+        return PRECISION[self.dtype]
+
+    @property
+    def on_device(self):
+        return self.kind != "host"
 
 
-def _shape_and_dtype(name, x):
-    interface = _arrays.cuda_interface(x)
-    if interface is not None:
-        shape = tuple(interface["shape"])
-        dtype = np.dtype(interface["typestr"])
-        strides = interface.get("strides")
-        if strides is not None and tuple(strides) != _c_strides(shape, dtype.itemsize):
-            raise ValueError(f"{name} must be C-contiguous on the device (strides {tuple(strides)} "
-                             f"for shape {shape}); call .contiguous() or copy it first")
-        return shape, dtype, True
-    if isinstance(x, np.ndarray):
-        return x.shape, x.dtype, False
-    raise TypeError(f"{name} must be a NumPy array or a CUDA array (with __cuda_array_interface__), "
-                    f"got {type(x).__name__}")
-
-
-def _c_strides(shape, itemsize):
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
-def check_qkv(q, k, v, algorithm, algorithms=ALGORITHMS):
-    """Shapes, dtypes and kinds of q, k, v; returns (batch_shape, n_q, n_k, d, dtype, on_device)."""
+def check_algorithm(algorithm, algorithms=ALGORITHMS):
     if algorithm not in algorithms:
         raise ValueError(f"algorithm must be one of {algorithms}, got {algorithm!r}")
-    (q_shape, q_dtype, q_dev), (k_shape, k_dtype, k_dev), (v_shape, v_dtype, v_dev) = (
-        _shape_and_dtype(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-    if not q_dev == k_dev == v_dev:
-        raise TypeError("q, k and v must all be NumPy arrays or all CUDA arrays, not a mix")
-    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
-        if len(shape) < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape {shape}")
-        if 0 in shape:
-            raise ValueError(f"{name} has an empty dimension: shape {shape}")
-    if not q_dtype == k_dtype == v_dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q_dtype}, {k_dtype}, {v_dtype}")
-    if q_dtype not in DTYPES[algorithm]:
-        supported = ", ".join(str(t) for t in DTYPES[algorithm])
-        hint = " (float16 needs algorithm='flash2')" if q_dtype == np.float16 else ""
-        raise TypeError(f"q, k, v have dtype {q_dtype}; algorithm={algorithm!r} supports {supported}{hint}")
-    if not q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
-        raise ValueError(f"q, k and v must have equal leading (batch, heads) dims, "
-                         f"got {q_shape[:-2]}, {k_shape[:-2]}, {v_shape[:-2]}")
-    if k_shape[-2] != v_shape[-2]:
-        raise ValueError(f"k and v must have the same length N_k, got {k_shape[-2]} and {v_shape[-2]}")
-    if not q_shape[-1] == k_shape[-1] == v_shape[-1]:
-        raise ValueError(f"q, k and v must have the same head dim d, got {q_shape[-1]}, {k_shape[-1]}, {v_shape[-1]}")
-    return q_shape[:-2], q_shape[-2], k_shape[-2], q_shape[-1], q_dtype, q_dev
+
+
+def check_operands(q, k, v, algorithm):
+    """Kinds, dtypes and shapes of q, k, v (``Operand``s); returns (batch_shape, heads, kv_heads, n_q, n_k, d)."""
+    if not q.on_device == k.on_device == v.on_device:
+        raise TypeError("q, k and v must all be host arrays (NumPy) or all CUDA arrays, not a mix")
+    if len({x.kind for x in (q, k, v)}) > 1:
+        raise TypeError(f"q, k and v must be arrays of one library (got {q.kind}, {k.kind}, {v.kind}): results "
+                        f"come back as torch tensors for torch inputs, as Numba device arrays otherwise")
+    if q.kind == "torch" and not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one CUDA device, got cuda:{q.device}, cuda:{k.device}, "
+                         f"cuda:{v.device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in DTYPES[algorithm]:
+        supported = ", ".join(DTYPES[algorithm])
+        hint = " (16-bit inputs need algorithm='flash2')" if q.dtype in DTYPES["flash2"] else ""
+        raise TypeError(f"q, k, v have dtype {q.dtype}; algorithm={algorithm!r} supports {supported}{hint}")
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        raise ValueError(f"q, k and v must have the same head dim d, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (..., H_kv, N_k, d), got {k.shape} and {v.shape}")
+    if len(q.shape) != len(k.shape) or q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(f"q, k and v must have equal leading (batch) dims before the heads, "
+                         f"got {q.shape[:-2]}, {k.shape[:-2]}, {v.shape[:-2]}")
+    heads = q.shape[-3] if len(q.shape) > 2 else 1
+    kv_heads = k.shape[-3] if len(k.shape) > 2 else 1
+    if heads % kv_heads:
+        raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: grouped-query attention needs the query "
+                         f"heads to be a multiple of the key/value heads")
+    if heads != kv_heads and algorithm != "flash2":
+        raise ValueError(f"grouped-query attention ({heads} query heads, {kv_heads} key/value heads) needs "
+                         f"algorithm='flash2'; the literal kernels read equal heads")
+    return q.shape[:-3], heads, kv_heads, q.shape[-2], k.shape[-2], q.shape[-1]
+
+
+def operand_strides(name, x, algorithm):
+    """(batch, head, row) element strides of a device operand, or a ValueError naming it."""
+    if not x.on_device:
+        return view_strides(name, x.shape, c_strides(x.shape))
+    if x.strides[-1] != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.strides}")
+    if any(s < 0 for s in x.strides):
+        raise ValueError(f"{name} has negative strides {x.strides}; pass a copy")
+    if algorithm != "flash2" and not is_c_contiguous(x.shape, x.strides):
+        raise ValueError(f"{name} must be C-contiguous for algorithm={algorithm!r} (strides {x.strides} for shape "
+                         f"{x.shape}); flash2 takes strided CUDA inputs, or pass a contiguous copy")
+    return view_strides(name, x.shape, x.strides)
 
 
 def check_scale(scale, head_dim):
@@ -119,51 +146,49 @@ def check_scale(scale, head_dim):
     return float(scale)
 
 
+def check_causal(causal, n_q, n_k):
+    """(causal, offset): key j is visible to query i iff j <= i + offset (top-left: 0; bottom-right: N_k - N_q)."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal), 0
+    if isinstance(causal, str):
+        if causal not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
+        return True, (n_k - n_q if causal == "bottom_right" else 0)
+    raise TypeError(f"causal must be a bool, 'top_left' or 'bottom_right', got {type(causal).__name__}")
+
+
 def _check_flash1_blocks(block_rows, block_cols, head_dim, backward):
     limits = device_limits()
     if block_rows > limits.max_threads_per_block:
         raise ValueError(f"block_sizes: B_r={block_rows} exceeds {limits.max_threads_per_block} threads per block "
                          f"(flash1 gives each query row of a block its own thread)")
-    needed = (_flash1_backward if backward else _flash1).shared_bytes(block_rows, block_cols, head_dim)
+    needed = (flash1_backward_shared_bytes if backward else flash1_shared_bytes)(block_rows, block_cols, head_dim)
     if needed > limits.shared_bytes_per_block:
         tiles = "Q_i, dO_i, K_j, V_j, dK_j, dV_j, P_ij and dS_ij" if backward else "Q_i, K_j, V_j and S_ij"
         raise ValueError(f"block_sizes {(block_rows, block_cols)} need {needed} bytes of shared memory for "
                          f"{tiles} at d={head_dim}; the limit is {limits.shared_bytes_per_block}")
 
 
-def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype):
+def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype, backward):
+    """One check of flash2 tiles for both passes: warps of 16 rows, mma-wide columns, threads, shared memory."""
     limits = device_limits()
-    is_f16 = dtype == np.float16
-    layout = _flash2.Flash2Layout(block_rows, block_cols, head_dim, is_f16)
-    if block_rows % _flash2.ROWS_PER_WARP:
-        raise ValueError(f"block_sizes: flash2 needs B_r to be a multiple of {_flash2.ROWS_PER_WARP} "
-                         f"(one warp per 16 query rows), got {block_rows}")
-    if layout.threads > limits.max_threads_per_block:
-        raise ValueError(f"block_sizes: B_r={block_rows} needs {layout.threads} threads per block; "
+    precision = PRECISION[dtype]
+    # The forward streams B_c keys in mma-wide tiles; the backward streams them in tiles of warps too.
+    col_step = ROWS_PER_WARP if backward else k_step(precision)
+    for name, size, step, why in (("B_r", block_rows, ROWS_PER_WARP, "one warp per 16 rows"),
+                                  ("B_c", block_cols, col_step, "the width of the tensor-core tiles")):
+        if size % step:
+            raise ValueError(f"block_sizes: flash2{' backward' if backward else ''} needs {name} to be a multiple "
+                             f"of {step} for {dtype} ({why}), got {size}")
+    if flash2_threads(block_rows) > limits.max_threads_per_block:
+        raise ValueError(f"block_sizes: B_r={block_rows} needs {flash2_threads(block_rows)} threads per block; "
                          f"the limit is {limits.max_threads_per_block}")
-    step = 16 if is_f16 else 8
-    if block_cols % step:
-        raise ValueError(f"block_sizes: flash2 needs B_c to be a multiple of {step} for {dtype} "
-                         f"(the width of the tensor-core tiles), got {block_cols}")
-    if layout.shared_bytes > limits.shared_bytes_per_block_optin:
-        raise ValueError(f"block_sizes {(block_rows, block_cols)} need {layout.shared_bytes} bytes of shared "
-                         f"memory at d={head_dim} ({dtype}); the limit is {limits.shared_bytes_per_block_optin}")
-
-
-def _check_flash2_backward_blocks(block_rows, block_cols, head_dim, dtype):
-    limits = device_limits()
-    for name, size in (("B_r", block_rows), ("B_c", block_cols)):
-        if size % _flash2_backward.BLOCK_MULTIPLE:
-            raise ValueError(f"block_sizes: the flash2 backward needs {name} to be a multiple of "
-                             f"{_flash2_backward.BLOCK_MULTIPLE} (its tiles are rows of warps and "
-                             f"tensor-core tiles in both passes), got {size}")
-    layout = _flash2_backward.BackwardLayout(block_rows, block_cols, head_dim, dtype == np.float16)
-    if layout.threads > limits.max_threads_per_block:
-        raise ValueError(f"block_sizes: B_r={block_rows} needs {layout.threads} threads per block; "
-                         f"the limit is {limits.max_threads_per_block}")
-    if layout.shared_bytes > limits.shared_bytes_per_block_optin:
-        raise ValueError(f"block_sizes {(block_rows, block_cols)} need {layout.shared_bytes} bytes of shared "
-                         f"memory in the flash2 backward at d={head_dim} ({dtype}); the limit is "
+    d_pad = padded_head_dim(head_dim, precision)
+    needed = (flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision) if backward
+              else flash2_forward_layout(block_rows, block_cols, d_pad, precision).bytes)
+    if needed > limits.shared_bytes_per_block_optin:
+        raise ValueError(f"block_sizes {(block_rows, block_cols)} need {needed} bytes of shared memory"
+                         f"{' in the flash2 backward' if backward else ''} at d={head_dim} ({dtype}); the limit is "
                          f"{limits.shared_bytes_per_block_optin}")
 
 
@@ -174,31 +199,24 @@ def check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backwar
             raise ValueError("block_sizes applies to the flash algorithms; algorithm='standard' "
                              "materialises S and P and has no (B_r, B_c)")
         return None
-    if algorithm == "flash2" and head_dim > _flash2.MAX_HEAD_DIM:
-        raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {_flash2.MAX_HEAD_DIM}")
+    if algorithm == "flash2" and head_dim > FLASH2_MAX_HEAD_DIM:
+        raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {FLASH2_MAX_HEAD_DIM}")
     if block_sizes is None:
         if algorithm == "flash1":
             if backward:
                 return flash1_backward_block_sizes(head_dim, n_q=n_q, n_k=n_k)
             return line1_block_sizes(head_dim, n_q=n_q, n_k=n_k)
-        if in_simulator():
-            # Every simulated CUDA thread is a Python thread: the smallest legal tiles
-            # (one warp) are the fastest there.  The GPU defaults are tuned tiles.
-            return SIMULATOR_FLASH2_BLOCK_SIZES
-        if backward:
-            return _flash2_backward.default_block_sizes(head_dim, dtype, causal)
-        return _flash2.default_block_sizes(head_dim, dtype)
+        return flash2_default_block_sizes(head_dim, PRECISION[dtype], backward=backward, causal=causal)
     block_rows, block_cols = positive_int_pair("block_sizes", block_sizes)
     if algorithm == "flash1":
         _check_flash1_blocks(block_rows, block_cols, head_dim, backward)
-    elif backward:
-        _check_flash2_backward_blocks(block_rows, block_cols, head_dim, dtype)
     else:
-        _check_flash2_blocks(block_rows, block_cols, head_dim, dtype)
+        _check_flash2_blocks(block_rows, block_cols, head_dim, dtype, backward)
     return block_rows, block_cols
 
 
-def check_block_mask(block_mask, batch_shape, n_q, n_k):
+def check_block_mask(block_mask, leading_shape, n_q, n_k):
+    """A BlockMask whose layout's leading dims broadcast to q's (batch..., heads) dims."""
     if block_mask is None:
         return None
     if not isinstance(block_mask, BlockMask):
@@ -206,23 +224,16 @@ def check_block_mask(block_mask, batch_shape, n_q, n_k):
     block_mask.check_covers(n_q, n_k)
     leading = block_mask.layout.shape[:-2]
     try:
-        broadcast = np.broadcast_shapes(leading, tuple(batch_shape))
+        broadcast = np.broadcast_shapes(leading, tuple(leading_shape))
     except ValueError:
         broadcast = None
-    if broadcast != tuple(batch_shape):
-        raise ValueError(f"block_mask: layout leading dims {leading} do not broadcast to the batch dims "
-                         f"{tuple(batch_shape)} of q")
+    if broadcast != tuple(leading_shape):
+        raise ValueError(f"block_mask: layout leading dims {leading} do not broadcast to the batch and head dims "
+                         f"{tuple(leading_shape)} of q")
     return block_mask
 
 
-def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed, algorithm, block_sizes,
-                         backward=False):
-    """Validate a call to ``attention`` (or the shared part of ``attention_backward``)."""
-    batch_shape, n_q, n_k, head_dim, dtype, on_device = check_qkv(
-        q, k, v, algorithm, BACKWARD_ALGORITHMS if backward else ALGORITHMS)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    scale = check_scale(scale, head_dim)
+def check_dropout(dropout_p, seed):
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
     if not 0 <= seed < 2 ** 64:
@@ -231,36 +242,57 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    block_mask = check_block_mask(block_mask, batch_shape, n_q, n_k)
+    return float(dropout_p)
+
+
+def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed, algorithm, block_sizes,
+                         backward=False):
+    """Validate a call to ``attention`` (or the shared part of ``attention_backward``); q, k, v are ``Operand``s."""
+    check_algorithm(algorithm, BACKWARD_ALGORITHMS if backward else ALGORITHMS)
+    batch_shape, heads, kv_heads, n_q, n_k, head_dim = check_operands(q, k, v, algorithm)
+    strides = tuple(operand_strides(name, x, algorithm) for name, x in (("q", q), ("k", k), ("v", v)))
+    is_causal, offset = check_causal(causal, n_q, n_k)
+    scale = check_scale(scale, head_dim)
+    dropout_p = check_dropout(dropout_p, seed)
+    leading = q.shape[:-2]
+    block_mask = check_block_mask(block_mask, leading, n_q, n_k)
     if block_mask is not None and algorithm == "flash1":
         # Algorithm 5 as written: the kernel's tiles are the mask's blocks.
         if block_sizes is not None and tuple(block_sizes) != block_mask.block_size:
             raise ValueError(f"block_sizes {tuple(block_sizes)} differ from the block mask's {block_mask.block_size}; "
                              f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks")
         try:
-            block_sizes = check_block_sizes(block_mask.block_size, algorithm, head_dim, n_q, n_k, dtype, backward,
-                                            causal)
+            block_sizes = check_block_sizes(block_mask.block_size, algorithm, head_dim, n_q, n_k, q.dtype, backward,
+                                            is_causal)
         except ValueError as exc:
             raise ValueError(f"block_mask: flash1 runs Algorithm 5 with tiles equal to the mask's blocks "
                              f"{block_mask.block_size}, and they cannot: {exc}; use algorithm='flash2' (any "
                              f"mask with any tiles) or smaller mask blocks") from None
     else:
-        block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, dtype, backward, causal)
-    return AttentionCall(algorithm, tuple(batch_shape), n_q, n_k, head_dim, dtype, scale, bool(causal),
-                         block_sizes, on_device, block_mask, float(dropout_p), int(seed))
+        block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, q.dtype, backward, is_causal)
+    vector_elements = 4 if q.dtype == "float32" else 8   # a 16-byte load
+    vec = head_dim % vector_elements == 0 and all(
+        x.aligned and all(s % vector_elements == 0 for s in (st.batch, st.head, st.row))
+        for x, st in zip((q, k, v), strides))
+    return AttentionCall(algorithm, tuple(batch_shape), heads, kv_heads, n_q, n_k, head_dim, q.dtype, scale,
+                         is_causal, offset, block_sizes, q.kind, tuple(q.shape), tuple(k.shape), strides, vec,
+                         block_mask, dropout_p)
 
 
-def check_backward_args(q, k, v, o, lse, do, **options):
-    """Validate a call to ``attention_backward``: q, k, v as for ``attention``, then o, lse, do."""
-    call = check_attention_args(q, k, v, backward=True, **options)
-    q_shape = call.batch_shape + (call.n_q, call.head_dim)
-    for name, x, shape, dtype in (("o", o, q_shape, call.dtype), ("do", do, q_shape, call.dtype),
-                                  ("lse", lse, call.batch_shape + (call.n_q,), np.dtype(np.float32))):
-        x_shape, x_dtype, x_dev = _shape_and_dtype(name, x)
-        if x_dev != call.on_device:
-            raise TypeError(f"{name} must be a {'CUDA' if call.on_device else 'NumPy'} array like q, k and v")
-        if tuple(x_shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x_shape)}")
-        if x_dtype != dtype:
-            raise TypeError(f"{name} must have dtype {dtype}, got {x_dtype}")
-    return call
+def check_backward_operands(call, o, lse, do):
+    """o, lse, do (``Operand``s) against a validated backward call: kind, shape, dtype, strides."""
+    for name, x, shape, dtype in (("o", o, call.q_shape, call.dtype), ("do", do, call.q_shape, call.dtype),
+                                  ("lse", lse, call.q_shape[:-1], "float32")):
+        if x.on_device != call.on_device or (x.on_device and x.kind != call.kind):
+            raise TypeError(f"{name} must be a {call.kind} array like q, k and v")
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {x.dtype}")
+    if call.on_device and not is_c_contiguous(lse.shape, lse.strides):
+        raise ValueError(f"lse must be C-contiguous (strides {lse.strides} for shape {lse.shape})")
+    return tuple(operand_strides(name, x, call.algorithm) for name, x in (("o", o), ("do", do)))
+
+
+__all__ = ["ALGORITHMS", "AttentionCall", "Operand", "PRECISION", "Strides", "check_attention_args",
+           "check_backward_operands", "check_block_sizes"]

@@ -1,34 +1,54 @@
-"""The public API of numba-flash."""
+"""The public API of numba-flash: ``attention`` and ``attention_backward``.
+
+A call is checked once per distinct set of shapes, strides, dtypes and
+options: the checked call becomes a *plan* (the validated ``AttentionCall``
+and its kernels' launches laid out, ``runtime/launch.py``), kept in a small
+cache keyed by a cheap summary of the arrays.  A later call with the same
+summary allocates its results, writes the data pointers and launches: no
+argument typing, no host synchronisation (``README``: "Host time per call").
+"""
 import numpy as np
 from numba import cuda
 
-from .runtime import arrays as _arrays
-from ._validation import check_attention_args, check_backward_args
+from ._validation import check_attention_args, check_backward_operands, check_dropout
 from .dropout import kernel_args as dropout_kernel_args
+from .dropout import seed_words
+from .kernels.fast.backward import backward_launches
+from .kernels.fast.forward import forward_launch
 from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
-from .kernels.fast.backward import backward_mask_args, flash2_backward
-from .kernels.fast.forward import block_mask_args, flash2_forward
 from .kernels.literal.standard_attention import standard_attention
+from .runtime import arrays as _arrays
+from .sparsity.tile_lists import device_layout
+
+#: Plans kept at most (a model calls attention with a handful of shapes).
+PLAN_CACHE_SIZE = 256
+_PLANS = {}
 
 
-def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
-              algorithm="flash2", block_sizes=None, return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
+              block_sizes=None, return_lse=False):
     """Exact attention softmax(scale * q k^T) v, computed on the GPU.
 
     Parameters
     ----------
-    q : array (..., N_q, d);  k, v : arrays (..., N_k, d)
-        Equal leading dims (batch, heads, ...); float32, or float16 with
-        ``algorithm="flash2"`` (float32 accumulation, output float16).
-        All NumPy arrays (copied to
-        the GPU and back; NumPy arrays are returned) or all CUDA arrays
-        (anything with ``__cuda_array_interface__``: Numba, torch, CuPy;
-        used in place, and Numba device arrays are returned).
-    causal : bool
-        Query i attends to key j only if j <= i (top-left aligned, like
-        torch's ``scaled_dot_product_attention(is_causal=True)``), also when
-        N_q != N_k.
+    q : array (..., H_q, N_q, d);  k, v : arrays (..., H_kv, N_k, d)
+        Equal leading (batch) dims; H_q a multiple of H_kv (grouped-query
+        attention: query head h reads key/value head h // (H_q // H_kv); the
+        heads dim is the third from the end, and 2-D inputs have one head).
+        float32, or float16 / bfloat16 with ``algorithm="flash2"`` (float32
+        accumulation, output in the input dtype).  All host arrays (NumPy, or
+        anything ``np.asarray`` takes: results come back as NumPy), all torch
+        CUDA tensors (results are torch tensors, on torch's current stream),
+        or all other CUDA arrays (Numba, CuPy: anything with
+        ``__cuda_array_interface__``; results are Numba device arrays, on the
+        inputs' stream).  CUDA inputs are used in place with any strides whose
+        last dimension is contiguous (the literal algorithms want C order).
+    causal : bool or {"top_left", "bottom_right"}
+        Query i attends to key j only if j <= i (True or "top_left", as
+        torch's ``is_causal=True``), or only if j <= i + N_k - N_q
+        ("bottom_right", as flash-attn >= 2.1, for a block of new queries at the
+        end of a longer key sequence).
     scale : float, optional
         Multiplies the logits; default 1/sqrt(d).
     algorithm : {"flash2", "flash1", "standard"}
@@ -39,16 +59,16 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         Tile sizes for the flash algorithms.  flash1: any pair whose tiles
         fit in 48 KiB of shared memory; default Algorithm 1's line 1
         (``numba_flash.line1_block_sizes``).  flash2: B_r a multiple of 16,
-        B_c a multiple of 8 (float32) or 16 (float16), fitting in the
-        device's opt-in shared memory; default measured per (d, dtype)
-        on the H200 ((16, 16) in the simulator, where small tiles are fast).
+        B_c a multiple of 8 (float32) or 16 (16-bit), fitting in the device's
+        opt-in shared memory; default measured per (d, dtype) on the H200
+        (``tiling.py``; (16, 16) in the simulator, where small tiles are fast).
     return_lse : bool
         Also return the row log-sum-exp lse = m + log(l) (float32, natural
         log); -inf for a row that may attend to no key (its output is 0).
     block_mask : numba_flash.BlockMask, optional
         Block-sparse attention (the paper's Algorithm 5): element (i, j) is
         allowed iff ``layout[..., i // B_r, j // B_c]``; the layout's leading
-        dims broadcast to q's batch dims and its grid must be exactly
+        dims broadcast to q's batch and head dims and its grid must be exactly
         (ceil(N_q / B_r), ceil(N_k / B_c)).  Combines with ``causal`` (AND).
         flash1 runs with tiles equal to the mask's blocks and skips zero
         tiles; flash2 visits, per query tile, only the key tiles that touch
@@ -61,21 +81,19 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         query row, key column): ``numba_flash.dropout_mask(shape, p, seed)``
         returns that mask on the host, bit for bit.
 
+    NaN in the inputs reaches exactly the output rows that may see it: a NaN
+    in query row i makes row i of O and lse NaN (unless it may attend to no
+    key: then O = 0, lse = -inf), and a NaN in key or value row j makes NaN
+    every output row allowed to attend to key j (the standard algorithm, like
+    torch's math backend, spreads a NaN value to its whole head).
+
     Returns
     -------
-    O, or (O, lse) with ``return_lse=True``.
+    O, or (O, lse) with ``return_lse=True``; O has q's shape and dtype, lse q's shape without d.
     """
-    call = check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                dropout_p=dropout_p, seed=seed, algorithm=algorithm,
-                                block_sizes=block_sizes)
-    q3, k3, v3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v))
-    o = _arrays.empty((call.batch_heads, call.n_q, call.head_dim), call.dtype)
-    lse = _arrays.empty((call.batch_heads, call.n_q), np.float32)
-    run_forward(call, q3, k3, v3, o, lse)
-    out = _arrays.deliver(o, call.batch_shape, call.on_device)
-    if return_lse:
-        return out, _arrays.deliver(lse, call.batch_shape, call.on_device)
-    return out
+    plan = _plan(_ForwardPlan, (q, k, v), (causal, scale, block_mask, dropout_p, algorithm, block_sizes))
+    _check_seed(seed, dropout_p)
+    return plan(q, k, v, seed, return_lse)
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
@@ -86,95 +104,175 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     for the same arguments (the backward recomputes P from q, k and lse and
     never materialises N x N); ``do`` is dL/dO.  causal, scale, block_mask,
     dropout_p and seed must be those of the forward call (dropout regenerates
-    the same mask from the seed).  Results have the shapes, dtype and kind
-    (NumPy or CUDA) of q, k, v.
+    the same mask from the seed).  Results have the shapes and dtype of q, k,
+    v (with grouped-query attention dk and dv sum over each key/value head's
+    query heads, in a fixed order) and the kind of the inputs, as ``attention``.
 
     algorithm: "flash2" (the default) is the fast backward on tensor cores,
-    float32 or float16, bitwise deterministic (no atomics); "flash1" is
+    float32 or 16-bit, bitwise deterministic (no atomics); "flash1" is
     Algorithm 4 written literally (float32).  block_sizes: for "flash1" the
     (B_r, B_c) of Algorithm 4 (default: ``flash1_backward_block_sizes``);
     for "flash2" the tile a thread block owns (B_r queries in the dQ pass,
     B_r keys in the dK/dV pass) and the tile it streams (B_c), both
-    multiples of 16 (default: (128, 64) for float16 up to d = 128, but
-    (64, 32) up to d = 64 when causal; for float32 (128, 64) up to d = 64,
-    (64, 32) up to d = 128; (32, 16) above d = 128; (16, 16) in the
-    simulator; the measurements are in kernels/flash2_backward.py).
+    multiples of 16 (default: measured on the H200, ``tiling.py``).
     """
-    call = check_backward_args(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
-                               dropout_p=dropout_p, seed=seed, algorithm=algorithm, block_sizes=block_sizes)
-    q3, k3, v3, o3, do3 = (_arrays.as_heads(x, call.on_device) for x in (q, k, v, o, do))
-    bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
-    dq = _arrays.empty((bh, n_q, d), call.dtype)
-    dk = _arrays.empty((bh, n_k, d), call.dtype)
-    dv = _arrays.empty((bh, n_k, d), call.dtype)
-    run_backward(call, q3, k3, v3, o3, do3, _arrays.as_rows(lse, call.on_device), dq, dk, dv)
-    return tuple(_arrays.deliver(x, call.batch_shape, call.on_device) for x in (dq, dk, dv))
+    plan = _plan(_BackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, dropout_p, algorithm,
+                                                        block_sizes))
+    _check_seed(seed, dropout_p)
+    return plan(q, k, v, o, lse, do, seed)
 
 
-def run_forward(call, q, k, v, o, lse, *, empty=_arrays.empty, stream=0):
-    """Launch the forward of a validated ``call`` on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d), lse (BH, N_q).
+# ---------------------------------------------------------------- plans
 
-    ``empty(shape, dtype)`` allocates the scratch buffers some algorithms
-    need (S and P, or l and m); ``stream``: the CUDA stream to launch on.
-    """
-    bh, n_q, n_k = call.batch_heads, call.n_q, call.n_k
-    layout = _device_layout(call)
-    dropout = _dropout_args(call)
-    if call.algorithm == "standard":
-        s = empty((bh, n_q, n_k), np.float32)
-        p = empty((bh, n_q, n_k), np.float32)
-        mask = None if layout is None else (layout, call.block_mask.block_size)
-        standard_attention(q, k, v, o, lse, s, p, scale=call.scale, causal=call.causal, mask=mask,
-                           dropout=dropout, stream=stream)
-    elif call.algorithm == "flash1":
-        l = empty((bh, n_q), np.float32)
-        m = empty((bh, n_q), np.float32)
-        flash1_forward(q, k, v, o, l, m, lse, scale=call.scale, causal=call.causal,
-                       block_sizes=call.block_sizes, mask=layout, dropout=dropout, stream=stream)
-    else:
-        flash2_forward(q, k, v, o, lse, scale=call.scale, causal=call.causal, block_sizes=call.block_sizes,
-                       mask=_flash2_tile_lists(call, block_mask_args), dropout=dropout, stream=stream)
+def _signature(x):
+    """What the checks read from an array, as a hashable tuple cheap to build; None for types without a shortcut."""
+    if type(x) is _arrays.TORCH_TENSOR:
+        return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.requires_grad and _arrays.grad_enabled())
+    if type(x) is np.ndarray:
+        return (x.shape, x.strides, x.dtype)
+    if _arrays.is_numba_device_array(x):
+        return (x.shape, x.strides, x.dtype, _arrays.device_pointer(x) & 15)
+    return None
 
 
-def run_backward(call, q, k, v, o, do, lse, dq, dk, dv, *, empty=_arrays.empty, stream=0):
-    """Launch the backward of a validated ``call`` on device arrays (as ``run_forward``); writes dq, dk, dv."""
-    if call.algorithm == "flash1":
-        flash1_backward(q, k, v, o, do, lse, dq, dk, dv, scale=call.scale, causal=call.causal,
-                        block_sizes=call.block_sizes, mask=_device_layout(call), dropout=_dropout_args(call),
-                        stream=stream)
-    else:
-        dsum = empty((call.batch_heads, call.n_q), np.float32)
-        flash2_backward(q, k, v, o, do, lse, dq, dk, dv, dsum, scale=call.scale, causal=call.causal,
-                        block_sizes=call.block_sizes, mask=_flash2_tile_lists(call, backward_mask_args),
-                        dropout=_dropout_args(call), stream=stream)
+def _plan(build, arrays, options):
+    """The cached plan for these arrays' summaries and options, built (and checked) on first use."""
+    signatures = tuple(_signature(x) for x in arrays)
+    causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+    try:
+        key = (build, signatures, causal, scale, id(block_mask), dropout_p, algorithm,
+               tuple(block_sizes) if isinstance(block_sizes, list) else block_sizes)
+        plan = None if None in signatures else _PLANS.get(key)
+    except TypeError:  # an option that cannot be hashed: the checks name it
+        return build(arrays, options)
+    if plan is None:
+        plan = build(arrays, options)
+        if None not in signatures:
+            if len(_PLANS) >= PLAN_CACHE_SIZE:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
+    return plan
 
 
-def _per_head_layout(call):
-    """The block mask's layout broadcast to one (T_r, T_c) grid per batch*head (bool), or None."""
-    if call.block_mask is None:
-        return None
-    grid = call.block_mask.grid_for(call.n_q, call.n_k)
-    return np.ascontiguousarray(
-        np.broadcast_to(call.block_mask.layout, call.batch_shape + grid).reshape((call.batch_heads,) + grid))
+def _check_seed(seed, dropout_p):
+    if type(seed) is not int or not 0 <= seed < 1 << 64:
+        check_dropout(dropout_p, seed)
 
 
-def _device_layout(call):
-    """The per-head layout as a uint8 device array, or None; kept on the mask for later calls."""
-    if call.block_mask is None:
-        return None
-    return call.block_mask.prepared(("layout", call.batch_shape, call.n_q, call.n_k),
-                                    lambda: cuda.to_device(_per_head_layout(call).view(np.uint8)))
+class _Plan:
+    """What every plan shares: the checked call, where results go and on which stream work runs."""
+
+    def __init__(self, q, call):
+        self.call = call
+        self.device = q.device
+        self.result_kind = "torch" if call.kind == "torch" else "cuda"
+
+    def stream(self, arrays):
+        """The stream to launch on: torch's current one, or the one the inputs name (ordered after the others)."""
+        if self.call.kind == "torch":
+            return _arrays.current_torch_stream(self.device)
+        if self.call.kind == "host":
+            return 0
+        streams = [_arrays.stream_of(x) for x in arrays]
+        if len(set(streams)) > 1:
+            _arrays.wait_for(streams[0], streams[1:])
+        return streams[0]
+
+    def to_device(self, arrays):
+        return tuple(_arrays.to_device(x) for x in arrays) if self.call.kind == "host" else arrays
+
+    def empty(self, shape, dtype, stream):
+        return _arrays.empty(self.result_kind, shape, dtype, stream, self.device)
+
+    def deliver(self, results):
+        return tuple(_arrays.to_host(x) for x in results) if self.call.kind == "host" else results
 
 
-def _flash2_tile_lists(call, build):
-    """flash2's block-mask arguments from ``build`` (forward or backward tile lists), or None; kept on the mask."""
-    if call.block_mask is None:
-        return None
-    key = (build.__name__, call.batch_shape, call.n_q, call.n_k, tuple(call.block_sizes), call.causal)
-    return call.block_mask.prepared(key, lambda: build(
-        _per_head_layout(call), _device_layout(call), call.block_mask.block_size, tuple(call.block_sizes),
-        call.n_q, call.n_k, call.causal))
+class _ForwardPlan(_Plan):
+    def __init__(self, arrays, options):
+        q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
+        causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+        super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                                                 dropout_p=dropout_p, seed=0, algorithm=algorithm,
+                                                 block_sizes=block_sizes))
+        self.launch = forward_launch(self.call) if algorithm == "flash2" else None
+
+    def __call__(self, q, k, v, seed, return_lse):
+        call = self.call
+        q, k, v = self.to_device((q, k, v))
+        stream = self.stream((q, k, v))
+        o = self.empty(call.q_shape, call.dtype, stream)
+        lse = self.empty(call.q_shape[:-1], "float32", stream)
+        if self.launch is not None:
+            self.launch(stream, q, k, v, o, lse, *seed_words(seed))
+        else:
+            self._literal(q, k, v, o, lse, seed, stream)
+        o, lse = self.deliver((o, lse))
+        return (o, lse) if return_lse else o
+
+    def _literal(self, q, k, v, o, lse, seed, stream):
+        """Algorithm 0 or 1 on (batch*heads, N, d) views, launched through Numba's dispatcher."""
+        call = self.call
+        bh, n_q, n_k, d = call.batch_heads, call.n_q, call.n_k, call.head_dim
+        q3, o3 = (_heads(x, n_q, d) for x in (q, o))
+        k3, v3 = (_heads(x, n_k, d) for x in (k, v))
+        lse2 = _heads(lse, n_q)
+        layout = None if call.block_mask is None else device_layout(call.block_mask, call.q_shape[:-2], n_q, n_k)
+        dropout = dropout_kernel_args(call.dropout_p, seed) if call.dropout_p > 0 else None
+        numba_stream = _arrays.numba_stream(stream)
+        scratch = (lambda shape: _arrays.empty("cuda", shape, "float32", stream))
+        options = dict(scale=call.scale, causal=call.causal, causal_offset=call.causal_offset, dropout=dropout,
+                       stream=numba_stream)
+        if call.algorithm == "standard":
+            mask = None if layout is None else (layout, call.block_mask.block_size)
+            standard_attention(q3, k3, v3, o3, lse2, scratch((bh, n_q, n_k)), scratch((bh, n_q, n_k)), mask=mask,
+                               **options)
+        else:
+            flash1_forward(q3, k3, v3, o3, scratch((bh, n_q)), scratch((bh, n_q)), lse2,
+                           block_sizes=call.block_sizes, mask=layout, **options)
 
 
-def _dropout_args(call):
-    return dropout_kernel_args(call.dropout_p, call.seed) if call.dropout_p > 0 else None
+class _BackwardPlan(_Plan):
+    def __init__(self, arrays, options):
+        q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
+                                                                            arrays))
+        causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+        super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                                                 dropout_p=dropout_p, seed=0, algorithm=algorithm,
+                                                 block_sizes=block_sizes, backward=True))
+        o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
+        self.launches = (backward_launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
+                         if algorithm == "flash2" else None)
+
+    def __call__(self, q, k, v, o, lse, do, seed):
+        call = self.call
+        q, k, v, o, lse, do = self.to_device((q, k, v, o, lse, do))
+        stream = self.stream((q, k, v, o, lse, do))
+        dq = self.empty(call.q_shape, call.dtype, stream)
+        dk = self.empty(call.kv_shape, call.dtype, stream)
+        dv = self.empty(call.kv_shape, call.dtype, stream)
+        if self.launches is not None:
+            preprocess, dkdv, dq_pass = self.launches
+            dsum = self.empty((call.batch_heads, call.n_q), "float32", stream)
+            seeds = seed_words(seed)
+            preprocess(stream, o, do, dsum)
+            dkdv(stream, q, k, v, do, lse, dsum, dk, dv, *seeds)
+            dq_pass(stream, q, k, v, do, lse, dsum, dq, *seeds)
+        else:
+            n_q, n_k, d = call.n_q, call.n_k, call.head_dim
+            layout = (None if call.block_mask is None
+                      else device_layout(call.block_mask, call.q_shape[:-2], n_q, n_k))
+            flash1_backward(_heads(q, n_q, d), _heads(k, n_k, d), _heads(v, n_k, d),
+                            _heads(o, n_q, d), _heads(do, n_q, d), _heads(lse, n_q), _heads(dq, n_q, d),
+                            _heads(dk, n_k, d), _heads(dv, n_k, d), scale=call.scale, causal=call.causal,
+                            causal_offset=call.causal_offset, block_sizes=call.block_sizes, mask=layout,
+                            dropout=dropout_kernel_args(call.dropout_p, seed) if call.dropout_p > 0 else None,
+                            stream=_arrays.numba_stream(stream))
+        return self.deliver((dq, dk, dv))
+
+
+def _heads(x, n, d=None):
+    """A C-contiguous device array as a Numba (batch*heads, n[, d]) view (what the literal kernels index)."""
+    if _arrays.is_torch_tensor(x):
+        x = cuda.as_cuda_array(x.detach(), sync=False)
+    return x.reshape((-1, n) if d is None else (-1, n, d))

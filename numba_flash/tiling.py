@@ -1,5 +1,10 @@
-"""Algorithm 1, line 1: choosing the block sizes B_r and B_c from the SRAM size M.
+"""Every size of every kernel: block sizes, shared-memory layouts, padded strides.
 
+One module states them so that the kernels, the checks on user input and
+the I/O model cannot disagree.
+
+Algorithm 1, line 1: choosing B_r and B_c from the SRAM size M
+--------------------------------------------------------------
 The paper sets B_c = ceil(M / 4d) and B_r = min(ceil(M / 4d), d), with M
 counted in *elements*.  The 4 makes room for four d-wide tiles of that many
 rows; in our literal kernel those are Q_i, K_j, V_j and the B_r x B_c score
@@ -14,17 +19,53 @@ Hardware and problem limits then clamp the result, each for a stated reason:
 * **threads per block**: the literal kernel gives each row of Q_i its own
   thread, so B_r <= the device's maximum threads per block (1024).  Since
   B_r <= d this only bites for head dims above 1024.
+
+The fast kernels' shared memory
+-------------------------------
+flash2's kernels keep their tiles in one dynamic shared-memory buffer of
+32-bit words.  ``SharedLayout`` names each tile and its size; a kernel takes
+its offsets from the same object that the host uses to size the launch.
+Rows are padded so that the 32 lanes of a fragment load hit 32 different
+banks (``row_stride``, ``pair_stride``).
 """
 import math
+from dataclasses import dataclass
+from typing import Tuple
 
 import numpy as np
 
 from .runtime.device import device_limits
 
+#: flash2: one warp owns 16 query rows (the M of the m16n8 tensor-core tiles).
+ROWS_PER_WARP = 16
+#: flash2's largest head dim (its accumulators live in registers).
+FLASH2_MAX_HEAD_DIM = 256
+#: The fast kernels' operand precision for each input dtype: 3xTF32 for float32, or 16-bit operands with
+#: float32 accumulation.
+PRECISION = {"float32": "tf32x3", "float16": "f16", "bfloat16": "bf16"}
+PRECISIONS = tuple(PRECISION.values())
+
+
+def precision_of(dtype):
+    """The fast kernels' precision for a dtype (a NumPy dtype, or its name)."""
+    return PRECISION[dtype if isinstance(dtype, str) else np.dtype(dtype).name]
+
+
+def cdiv(a, b):
+    """ceil(a / b) for positive integers."""
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- Algorithm 1, line 1
 
 def flash1_sram_elements(block_rows, block_cols, head_dim):
     """Elements the literal kernel keeps in shared memory: Q_i, K_j, V_j and S_ij."""
     return (block_rows + 2 * block_cols) * head_dim + block_rows * block_cols
+
+
+def flash1_shared_bytes(block_rows, block_cols, head_dim):
+    """Shared memory of the literal forward (float32 tiles)."""
+    return 4 * flash1_sram_elements(block_rows, block_cols, head_dim)
 
 
 def line1_block_sizes(head_dim, *, sram_bytes=None, dtype=np.float32, n_q=None, n_k=None):
@@ -66,6 +107,11 @@ def flash1_backward_sram_elements(block_rows, block_cols, head_dim):
     return (2 * block_rows + 4 * block_cols) * head_dim + 2 * block_rows * block_cols
 
 
+def flash1_backward_shared_bytes(block_rows, block_cols, head_dim):
+    """Shared memory of the literal backward (float32 tiles)."""
+    return 4 * flash1_backward_sram_elements(block_rows, block_cols, head_dim)
+
+
 def flash1_backward_block_sizes(head_dim, *, sram_bytes=None, dtype=np.float32, n_q=None, n_k=None):
     """(B_r, B_c) for Algorithm 4: line 1's blocks, shrunk until the backward's tiles fit.
 
@@ -84,3 +130,178 @@ def flash1_backward_block_sizes(head_dim, *, sram_bytes=None, dtype=np.float32, 
         else:
             raise ValueError(f"head dim {head_dim} is too large for the backward's tiles in {m_elements} elements")
     return block_rows, block_cols
+
+
+# ---------------------------------------------------------------- flash2's tiles
+
+def k_step(precision):
+    """Depth of one mma: 8 for tf32 (m16n8k8), 16 for 16-bit operands (m16n8k16)."""
+    return 8 if precision == "tf32x3" else 16
+
+
+def padded_head_dim(head_dim, precision):
+    """Head dim rounded up to the mma depth; the padding columns hold zeros."""
+    return cdiv(head_dim, k_step(precision)) * k_step(precision)
+
+
+def padded_stride(words, residue):
+    """The smallest stride >= words that is congruent to residue mod 32 (banks)."""
+    return words + (residue - words) % 32
+
+
+def row_stride(d_pad, sixteen_bit):
+    """Words per row of a row-major tile: tf32 words, or 16-bit pairs along d (4 mod 32: conflict-free)."""
+    return padded_stride(d_pad // 2 if sixteen_bit else d_pad, 4)
+
+
+def pair_stride(d_pad):
+    """Words per row pair of a 16-bit tile stored as interleaved row pairs (8 mod 32)."""
+    return padded_stride(d_pad, 8)
+
+
+def flash2_threads(block_rows):
+    """Threads of a flash2 block: one warp per 16 rows of the tile it owns."""
+    return 32 * (block_rows // ROWS_PER_WARP)
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Named tiles of a block's dynamic shared memory, in 32-bit words, in order."""
+
+    tiles: Tuple[Tuple[str, int], ...]
+
+    def offset(self, name):
+        """Word offset of tile ``name`` (16-byte aligned: every size is a multiple of 4 words)."""
+        at = 0
+        for tile, words in self.tiles:
+            if tile == name:
+                return at
+            at += words
+        raise KeyError(name)
+
+    @property
+    def words(self):
+        return sum(words for _, words in self.tiles)
+
+    @property
+    def bytes(self):
+        return 4 * self.words
+
+
+def _rows(name, rows, d_pad, precision):
+    """A row-major tile of ``rows`` rows: one copy for 16-bit data, hi and lo halves for 3xTF32."""
+    stride = row_stride(d_pad, precision != "tf32x3")
+    if precision == "tf32x3":
+        return ((name + "_HI", rows * stride), (name + "_LO", rows * stride))
+    return ((name, rows * stride),)
+
+
+def _pairs(name, rows, d_pad):
+    """A 16-bit tile stored as interleaved row pairs (m16n8k16's B layout)."""
+    return ((name, (rows // 2) * pair_stride(d_pad)),)
+
+
+def _words(count):
+    """Room for ``count`` 32-bit words, rounded up to 4 (keeps later tiles 16-byte aligned)."""
+    return cdiv(count, 4) * 4
+
+
+def flash2_forward_layout(block_m, block_n, d_pad, precision):
+    """Q_i (block_m rows), K_j (block_n rows), V_j (rows for 3xTF32, row pairs for 16-bit), and one
+    NaN flag per key of V_j (set in masked tiles only; see forward.py)."""
+    v = _rows("V", block_n, d_pad, precision) if precision == "tf32x3" else _pairs("V", block_n, d_pad)
+    return SharedLayout(_rows("Q", block_m, d_pad, precision) + _rows("K", block_n, d_pad, precision) + v
+                        + (("V_NAN", _words(block_n)),))
+
+
+def flash2_dkdv_layout(block_keys, block_queries, d_pad, precision):
+    """K_j, V_j (the block's keys); Q_i, dO_i (the streamed queries; 16-bit ones also as row pairs);
+    lse and D of the streamed queries; a NaN flag per streamed query (masked tiles only)."""
+    tiles = (_rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision)
+             + _rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision))
+    if precision != "tf32x3":
+        tiles += _pairs("Q_PAIRS", block_queries, d_pad) + _pairs("DO_PAIRS", block_queries, d_pad)
+    return SharedLayout(tiles + (("LSE2", _words(block_queries)), ("DSUM", _words(block_queries)),
+                                 ("Q_NAN", _words(block_queries))))
+
+
+def flash2_dq_layout(block_queries, block_keys, d_pad, precision):
+    """Q_i, dO_i (the block's queries); K_j, V_j (the streamed keys; 16-bit K also as row pairs);
+    a NaN flag per streamed key (masked tiles only)."""
+    tiles = (_rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision)
+             + _rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision))
+    if precision != "tf32x3":
+        tiles += _pairs("K_PAIRS", block_keys, d_pad)
+    return SharedLayout(tiles + (("K_NAN", _words(block_keys)),))
+
+
+def flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision):
+    """The larger of the two backward kernels' shared memory (both launch with the same tiles)."""
+    return max(flash2_dkdv_layout(block_rows, block_cols, d_pad, precision).bytes,
+               flash2_dq_layout(block_rows, block_cols, d_pad, precision).bytes)
+
+
+# ---------------------------------------------------------------- flash2's default tiles
+
+#: Default forward (BLOCK_M, BLOCK_N) per precision, for head dims up to each bound.
+#: Measured with experiments/tune_flash2.py on the H200, (B,H,N,d) =
+#: (4,16,4096,d), non-causal (experiments/results/tune_flash2.md), TFLOP/s:
+#:   float32 d=64:  (64,32) 39.0  (128,32) 48.0  (128,64) 45.4  (256,32) 49.9
+#:   float32 d=128: (64,32) 33.9  (128,32) 47.8  ((128,64) does not fit)
+#:   float16 d=64:  (64,64) 110  (128,32) 130  (128,64) 147  (128,128) 45  (256,64) 137
+#:   float16 d=128: (64,64) 132  (128,32) 137  (the sweep's time ran out here)
+#: bfloat16 runs the same instructions as float16 on another input type and
+#: takes its tiles.  d > 128 is not tuned: those tiles fit the shared memory.
+FORWARD_BLOCK_SIZES = {
+    "tf32x3": [(64, (128, 32)), (128, (128, 32)), (256, (32, 32))],
+    "f16": [(64, (128, 64)), (128, (128, 64)), (256, (64, 32))],
+}
+#: Default backward (B_r, B_c) per (precision, causal), for head dims up to each bound.  Chosen on
+#: the H200 by ``experiments/tune_flash2.py --backward`` ((B,H,N,d) = (4,16,4096,d), non-causal;
+#: experiments/results/tune_flash2_backward.md) and checked by interleaved timings of the
+#: candidates, five rounds each (ms, medians):
+#:   float32 d=64:            (64,32) 25.9  (128,32) 25.6  (128,64) 24.6
+#:   float32 d=64 causal:     (64,32) 13.1  (128,64) 12.7
+#:   float16 d=64 causal:     (64,32) 5.54  (128,32) 6.11  (128,64) 5.84
+#:   float16 d=96:            (64,32) 14.7  (128,64) 13.2
+#:   float16 d=128, N=8192:   (64,32) 33.9  (128,32) 32.4  (128,64) 28.0
+#:   float16 d=128 causal:    (64,32) 19.0  (64,64) 19.3  (128,32) 18.4  (128,64) 16.3
+#: (non-causal float16 d=64 is (128,64) by the sweep: 7.7 against 8.9 for (64,32).)
+#: Causal float16 at d <= 64 is the one case where smaller tiles win: the kernel is
+#: short there, so the many diagonal tiles' masked work and the imbalance of fewer,
+#: longer blocks over the triangle outweigh the bigger tiles' reuse.  float32 keeps
+#: (64, 32) above d = 64: B_r = 64 keeps d = 128's dK and dV accumulators within the
+#: register file (the sweep: (64,32) 64.4 ms, (64,16) 82.3); (32, 16) lets the tiles of
+#: d = 256 fit in shared memory.
+_TF32X3_BACKWARD = [(64, (128, 64)), (128, (64, 32)), (256, (32, 16))]
+BACKWARD_BLOCK_SIZES = {
+    ("tf32x3", False): _TF32X3_BACKWARD,
+    ("tf32x3", True): _TF32X3_BACKWARD,
+    ("f16", False): [(128, (128, 64)), (256, (32, 16))],
+    ("f16", True): [(64, (64, 32)), (128, (128, 64)), (256, (32, 16))],
+}
+#: flash2's tiles in Numba's CUDA simulator, forward and backward: every simulated
+#: CUDA thread is a Python thread, so the smallest legal tiles (one warp) are fastest there.
+SIMULATOR_BLOCK_SIZES = (16, 16)
+
+
+def tiles_for_head_dim(table, head_dim):
+    """The tiles of the first (largest head dim, tiles) entry of ``table`` that covers ``head_dim``."""
+    for bound, blocks in table:
+        if head_dim <= bound:
+            return blocks
+    raise ValueError(f"head dim {head_dim} exceeds {table[-1][0]}")
+
+
+def flash2_tuned_block_sizes(head_dim, precision, *, backward=False, causal=False):
+    """The (B_r, B_c) measured fastest on the H200 for flash2's forward or backward at this head dim."""
+    tuned = "f16" if precision == "bf16" else precision  # the same instructions, the same tiles
+    table = BACKWARD_BLOCK_SIZES[tuned, bool(causal)] if backward else FORWARD_BLOCK_SIZES[tuned]
+    return tiles_for_head_dim(table, head_dim)
+
+
+def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=False):
+    """flash2's tiles when none are given: the tuned ones, or the smallest in the simulator."""
+    if device_limits().simulated:
+        return SIMULATOR_BLOCK_SIZES
+    return flash2_tuned_block_sizes(head_dim, precision, backward=backward, causal=causal)

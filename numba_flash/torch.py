@@ -1,19 +1,29 @@
-"""numba-flash for PyTorch: differentiable attention on torch tensors.
+"""numba-flash for PyTorch: differentiable attention on torch tensors, eager, in CUDA graphs and under torch.compile.
 
     import numba_flash.torch as nft
-    out = nft.attention(q, k, v, causal=True)      # q, k, v: (..., N, d) CUDA tensors
+    out = nft.attention(q, k, v, causal=True)      # q: (..., H_q, N, d), k, v: (..., H_kv, N, d) CUDA tensors
     out.sum().backward()                            # gradients from the flash2 backward
 
 ``attention`` is a drop-in for ``torch.nn.functional.scaled_dot_product_attention``
-without an attention-mask tensor (use ``causal`` and ``block_mask``).  On a GPU:
+without an attention-mask tensor (use ``causal`` and ``block_mask``;
+grouped-query heads as SDPA's ``enable_gqa=True``).  On a GPU:
 
-* zero-copy: the kernels read q, k, v and write O, lse and the gradients in
-  the tensors' own memory (all allocated by torch's caching allocator);
+* zero-copy: the kernels read q, k, v in place (any strides whose last
+  dimension is contiguous, such as a (B, N, H, d) tensor transposed to
+  (B, H, N, d)) and write O, lse and the gradients into tensors from torch's
+  caching allocator;
 * the kernels run on torch's current stream, ordered with the rest of the
-  model's work;
+  model's work, with no host synchronisation: a model that calls it can be
+  captured in a CUDA graph (``torch.cuda.graph``) once it has run eagerly
+  (the first call of each shape builds its launch, which a capture may not do);
 * the forward saves q, k, v, O and lse (one float32 per row) for the
   backward, which recomputes P tile by tile: nothing N x N is ever stored;
-* float32 and float16 (float32 accumulation), as ``numba_flash.attention``.
+* float32, float16 and bfloat16 (float32 accumulation), as ``numba_flash.attention``;
+* under ``torch.compile`` it is the custom operator ``numba_flash::attention``
+  (with ``numba_flash::attention_backward`` as its gradient), with fake
+  implementations for tracing, so ``torch.compile(model, fullgraph=True)``
+  compiles a model that calls it.  Eager calls skip the operator's dispatch
+  and call the same autograd function directly.
 
 In Numba's CUDA simulator (no GPU) the same function takes CPU tensors and
 runs the kernels in the simulator, through NumPy: slow, not zero-copy, but
@@ -21,20 +31,54 @@ the same code path for tests.
 
 torch is an optional dependency: ``pip install torch``.
 """
+import weakref
+
 import numpy as np
 import torch
-from numba import cuda
 
 from . import api
-from ._validation import check_attention_args
 from .runtime.device import in_simulator
+from .sparsity.block_mask import BlockMask
 
 __all__ = ["attention", "FlashAttentionFunction"]
 
+_OPTIONS = ("causal", "scale", "block_mask", "dropout_p", "seed", "algorithm", "block_sizes")
 
-def _device_view(tensor):
-    """A Numba view of a contiguous CUDA tensor (no copy)."""
-    return cuda.as_cuda_array(tensor.detach())
+
+def _run(fn, tensors, **options):
+    """``fn`` (api.attention or api.attention_backward) on torch tensors, torch tensors back.
+
+    On a GPU the API takes and returns torch tensors itself; in the simulator
+    CPU tensors go through NumPy (bfloat16 as its bits).
+    """
+    if not in_simulator():
+        return fn(*tensors, **options)
+    results = fn(*(_to_numpy(x) for x in tensors), **options)
+    return tuple(_from_numpy(x) for x in (results if isinstance(results, tuple) else (results,)))
+
+
+def _to_numpy(x):
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def _from_numpy(x):
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _forward(q, k, v, options):
+    return _run(api.attention, (q, k, v), return_lse=True, **options)
+
+
+def _backward(q, k, v, out, lse, grad_out, options):
+    options = dict(options, block_sizes=None)  # the backward's own tiles
+    return _run(api.attention_backward, (q, k, v, out, lse, grad_out), **options)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -42,15 +86,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, options):
-        if in_simulator():
-            out, lse = api.attention(*(x.detach().numpy() for x in (q, k, v)), return_lse=True, **options)
-            out, lse = torch.from_numpy(out), torch.from_numpy(lse)
-        else:
-            call = check_attention_args(q.detach(), k.detach(), v.detach(), **options)
-            out = torch.empty_like(q)
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-            api.run_forward(call, *(_as_heads(x) for x in (q, k, v, out)), _as_rows(lse),
-                            empty=_torch_allocator(q.device), stream=_current_stream(q))
+        out, lse = _forward(q, k, v, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
         return out
@@ -58,66 +94,124 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        options = dict(ctx.options, block_sizes=None)  # the backward's own tiles
-        grad_out = grad_out.contiguous()
-        if in_simulator():
-            grads = api.attention_backward(*(x.detach().numpy() for x in (q, k, v, out, lse, grad_out)), **options)
-            dq, dk, dv = (torch.from_numpy(g) for g in grads)
-        else:
-            call = check_attention_args(q.detach(), k.detach(), v.detach(), backward=True, **options)
-            dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-            api.run_backward(call, *(_as_heads(x) for x in (q, k, v, out, grad_out)), _as_rows(lse),
-                             *(_as_heads(x) for x in (dq, dk, dv)), empty=_torch_allocator(q.device),
-                             stream=_current_stream(q))
+        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options)
         return dq, dk, dv, None
 
 
-def _as_heads(tensor):
-    return _device_view(tensor).reshape(-1, tensor.shape[-2], tensor.shape[-1])
+# ---------------------------------------------------------------- the custom operator (torch.compile)
+#
+# A custom operator's arguments are tensors and plain values.  A BlockMask
+# travels as its layout tensor, kept on the mask (and mapped back to it), so
+# that the mask's device forms are built once, as in eager mode; the seed
+# travels as two 32-bit words.
+
+_MASKS_BY_LAYOUT = weakref.WeakValueDictionary()
 
 
-def _as_rows(tensor):
-    return _device_view(tensor).reshape(-1, tensor.shape[-1])
+def _mask_layout(block_mask):
+    """The mask's layout as a CPU tensor (made once per mask); the operator maps it back to the mask."""
+    layout = getattr(block_mask, "_torch_layout", None)
+    if layout is None:
+        layout = block_mask._torch_layout = torch.from_numpy(block_mask.layout.copy())
+        _MASKS_BY_LAYOUT[layout.data_ptr()] = block_mask
+    return layout
 
 
-def _current_stream(tensor):
-    """torch's current stream on the tensor's device, as a Numba stream."""
-    return cuda.external_stream(torch.cuda.current_stream(tensor.device).cuda_stream)
+def _options(causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm, block_sizes):
+    block_mask = None
+    if mask_layout is not None:
+        block_mask = _MASKS_BY_LAYOUT.get(mask_layout.data_ptr())
+        if block_mask is None:  # a layout tensor from elsewhere (a traced graph's constant)
+            block_mask = BlockMask(mask_layout.numpy(), tuple(mask_block))
+    causal = {"false": False, "true": True}.get(causal, causal)
+    return dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
+                seed=seed_low | (seed_high << 32), algorithm=algorithm,
+                block_sizes=None if block_sizes is None else tuple(block_sizes))
 
 
-def _torch_allocator(device):
-    """Scratch buffers from torch's caching allocator, as Numba views (the tensor lives as long as the view)."""
-    torch_dtypes = {np.dtype(np.float32): torch.float32}
+@torch.library.custom_op("numba_flash::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None,
+                  mask_layout: torch.Tensor | None, mask_block: list[int] | None, dropout_p: float, seed_low: int,
+                  seed_high: int, algorithm: str, block_sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward(q, k, v, _options(causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high,
+                                          algorithm, block_sizes))
+    return out, lse
 
-    def empty(shape, dtype):
-        return _device_view(torch.empty(shape, dtype=torch_dtypes[np.dtype(dtype)], device=device))
 
-    return empty
+@_attention_op.register_fake
+def _(q, k, v, causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm, block_sizes):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
+
+@torch.library.custom_op("numba_flash::attention_backward", mutates_args=())
+def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           grad_out: torch.Tensor, causal: str, scale: float | None, mask_layout: torch.Tensor | None,
+                           mask_block: list[int] | None, dropout_p: float, seed_low: int, seed_high: int,
+                           algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _options(causal, scale, mask_layout, mask_block, dropout_p,
+                                                                 seed_low, seed_high, algorithm, None))
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = options
+
+
+def _op_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm, _ = ctx.options
+    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out.contiguous(), causal, scale, mask_layout,
+                                        mask_block, dropout_p, seed_low, seed_high, algorithm)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- the public function
 
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
               block_sizes=None):
     """Differentiable ``numba_flash.attention`` on torch tensors (see the module docstring).
 
-    q: (..., N_q, d), k and v: (..., N_k, d), all CUDA tensors (CPU tensors
-    in the simulator) of one dtype, float32 or float16 (float16 needs
-    algorithm="flash2").  Arguments as for ``numba_flash.attention``;
-    ``block_sizes`` applies to the forward (the backward uses its own
-    defaults).  Non-contiguous inputs are made contiguous first (a copy).
-    Returns O with q's shape, dtype and device; ``O.backward()`` computes the
-    gradients of q, k and v with ``algorithm``'s backward (flash2: the fast,
-    deterministic one; flash1: Algorithm 4, float32).
+    q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d), all CUDA tensors
+    (CPU tensors in the simulator) of one dtype: float32, float16 or
+    bfloat16 (16-bit ones need algorithm="flash2").  Arguments as for
+    ``numba_flash.attention``; ``block_sizes`` applies to the forward (the
+    backward uses its own defaults).  flash2 reads strided inputs in place;
+    the literal algorithms get contiguous copies.  Returns O with q's shape,
+    dtype and device; ``O.backward()`` computes the gradients of q, k and v
+    with ``algorithm``'s backward (flash2: the fast, deterministic one;
+    flash1: Algorithm 4, float32).
     """
+    wanted = "cpu" if in_simulator() else "cuda"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        wanted = "cpu" if in_simulator() else "cuda"
         if x.device.type != wanted:
             raise TypeError(f"{name} must be a {wanted.upper()} tensor"
                             + (" (numba-flash is running in the CUDA simulator)" if in_simulator() else "")
                             + f", got one on {x.device}")
     if algorithm == "standard":
         raise ValueError("algorithm must be 'flash2' or 'flash1' (the algorithms with a backward), got 'standard'")
+    if algorithm != "flash2" or in_simulator():
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if torch.compiler.is_compiling():
+        if block_mask is not None and not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
+        mask_layout = None if block_mask is None else _mask_layout(block_mask)
+        mask_block = None if block_mask is None else list(block_mask.block_size)
+        out, _ = _attention_op(q, k, v, str(causal).lower(), scale, mask_layout, mask_block, float(dropout_p),
+                               seed & 0xFFFFFFFF, seed >> 32, algorithm,
+                               None if block_sizes is None else list(block_sizes))
+        return out
     options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                    algorithm=algorithm, block_sizes=block_sizes)
-    return FlashAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), options)
+    return FlashAttentionFunction.apply(q, k, v, options)

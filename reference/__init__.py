@@ -2,9 +2,9 @@
 
 Short enough to check by eye; every kernel is tested against these.
 """
-from .attention import allowed_mask, attention, dropout_weights, masked_scores, softmax
+from .attention import allowed_mask, attention, dropout_weights, masked_scores, repeat_kv, softmax
 from .gradients import attention_backward
 from .tiled import flash1_tiled
 
-__all__ = ["allowed_mask", "attention", "attention_backward", "dropout_weights", "masked_scores", "softmax",
+__all__ = ["allowed_mask", "attention", "attention_backward", "dropout_weights", "masked_scores", "repeat_kv", "softmax",
            "flash1_tiled"]

@@ -5,12 +5,14 @@ import numpy as np
 def allowed_mask(n_q, n_k, *, causal=False, mask=None):
     """Boolean (..., n_q, n_k): True where query i may attend to key j.
 
-    ``causal`` keeps j <= i (top-left aligned, as torch's ``is_causal=True``);
-    ``mask`` (boolean, broadcastable) is AND-ed in.
+    ``causal``: True or "top_left" keeps j <= i (as torch's ``is_causal=True``),
+    "bottom_right" keeps j <= i + n_k - n_q (as flash-attn); ``mask``
+    (boolean, broadcastable) is AND-ed in.
     """
     allowed = np.ones((n_q, n_k), dtype=bool)
     if causal:
-        allowed = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None]
+        offset = n_k - n_q if causal == "bottom_right" else 0
+        allowed = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + offset
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
     return allowed
@@ -24,9 +26,22 @@ def softmax(s, axis=-1):
     return np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
 
 
+def repeat_kv(x, heads):
+    """k or v (..., H_kv, N, d) with each head repeated for the heads // H_kv query heads that read it.
+
+    Grouped-query attention (torch's ``enable_gqa=True``): query head h reads
+    key/value head h // (H_q // H_kv).
+    """
+    x = np.asarray(x)
+    if x.ndim < 3 or x.shape[-3] == heads:
+        return x
+    return np.repeat(x, heads // x.shape[-3], axis=-3)
+
+
 def masked_scores(q, k, *, scale=None, causal=False, mask=None):
     """S = scale * Q K^T in float64, with forbidden entries set to -inf."""
-    q, k = (np.asarray(x, dtype=np.float64) for x in (q, k))
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    k = repeat_kv(k, q.shape[-3]) if q.ndim >= 3 else k
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
     s = scale * (q @ np.swapaxes(k, -1, -2))
@@ -41,7 +56,7 @@ def dropout_weights(keep, p):
 def attention(q, k, v, *, scale=None, causal=False, mask=None, dropout_keep=None, dropout_p=0.0):
     """softmax(scale * Q K^T, masked) V and the row log-sum-exp, in float64.
 
-    q: (..., N_q, d), k and v: (..., N_k, d).  Returns (O, lse) with
+    q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d) (``repeat_kv``).  Returns (O, lse) with
     lse = log sum_j exp(S_ij) over allowed j; a row with no allowed key gives
     O = 0 and lse = -inf.  With dropout (Algorithm 2), ``dropout_keep`` is the
     boolean keep mask (``numba_flash.dropout_mask``): O = (P * Z) V with
@@ -52,4 +67,5 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, dropout_keep=None
     with np.errstate(divide="ignore"):
         lse = m + np.log(np.sum(np.exp(s - np.where(np.isfinite(m), m, 0.0)[..., None]), axis=-1))
     p = softmax(s) * dropout_weights(dropout_keep, dropout_p)
-    return p @ np.asarray(v, dtype=np.float64), np.where(np.isfinite(m), lse, -np.inf)
+    v = repeat_kv(np.asarray(v, dtype=np.float64), s.shape[-3]) if s.ndim >= 3 else np.asarray(v, np.float64)
+    return p @ v, np.where(np.isfinite(m), lse, -np.inf)

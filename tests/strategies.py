@@ -1,4 +1,4 @@
-"""Hypothesis strategies: draw the problem's shape first, then its arrays.
+"""Hypothesis strategies and the variants every test file shares: draw the problem's shape first, then its arrays.
 
 Sizes depend on where the tests run (the simulator runs every CUDA thread as
 a Python thread, so its shapes are tiny); ``SIZES`` holds both sets.
@@ -7,10 +7,29 @@ by element: shapes still shrink, and large arrays stay cheap to draw.
 """
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
-from numba_flash import in_simulator
+from numba_flash import BlockMask, in_simulator
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+#: (algorithm, dtype) pairs: every algorithm in float32, the fast one also in the 16-bit types.
+FORWARD_VARIANTS = [("standard", np.float32), ("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16),
+                    ("flash2", BFLOAT16)]
+#: The algorithms with a backward.
+BACKWARD_VARIANTS = [(a, t) for a, t in FORWARD_VARIANTS if a != "standard"]
+
+
+def dtype_name(dtype):
+    return np.dtype(dtype).name
+
+
+def variants(pairs):
+    """``pytest.mark.parametrize("algorithm, dtype", pairs)`` with readable ids."""
+    return pytest.mark.parametrize("algorithm, dtype", pairs, ids=[f"{a}-{dtype_name(t)}" for a, t in pairs])
 
 
 @dataclass(frozen=True)
@@ -20,7 +39,7 @@ class Sizes:
     max_batch_heads: int
     max_block: int      # flash1's B_r and B_c from 1..max_block
     flash2_rows: tuple  # flash2's B_r choices (multiples of 16: one warp per 16 rows)
-    flash2_cols: tuple  # flash2's B_c choices (multiples of 16 work for both dtypes)
+    flash2_cols: tuple  # flash2's B_c choices
 
 
 # In the simulator every CUDA thread is a Python thread and every warp-level
@@ -47,13 +66,22 @@ class Problem:
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    causal: bool
+    causal: object  # False, True, "top_left" or "bottom_right"
     scale: object  # None or a float
     block_sizes: object  # None or (B_r, B_c)
 
     @property
     def effective_scale(self):
         return 1.0 / np.sqrt(self.q.shape[-1]) if self.scale is None else self.scale
+
+    @property
+    def group(self):
+        """Query heads per key/value head."""
+        return (self.q.shape[-3] // self.k.shape[-3]) if self.q.ndim > 2 else 1
+
+    def expanded(self, x):
+        """k or v with each key/value head repeated for its query heads (what the reference reads)."""
+        return np.repeat(x, self.group, axis=-3) if self.group > 1 else x
 
 
 def batch_shapes(max_batch_heads):
@@ -62,38 +90,23 @@ def batch_shapes(max_batch_heads):
         lambda dims: int(np.prod(dims)) <= max_batch_heads).map(tuple)
 
 
-def flash1_fits(block_sizes, head_dim, backward=False):
-    """Whether the literal kernel's tiles (forward or Algorithm 4's) fit in static shared memory."""
-    from numba_flash import device_limits
-    from numba_flash.kernels.literal import flash1_backward, flash1_forward
+def block_sizes(algorithm, head_dim, dtype, backward=False):
+    """(B_r, B_c) the algorithm accepts at head_dim, by the library's own check (``_validation.check_block_sizes``)."""
+    from numba_flash._validation import check_block_sizes
 
-    kernel = flash1_backward if backward else flash1_forward
-    return kernel.shared_bytes(*block_sizes, head_dim) <= device_limits().shared_bytes_per_block
-
-
-def flash1_block_sizes(d, backward=False):
-    """(B_r, B_c) that the literal kernel can run: anything whose tiles fit."""
-    top = SIZES.max_block
-    return st.tuples(st.integers(1, top), st.integers(1, top)).filter(lambda b: flash1_fits(b, d, backward))
-
-
-def flash2_block_sizes(head_dim, dtype, backward=False):
-    """(B_r, B_c) for flash2 whose tiles fit the device's shared memory at head_dim.
-
-    The forward needs B_c to be a multiple of 16 for float16 (the k16 mma), the
-    backward both sizes to be multiples of 16 (tiles of warps in both passes).
-    """
-    from numba_flash import device_limits
-    from numba_flash.kernels.fast.backward import BackwardLayout
-    from numba_flash.kernels.fast.forward import Flash2Layout
-
-    limit = device_limits().shared_bytes_per_block_optin
-    is_f16 = np.dtype(dtype) == np.float16
-    step = 16 if is_f16 or backward else 8
-    layout = BackwardLayout if backward else Flash2Layout
-    pairs = [(r, c) for r in SIZES.flash2_rows for c in SIZES.flash2_cols
-             if c % step == 0 and layout(r, c, head_dim, is_f16).shared_bytes <= limit]
-    return st.sampled_from(pairs)
+    if algorithm == "flash1":
+        top = SIZES.max_block
+        candidates = [(r, c) for r in range(1, top + 1) for c in range(1, top + 1)]
+    else:
+        candidates = [(r, c) for r in SIZES.flash2_rows for c in SIZES.flash2_cols]
+    legal = []
+    for pair in candidates:
+        try:
+            check_block_sizes(pair, algorithm, head_dim, 100, 100, dtype_name(dtype), backward=backward)
+        except ValueError:
+            continue
+        legal.append(pair)
+    return st.sampled_from(legal)
 
 
 def arrays(draw, shape, dtype=np.float32):
@@ -103,33 +116,100 @@ def arrays(draw, shape, dtype=np.float32):
     return DISTRIBUTIONS[kind](rng, shape).astype(dtype)
 
 
+CAUSAL_CHOICES = (False, True, "bottom_right")
+
+
 @st.composite
-def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None, backward=False):
-    """A random attention problem for ``algorithm`` (shapes first, then data); block sizes for the backward if asked."""
+def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None, backward=False, gqa=None):
+    """A random attention problem for ``algorithm`` (shapes first, then data); tiles for the backward if asked.
+
+    gqa: None (drawn: flash2 may get fewer key/value heads than query heads), False or True.
+    """
     max_n = max_n or SIZES.max_n[algorithm]
     batch = draw(batch_shapes(SIZES.max_batch_heads))
+    kv_batch = batch
+    if gqa is None:
+        gqa = algorithm == "flash2" and draw(st.booleans())
+    if gqa and len(batch) >= 1:
+        # the last leading dim is the heads: key/value heads divide it
+        heads = batch[-1]
+        kv_heads = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
+        kv_batch = batch[:-1] + (kv_heads,)
     n_q = draw(st.integers(1, max_n))
     n_k = draw(st.integers(1, max_n))
     d = draw(st.integers(1, SIZES.max_d))
-    block_sizes = None
-    if algorithm == "flash1":
-        block_sizes = draw(st.one_of(st.none(), flash1_block_sizes(d, backward)))
-    elif algorithm == "flash2":
-        block_sizes = draw(st.one_of(st.none(), flash2_block_sizes(d, dtype, backward)))
+    tiles = None
+    if algorithm != "standard":
+        tiles = draw(st.one_of(st.none(), block_sizes(algorithm, d, dtype, backward)))
     scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))
     if causal is None:
-        causal = draw(st.booleans())
+        causal = draw(st.sampled_from(CAUSAL_CHOICES))
     q = arrays(draw, batch + (n_q, d), dtype)
-    k = arrays(draw, batch + (n_k, d), dtype)
-    v = arrays(draw, batch + (n_k, d), dtype)
-    return Problem(q, k, v, causal, scale, block_sizes)
+    k = arrays(draw, kv_batch + (n_k, d), dtype)
+    v = arrays(draw, kv_batch + (n_k, d), dtype)
+    return Problem(q, k, v, causal, scale, tiles)
 
 
-def random_block_mask(data, n_q, n_k, block_sizes=None):
-    """A random BlockMask at block_sizes (random blocks if None), dense or sparse; empty rows and columns happen."""
-    from numba_flash import BlockMask
+def causal_mask(causal, n_q, n_k):
+    """The element-level causal mask (n_q, n_k) of a ``causal`` argument, or None."""
+    if not causal:
+        return None
+    offset = n_k - n_q if causal == "bottom_right" else 0
+    return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + offset
 
-    block_sizes = block_sizes or (data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8)))
-    grid = (-(-n_q // block_sizes[0]), -(-n_k // block_sizes[1]))
-    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-    return BlockMask(rng.random(grid) < data.draw(st.sampled_from([0.3, 0.6, 1.0])), block_sizes)
+
+def ragged_length(draw, blocks, block):
+    """A length that needs exactly ``blocks`` blocks of ``block``: often not a multiple of it."""
+    return draw(st.integers((blocks - 1) * block + 1, blocks * block))
+
+
+#: Kinds of block layout: random density, and the corner cases a kernel can get wrong.
+LAYOUT_KINDS = ("random", "all_zero", "all_one", "empty_rows", "empty_columns", "single_block")
+
+
+@st.composite
+def block_masks(draw, n_q=None, n_k=None, block_size=None, batch_shape=(), max_block=8, max_blocks=6, fits=None):
+    """(BlockMask, n_q, n_k): a random block mask, or one of the corner cases of ``LAYOUT_KINDS``.
+
+    What is not given is drawn: the block size, then the lengths (ragged, up to
+    ``max_blocks`` blocks), the leading dims (none, ``batch_shape``, or ones of
+    its rank: all broadcast to it), the layout from a seed.  ``fits`` (None:
+    any size): whether blocks of a size can run (flash1's tiles are the mask's
+    blocks); a single block that does not fit becomes all-one blocks.
+    """
+    given_block = block_size is not None
+    if not given_block:
+        block_size = (draw(st.integers(1, max_block)), draw(st.integers(1, max_block)))
+    if n_q is None:
+        n_q = ragged_length(draw, draw(st.integers(1, max_blocks)), block_size[0])
+    if n_k is None:
+        n_k = ragged_length(draw, draw(st.integers(1, max_blocks)), block_size[1])
+    kind = draw(st.sampled_from(LAYOUT_KINDS))
+    if kind == "single_block":
+        whole = (max(block_size[0], n_q), max(block_size[1], n_k))
+        block_size, kind = ((whole, kind) if not given_block and (fits is None or fits(whole))
+                            else (block_size, "all_one"))
+    grid = (-(-n_q // block_size[0]), -(-n_k // block_size[1]))
+    leading = draw(st.sampled_from([(), tuple(batch_shape), tuple(1 for _ in batch_shape)]))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    layout = rng.random(leading + grid) < draw(st.sampled_from([0.2, 0.5, 0.9]))
+    if kind == "all_zero":
+        layout[...] = False
+    elif kind in ("all_one", "single_block"):
+        layout[...] = True
+    elif kind == "empty_rows":
+        layout[..., rng.integers(0, grid[0]), :] = False
+    elif kind == "empty_columns":
+        layout[..., :, rng.integers(0, grid[1])] = False
+    return BlockMask(layout, block_size), n_q, n_k
+
+
+def flash1_fits(block_size, head_dim, backward=False):
+    """Whether the literal kernel runs with tiles of ``block_size`` at head_dim (its own check)."""
+    from numba_flash._validation import check_block_sizes
+
+    try:
+        check_block_sizes(block_size, "flash1", head_dim, 100, 100, "float32", backward=backward)
+    except ValueError:
+        return False
+    return True

@@ -7,47 +7,11 @@ from hypothesis import strategies as st
 import numba_flash
 import reference
 from numba_flash import BlockMask
-from numba_flash.kernels.fast.forward import key_tile_lists
-from strategies import flash1_fits, flash2_block_sizes, problems
+from numba_flash.sparsity.tile_lists import tile_lists, tile_visits
+from strategies import FORWARD_VARIANTS, block_masks, flash1_fits, problems, variants
 from tolerances import assert_close_to_reference
 
-VARIANTS = [("standard", np.float32), ("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
-IDS = [f"{a}-{np.dtype(t).name}" for a, t in VARIANTS]
-
-#: Kinds of layout: random density, and the corner cases a kernel can get wrong.
-LAYOUT_KINDS = ("random", "all_zero", "all_one", "empty_rows", "empty_columns", "single_block")
-
-
-@st.composite
-def block_masks(draw, batch_shape, n_q, n_k, max_block=12, fits=None):
-    """A BlockMask for (n_q, n_k) with leading dims that broadcast to batch_shape.
-
-    ``fits`` (None: any size): whether blocks of a size can be run (flash1's tiles are the mask's blocks, so they
-    must fit its shared memory); a single block covering everything that does not fit is drawn
-    as all-one blocks of the drawn size instead.
-    """
-    block_size = (draw(st.integers(1, max_block)), draw(st.integers(1, max_block)))
-    kind = draw(st.sampled_from(LAYOUT_KINDS))
-    if kind == "single_block":
-        whole = (max(block_size[0], n_q), max(block_size[1], n_k))
-        block_size, kind = (whole, kind) if fits is None or fits(whole) else (block_size, "all_one")
-    grid = (-(-n_q // block_size[0]), -(-n_k // block_size[1]))
-    # Leading dims: none, the batch dims, or ones where the batch has dims.
-    leading = draw(st.sampled_from([(), batch_shape, tuple(1 for _ in batch_shape)]))
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
-    layout = rng.random(leading + grid) < draw(st.floats(0.1, 0.9))
-    if kind == "all_zero":
-        layout[...] = False
-    elif kind in ("all_one", "single_block"):
-        layout[...] = True
-    elif kind == "empty_rows":
-        layout[..., rng.integers(0, grid[0]), :] = False
-    elif kind == "empty_columns":
-        layout[..., :, rng.integers(0, grid[1])] = False
-    return BlockMask(layout, block_size)
-
-
-@pytest.mark.parametrize("algorithm, dtype", VARIANTS, ids=IDS)
+@variants(FORWARD_VARIANTS)
 @given(data=st.data())
 def test_block_mask_matches_the_element_level_definition(algorithm, dtype, data):
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
@@ -55,13 +19,14 @@ def test_block_mask_matches_the_element_level_definition(algorithm, dtype, data)
     d = p.q.shape[-1]
     # flash1 runs with tiles equal to the mask's blocks, so they must fit its shared memory; flash2 takes any tiles.
     fits = (lambda block_size: flash1_fits(block_size, d)) if algorithm == "flash1" else None
-    bm = data.draw(block_masks(p.q.shape[:-2], n_q, n_k, fits=fits))
-    block_sizes = data.draw(flash2_block_sizes(d, dtype)) if algorithm == "flash2" else None
+    bm = data.draw(block_masks(n_q, n_k, batch_shape=p.q.shape[:-2], max_block=12, fits=fits))[0]
+    block_sizes = p.block_sizes if algorithm == "flash2" else None
     out, lse = numba_flash.attention(p.q, p.k, p.v, causal=p.causal, scale=p.scale, block_mask=bm,
                                      algorithm=algorithm, block_sizes=block_sizes, return_lse=True)
     dense = bm.to_dense(n_q, n_k)
     ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, mask=dense)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.expanded(p.k), p.expanded(p.v), p.effective_scale,
+                              dtype)
     # A row that may attend to nothing gives exactly 0 (and lse = -inf, checked above).
     assert np.all(out[np.isneginf(ref_lse)] == 0)
 
@@ -82,14 +47,14 @@ def test_flash2_visits_only_listed_tiles():
     layout = np.zeros((1, 8, 8), bool)
     layout[0, 0, 0] = True                  # inside query tile 0, key tile 0 (partly)
     layout[0, 4:8, 2:4] = True              # query tile 1, key tile 1 exactly (fully)
-    offsets, entries = key_tile_lists(layout, (4, 4), (16, 8), 32, 32, causal=False)
+    offsets, entries = tile_lists(*tile_visits(layout, (4, 4), (16, 8), 32, 32))
     assert offsets.tolist() == [[0, 1, 2]]
     assert entries.tolist() == [0 * 2 + 1, 1 * 2 + 0]
 
 
 def test_flash2_tile_lists_respect_causality():
     layout = np.ones((1, 4, 4), bool)
-    offsets, entries = key_tile_lists(layout, (8, 8), (16, 16), 32, 32, causal=True)
+    offsets, entries = tile_lists(*tile_visits(layout, (8, 8), (16, 16), 32, 32, causal_offset=0))
     tiles = [sorted(e >> 1 for e in entries[offsets[0, i]:offsets[0, i + 1]]) for i in range(2)]
     assert tiles == [[0], [0, 1]]
 

@@ -6,9 +6,10 @@ import pytest
 
 import numba_flash
 from numba_flash.kernels.literal import flash1_forward, standard_attention
-from numba_flash.kernels.fast import forward as flash2_forward
+from numba_flash.runtime import launch
 
 Q = np.zeros((2, 8, 4), np.float32)
+Q4 = np.zeros((2, 3, 8, 4), np.float32)
 
 
 @pytest.fixture(autouse=True)
@@ -18,13 +19,14 @@ def no_launch(monkeypatch):
         raise AssertionError("a kernel was launched before the input was rejected")
     monkeypatch.setattr(flash1_forward, "launch", forbidden)
     monkeypatch.setattr(standard_attention, "launch", forbidden)
-    monkeypatch.setattr(flash2_forward, "launch", forbidden)
+    monkeypatch.setattr(launch.Launch, "__call__", forbidden)
 
 
 CASES = [
     # (description, args, kwargs, exception, words the message must contain)
-    ("q is a list", ([[1.0]], Q, Q), {}, TypeError, "q must be"),
-    ("k is a scalar", (Q, 1.0, Q), {}, TypeError, "k must be"),
+    ("q is no array", (object(), Q, Q), {}, TypeError, "q must be"),
+    ("q is a list of another shape", ([[1.0]], Q, Q), {}, ValueError, "head dim"),
+    ("k is a scalar", (Q, 1.0, Q), {}, ValueError, "k must have at least 2"),
     ("v has one dim", (Q, Q, np.zeros(4, np.float32)), {}, ValueError, "v must have at least 2"),
     ("q is empty", (np.zeros((0, 4), np.float32), Q[0], Q[0]), {}, ValueError, "q has an empty"),
     ("k has empty head dim", (Q, np.zeros((2, 8, 0), np.float32), Q), {}, ValueError, "k has an empty"),
@@ -32,7 +34,10 @@ CASES = [
     ("int", (Q.astype(np.int32),) * 3, {}, TypeError, "dtype int32"),
     ("mixed dtypes", (Q, Q, Q.astype(np.float16)), {"algorithm": "flash2"}, TypeError, "share one dtype"),
     ("float16 for flash1", (Q.astype(np.float16),) * 3, {"algorithm": "flash1"}, TypeError, "flash2"),
-    ("leading dims differ", (Q, Q[:1], Q[:1]), {}, ValueError, "leading"),
+    ("leading dims differ", (Q4, Q4[:1], Q4[:1]), {}, ValueError, "leading"),
+    ("query heads not a multiple of key/value heads", (Q4, Q4[:, :2], Q4[:, :2]), {"algorithm": "flash2"},
+     ValueError, "multiple of the key/value heads"),
+    ("grouped-query heads for flash1", (Q4, Q4[:, :1], Q4[:, :1]), {}, ValueError, "flash2"),
     ("N_k of k and v differ", (Q, Q, Q[:, :5]), {}, ValueError, "N_k"),
     ("head dims differ", (Q, Q[..., :3], Q[..., :3]), {}, ValueError, "head dim"),
     ("v head dim differs", (Q, Q, Q[..., :3]), {}, ValueError, "head dim"),
@@ -41,6 +46,7 @@ CASES = [
     ("inf scale", (Q, Q, Q), {"scale": math.inf}, ValueError, "scale"),
     ("string scale", (Q, Q, Q), {"scale": "0.5"}, TypeError, "scale"),
     ("causal not bool", (Q, Q, Q), {"causal": 1}, TypeError, "causal"),
+    ("causal alignment unknown", (Q, Q, Q), {"causal": "diagonal"}, ValueError, "bottom_right"),
     ("block size zero", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (0, 4)}, ValueError, "block_sizes"),
     ("block size negative", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (4, -1)}, ValueError, "block_sizes"),
     ("block sizes not a pair", (Q, Q, Q), {"algorithm": "flash1", "block_sizes": (4,)}, TypeError, "block_sizes"),
@@ -78,7 +84,7 @@ def test_bad_input_is_rejected_with_a_clear_message(description, args, kwargs, e
 
 def test_mixing_host_and_device_arrays_is_rejected():
     from numba import cuda
-    with pytest.raises(TypeError, match="all be NumPy arrays or all CUDA arrays"):
+    with pytest.raises(TypeError, match="all be host arrays .* or all CUDA arrays"):
         numba_flash.attention(Q, cuda.to_device(Q), Q, algorithm="flash1")
 
 

@@ -116,7 +116,7 @@ def test_dram_experiment_runs_quick_and_reports_the_model(tmp_path):
 
 
 def test_backward_tile_confirmation_runs_quick_and_marks_the_defaults(tmp_path):
-    from numba_flash.kernels.fast.backward import default_block_sizes
+    from numba_flash.tiling import flash2_tuned_block_sizes, precision_of
 
     load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--out", str(tmp_path)])
     with open(tmp_path / "tune_flash2_backward_confirm_quick.csv") as f:
@@ -127,7 +127,7 @@ def test_backward_tile_confirmation_runs_quick_and_marks_the_defaults(tmp_path):
         d = int(shape.strip("()").split(",")[3])
         marked = [(int(r["block_m"]), int(r["block_n"])) for r in rows
                   if (r["dtype"], r["shape"], r["causal"]) == (dtype, shape, causal) and r["default"] == "yes"]
-        assert marked == [default_block_sizes(d, dtype, causal == "True")]
+        assert marked == [flash2_tuned_block_sizes(d, precision_of(dtype), backward=True, causal=causal == "True")]
     assert (tmp_path / "tune_flash2_backward_confirm_quick.md").read_text().startswith("# flash2 backward")
 
 

@@ -7,13 +7,10 @@ from numba import cuda
 
 import numba_flash
 import reference
-from strategies import problems, random_block_mask
-from tolerances import U16, U32, assert_close_to_reference
+from strategies import BFLOAT16, FORWARD_VARIANTS, block_masks, problems, variants
+from tolerances import U32, assert_close_to_reference, unit_roundoff
 
-# (algorithm, dtype) pairs: every algorithm in float32, the fast one also in float16.
-VARIANTS = [("standard", np.float32), ("flash1", np.float32), ("flash2", np.float32), ("flash2", np.float16)]
-IDS = [f"{a}-{np.dtype(t).name}" for a, t in VARIANTS]
-variants = pytest.mark.parametrize("algorithm, dtype", VARIANTS, ids=IDS)
+forward_variants = variants(FORWARD_VARIANTS)
 
 
 def attend(p, algorithm, q=None, k=None, v=None, **overrides):
@@ -24,18 +21,31 @@ def attend(p, algorithm, q=None, k=None, v=None, **overrides):
                                  **kwargs)
 
 
-@variants
+def check_against_reference(p, out, lse, dtype, q=None, scale=None, **reference_options):
+    """O and lse of a problem (k, v heads repeated for grouped queries) against float64, under the error model."""
+    q = p.q if q is None else q
+    scale = p.scale if scale is None else scale
+    k, v = p.expanded(p.k), p.expanded(p.v)
+    reference_options.setdefault("causal", p.causal)
+    ref_out, ref_lse = reference.attention(q, k, v, scale=scale, **reference_options)
+    effective = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    return assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, effective, dtype,
+                                     weight_scale=1 / (1 - reference_options.get("dropout_p", 0.0)))
+
+
+@forward_variants
 @given(data=st.data())
 def test_matches_float64_reference(algorithm, dtype, data):
+    # Shapes with batch and head dims or none, grouped-query heads (flash2), lengths not multiples
+    # of the tiles, every causal alignment, drawn tiles and scales.
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     out, lse = attend(p, algorithm)
     assert out.shape == p.q.shape and out.dtype == p.q.dtype
     assert lse.shape == p.q.shape[:-1] and lse.dtype == np.float32
-    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype)
+    check_against_reference(p, out, lse, dtype)
 
 
-@variants
+@forward_variants
 @given(data=st.data())
 def test_permuting_keys_and_values_together_leaves_output_unchanged(algorithm, dtype, data):
     p = data.draw(problems(algorithm=algorithm, dtype=dtype, causal=False))
@@ -43,44 +53,42 @@ def test_permuting_keys_and_values_together_leaves_output_unchanged(algorithm, d
     out, lse = attend(p, algorithm)
     out_p, lse_p = attend(p, algorithm, k=p.k[..., perm, :], v=p.v[..., perm, :])
     # Both are within the model's bound of the same exact answer.
-    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale)
     for o, l in ((out, lse), (out_p, lse_p)):
-        assert_close_to_reference(o, l, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype)
+        check_against_reference(p, o, l, dtype)
 
 
-@variants
+@forward_variants
 @given(data=st.data())
 def test_constant_value_rows_give_that_constant(algorithm, dtype, data):
-    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype, causal=False))
     row = p.v.reshape(-1, p.v.shape[-1])[0]
     out, _ = attend(p, algorithm, v=np.broadcast_to(row, p.v.shape).copy())
     # sum_j P_ij c / l = c because the weights sum to l: only rounding remains.
     # The weighted sum and l are each sums of N_k float32 terms ((N_k + 4) u
-    # each); 3xTF32 products add ~8 u; float16 also rounds each weight and the
-    # output (2^-11 each).
+    # each); 3xTF32 products add ~8 u; 16-bit also rounds each weight and the
+    # output (u16 each).
     n_k = p.k.shape[-2]
-    rel = (2 * n_k + 24) * U32 + (2 * U16 if dtype == np.float16 else 0.0)
-    np.testing.assert_allclose(out.astype(np.float64), np.broadcast_to(row, out.shape),
+    rel = (2 * n_k + 24) * U32 + (2 * unit_roundoff(dtype) if np.dtype(dtype) != np.float32 else 0.0)
+    np.testing.assert_allclose(out.astype(np.float64), np.broadcast_to(row, out.shape).astype(np.float64),
                                rtol=0, atol=rel * np.abs(row.astype(np.float64)).max())
 
 
-@variants
+@forward_variants
 @given(data=st.data(), magnitude=st.sampled_from([1e2, 1e4]))
 def test_huge_logits_do_not_overflow(algorithm, dtype, data, magnitude):
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
-    if dtype == np.float16:
+    if np.dtype(dtype) == np.float16:
         magnitude = 30.0  # float16 inputs top out at 65504; logits still reach the thousands
     q = (p.q.astype(np.float32) * magnitude).astype(dtype)
     out, lse = attend(p, algorithm, q=q, scale=1.0)
-    assert np.all(np.isfinite(out)) and not np.any(np.isnan(lse))
-    ref_out, ref_lse = reference.attention(q, p.k, p.v, scale=1.0, causal=p.causal)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, q, p.k, p.v, 1.0, dtype)
+    assert np.all(np.isfinite(out.astype(np.float32))) and not np.any(np.isnan(lse))
+    check_against_reference(p, out, lse, dtype, q=q, scale=1.0)
 
 
-@variants
+@forward_variants
 @given(data=st.data())
 def test_heads_are_computed_independently_and_deterministically(algorithm, dtype, data):
-    p = data.draw(problems(algorithm=algorithm, dtype=dtype))
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype, gqa=False))
     out, lse = attend(p, algorithm)
     again, lse_again = attend(p, algorithm)
     np.testing.assert_array_equal(out, again)
@@ -92,22 +100,37 @@ def test_heads_are_computed_independently_and_deterministically(algorithm, dtype
     np.testing.assert_array_equal(alone_lse, lse.reshape(q.shape[:-1])[h])
 
 
-@variants
+@variants([("flash2", np.float32), ("flash2", np.float16)])
+@given(data=st.data())
+def test_grouped_query_heads_equal_repeated_key_value_heads(algorithm, dtype, data):
+    # Query head h reads key/value head h // group, with no copy: exactly what repeating them gives.
+    p = data.draw(problems(algorithm=algorithm, dtype=dtype, gqa=True))
+    out, lse = attend(p, algorithm)
+    repeated, repeated_lse = attend(p, algorithm, k=p.expanded(p.k), v=p.expanded(p.v))
+    np.testing.assert_array_equal(out, repeated)
+    np.testing.assert_array_equal(lse, repeated_lse)
+
+
+@forward_variants
 @pytest.mark.parametrize("n_q, n_k", [(9, 4), (4, 9), (33, 17)])
-def test_causal_is_top_left_aligned_when_lengths_differ(algorithm, dtype, n_q, n_k):
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_alignment_when_lengths_differ(algorithm, dtype, n_q, n_k, alignment):
     rng = np.random.default_rng(7)
     q = rng.standard_normal((2, n_q, 8)).astype(dtype)
     k, v = rng.standard_normal((2, 2, n_k, 8)).astype(dtype)
-    out, lse = numba_flash.attention(q, k, v, causal=True, algorithm=algorithm, return_lse=True)
-    ref_out, ref_lse = reference.attention(q, k, v, causal=True)
+    out, lse = numba_flash.attention(q, k, v, causal=alignment, algorithm=algorithm, return_lse=True)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=alignment)
     assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, 1 / np.sqrt(8), dtype)
-    # Queries i >= N_k - 1 see every key: identical to non-causal attention there.
+    if alignment == "top_left":  # True means top-left, as torch's is_causal
+        np.testing.assert_array_equal(numba_flash.attention(q, k, v, causal=True, algorithm=algorithm), out)
+    # The queries that see every key give non-causal attention there, bit for bit.
+    offset = n_k - n_q if alignment == "bottom_right" else 0
     full = numba_flash.attention(q, k, v, algorithm=algorithm)
-    tail = slice(n_k - 1, None)
-    np.testing.assert_allclose(out[:, tail].astype(np.float64), full[:, tail], atol=4 * U16 if dtype == np.float16 else 1e-6)
+    tail = slice(max(0, n_k - 1 - offset), None)
+    np.testing.assert_array_equal(out[:, tail], full[:, tail])
 
 
-@variants
+@forward_variants
 def test_cuda_arrays_stay_on_the_device(algorithm, dtype):
     rng = np.random.default_rng(8)
     q, k, v = rng.standard_normal((3, 2, 10, 8)).astype(dtype)
@@ -120,7 +143,23 @@ def test_cuda_arrays_stay_on_the_device(algorithm, dtype):
     np.testing.assert_array_equal(dev_lse.copy_to_host(), host_lse)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_host_arrays_from_other_libraries_are_taken_as_host_arrays():
+    # Lists and CPU torch tensors go through np.asarray; NumPy comes back.
+    import torch
+
+    rng = np.random.default_rng(9)
+    q, k, v = rng.standard_normal((3, 2, 12, 8)).astype(np.float32)
+    expected = numba_flash.attention(q, k, v)
+    for convert in (lambda x: x.tolist(), torch.from_numpy):
+        out = numba_flash.attention(*(convert(x) for x in (q, k, v)))
+        assert isinstance(out, np.ndarray)
+        np.testing.assert_array_equal(out, expected)
+    bf16 = numba_flash.attention(*(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v)))
+    assert bf16.dtype == BFLOAT16
+    np.testing.assert_array_equal(bf16, numba_flash.attention(*(x.astype(BFLOAT16) for x in (q, k, v))))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [1, 3, 72, 160, 256])
 def test_flash2_head_dims_beyond_the_common_ones(dtype, head_dim):
     rng = np.random.default_rng(head_dim)
@@ -135,9 +174,9 @@ def test_flash2_head_dims_beyond_the_common_ones(dtype, head_dim):
 def test_flash2_is_the_default_algorithm(monkeypatch):
     from numba_flash import api
     called = []
-    monkeypatch.setattr(api, "flash2_forward", lambda *a, **kw: called.append(True))
-    numba_flash.attention(*(np.ones((2, 4, 8), np.float32),) * 3)
-    assert called
+    monkeypatch.setattr(api, "forward_launch", lambda call: called.append(call) or (lambda *args: None))
+    numba_flash.attention(*(np.ones((2, 4, 8), np.float32),) * 3, scale=0.25)
+    assert called and called[0].algorithm == "flash2"
 
 
 def test_return_lse_false_returns_only_the_output():
@@ -146,22 +185,20 @@ def test_return_lse_false_returns_only_the_output():
     assert isinstance(out, np.ndarray) and out.shape == (4, 8)
 
 
-@variants
+@forward_variants
 @given(data=st.data(), dropout_p=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2 ** 64 - 1),
        masked=st.booleans())
 def test_dropout_drops_exactly_the_generated_mask(algorithm, dtype, data, dropout_p, seed, masked):
     # With and without a block mask: the two share the kernels' inner loop.
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     n_q, n_k = p.q.shape[-2], p.k.shape[-2]
-    bm = random_block_mask(data, n_q, n_k, p.block_sizes if algorithm == "flash1" else None) if masked else None
+    bm = None
+    if masked:
+        bm = data.draw(block_masks(n_q, n_k, p.block_sizes if algorithm == "flash1" else None))[0]
     dense = None if bm is None else bm.to_dense(n_q, n_k)
-    out, lse = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm,
-                      block_sizes=bm.block_size if algorithm == "flash1" and bm is not None else p.block_sizes)
+    blocks = bm.block_size if algorithm == "flash1" and bm is not None else p.block_sizes
+    out, lse = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm, block_sizes=blocks)
     keep = numba_flash.dropout_mask(p.q.shape[:-1] + (n_k,), dropout_p, seed)
-    ref_out, ref_lse = reference.attention(p.q, p.k, p.v, scale=p.scale, causal=p.causal, mask=dense,
-                                           dropout_keep=keep, dropout_p=dropout_p)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, p.q, p.k, p.v, p.effective_scale, dtype,
-                              weight_scale=1 / (1 - dropout_p))
-    again, _ = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm,
-                      block_sizes=bm.block_size if algorithm == "flash1" and bm is not None else p.block_sizes)
+    check_against_reference(p, out, lse, dtype, mask=dense, dropout_keep=keep, dropout_p=dropout_p)
+    again, _ = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm, block_sizes=blocks)
     np.testing.assert_array_equal(out, again)

@@ -1,16 +1,20 @@
-"""CUDA arrays from other libraries go in and come out without a host round trip.
+"""CUDA arrays from other libraries go in and come out without a host round trip, strided or not.
 
 On a GPU every library that is importable takes part (Numba device arrays,
 torch tensors, CuPy arrays); the simulator has only Numba's own (simulated)
-device arrays.
+device arrays.  torch tensors come back as torch tensors, every other kind
+as Numba device arrays.
 """
 import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from numba import cuda
 
 import numba_flash
+from strategies import BFLOAT16
 
 
 def _libraries():
@@ -30,31 +34,115 @@ def _to_device(lib, x):
         return cuda.to_device(x)
     if lib == "torch":
         import torch
+        if x.dtype == BFLOAT16:
+            return torch.as_tensor(x.view(np.int16), device="cuda").view(torch.bfloat16)
         return torch.as_tensor(x, device="cuda")
     import cupy
     return cupy.asarray(x)
 
 
-@pytest.mark.parametrize("lib", _libraries())
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_device_inputs_give_the_same_result_as_host_inputs(lib, dtype):
-    rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal((1, 2, 20, 8)).astype(dtype) for _ in range(3))
-    host_out, host_lse = numba_flash.attention(q, k, v, causal=True, return_lse=True)
-    dev_out, dev_lse = numba_flash.attention(*(_to_device(lib, x) for x in (q, k, v)), causal=True,
-                                             return_lse=True)
-    assert not isinstance(dev_out, np.ndarray)
-    np.testing.assert_array_equal(dev_out.copy_to_host(), host_out)
-    np.testing.assert_array_equal(dev_lse.copy_to_host(), host_lse)
-    if lib == "torch":  # the result wraps back into torch without a copy
-        import torch
-        as_torch = torch.as_tensor(dev_out, device="cuda")
-        assert as_torch.data_ptr() == dev_out.device_ctypes_pointer.value
+def _to_host(x):
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    import torch
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).cpu().numpy().view(BFLOAT16)
+    return x.cpu().numpy()
+
+
+def _dtypes(lib):
+    # bfloat16 reaches the kernels from torch (or through ml_dtypes on the host and Numba arrays).
+    return [np.float32, np.float16] + ([BFLOAT16] if lib in ("numba", "torch") else [])
 
 
 @pytest.mark.parametrize("lib", _libraries())
-def test_non_contiguous_device_inputs_are_rejected_clearly(lib):
+def test_device_inputs_give_the_same_result_as_host_inputs(lib):
+    for dtype in _dtypes(lib):
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((1, 2, 20, 8)).astype(dtype) for _ in range(3))
+        host_out, host_lse = numba_flash.attention(q, k, v, causal=True, return_lse=True)
+        dev_out, dev_lse = numba_flash.attention(*(_to_device(lib, x) for x in (q, k, v)), causal=True,
+                                                 return_lse=True)
+        assert not isinstance(dev_out, np.ndarray)
+        if lib == "torch":  # torch in, torch out (from torch's caching allocator)
+            import torch
+            assert isinstance(dev_out, torch.Tensor) and isinstance(dev_lse, torch.Tensor)
+        np.testing.assert_array_equal(_to_host(dev_out), host_out)
+        np.testing.assert_array_equal(_to_host(dev_lse), host_lse)
+
+
+def swap_middle_axes(x):
+    """(B, N, H, d) viewed as (B, H, N, d), with no copy, for each library's arrays."""
+    if isinstance(x, np.ndarray):
+        return x.transpose(0, 2, 1, 3)
+    if numba_flash.in_simulator():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(x._ary.transpose(0, 2, 1, 3))
+    if isinstance(x, cuda.devicearray.DeviceNDArray):  # Numba transposes only 2-D arrays: build the view
+        order = (0, 2, 1, 3)
+        return cuda.devicearray.DeviceNDArray(tuple(x.shape[i] for i in order), tuple(x.strides[i] for i in order),
+                                              x.dtype, gpu_data=x.gpu_data)
+    return x.transpose(1, 2) if hasattr(x, "dim") else x.transpose(0, 2, 1, 3)  # torch, CuPy
+
+
+@pytest.mark.parametrize("lib", _libraries())
+@given(data=st.data())
+def test_strided_views_run_in_place_and_equal_contiguous_copies(lib, data):
+    # A (B, N, H, d) layout viewed as (B, H, N, d), every other row, an offset start: flash2 reads any
+    # strides whose last dimension is contiguous.
+    dtype = data.draw(st.sampled_from(_dtypes(lib)))
+    batch, heads, n, d = (data.draw(st.integers(1, top)) for top in (2, 3, 20, 16))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    base = rng.standard_normal((batch, 2 * n + 1, heads, d)).astype(dtype)
+    view = data.draw(st.sampled_from(["transposed", "every other row", "offset"]))
+    device = _to_device(lib, base)
+
+    def pick(x):
+        if view == "every other row":
+            x = x[:, ::2]
+        elif view == "offset":
+            x = x[:, 1:]
+        return swap_middle_axes(x)
+
+    strided = pick(device)
+    expected = numba_flash.attention(*(np.ascontiguousarray(pick(base)),) * 3, causal=True)
+    got = numba_flash.attention(strided, strided, strided, causal=True)
+    np.testing.assert_array_equal(_to_host(got), expected)
+
+
+@pytest.mark.parametrize("lib", _libraries())
+def test_inputs_that_cannot_run_in_place_are_rejected_clearly(lib):
     x = _to_device(lib, np.zeros((4, 16, 8), np.float32))
+    every_other_column = x[:, :, ::2]
+    with pytest.raises(ValueError, match="q must have a contiguous last dimension"):
+        numba_flash.attention(every_other_column, x[:, :, :4], x[:, :, :4])
     every_other_row = x[:, ::2, :]
-    with pytest.raises(ValueError, match="q must be C-contiguous"):
-        numba_flash.attention(every_other_row, every_other_row, every_other_row)
+    with pytest.raises(ValueError, match="q must be C-contiguous for algorithm='flash1'"):
+        numba_flash.attention(every_other_row, every_other_row, every_other_row, algorithm="flash1")
+
+
+@pytest.mark.gpu_only
+def test_a_call_returns_before_the_work_it_queues_behind_finishes():
+    # No host synchronisation inside a call: issued behind a long kernel on the same stream, the call
+    # returns while that kernel still runs, and its results come out right once the stream is done.
+    import time
+
+    import torch
+
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16)
+    numba_flash.attention(q, q, q)   # plan and compile first
+    torch.cuda.synchronize()
+    big = torch.randn(8192, 8192, device="cuda")
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        big = big @ big / 8192 ** 0.5   # tens of milliseconds queued on the current stream
+    out = numba_flash.attention(q, q, q)
+    returned = time.perf_counter()
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    finished = time.perf_counter()
+    assert busy, "the stream had already drained: numba_flash.attention waited for it"
+    assert finished - returned > 1e-3
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float())
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)

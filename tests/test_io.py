@@ -16,8 +16,7 @@ import pytest
 
 import numba_flash
 from numba_flash import BlockMask, io
-from numba_flash.runtime.launch import no_mask_layout
-from numba_flash.kernels.fast.forward import no_tile_lists
+from numba_flash.runtime.arrays import placeholder
 from numba_flash.tiling import line1_block_sizes
 from traffic_counter import count_traffic
 
@@ -90,6 +89,11 @@ def random_layout(case, seed):
     return layout
 
 
+def allocate_placeholders():
+    """The arrays unmasked launches pass for the mask's parameters are allocated once per process, not per call."""
+    placeholder(np.int32), placeholder(np.uint8), placeholder(np.uint8, 3)
+
+
 def counted_buffers(launch, parameters):
     """{buffer: bytes} of a counted launch, for reads and for writes."""
     return ({parameters[p]: n for p, n in launch.reads.items()},
@@ -110,8 +114,7 @@ def test_model_matches_every_access_and_allocation(case):
         mask, block_mask = (layout, case.mask_block), BlockMask(layout, case.mask_block)
         if case.algorithm == "flash1":
             block_sizes = case.mask_block
-    # The placeholders of unmasked launches are allocated once per process, not per call.
-    no_mask_layout(), no_tile_lists()
+    allocate_placeholders()
 
     with count_traffic() as counter:
         numba_flash.attention(q, k, v, causal=case.causal, block_mask=block_mask, algorithm=case.algorithm,
@@ -164,7 +167,7 @@ def test_backward_model_matches_every_access(case):
         mask, block_mask = (layout, case.mask_block), BlockMask(layout, case.mask_block)
     o, lse = numba_flash.attention(q, k, v, causal=case.causal, block_mask=block_mask, return_lse=True)
     do = rng.standard_normal(o.shape).astype(case.dtype)
-    no_mask_layout(), no_tile_lists()
+    allocate_placeholders()
     block_sizes = case.mask_block if case.algorithm == "flash1" and mask is not None else case.block_sizes
 
     with count_traffic() as counter:

@@ -18,8 +18,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 import reference
+from strategies import block_masks, ragged_length
 from numba_flash import cli, masks
 from numba_flash.sparsity.block_mask import BlockMask
+from numba_flash.sparsity.tile_lists import per_head_layout, tile_lists, tile_visits
 
 MAX_N = 24
 MAX_BLOCK = 8
@@ -49,11 +51,6 @@ def check_element_pattern(generate, elements, expected, block_size):
     block_mask = generate(block_size)
     assert block_mask.layout.shape == block_mask.grid_for(*expected.shape)
     assert block_mask == masks.from_dense(expected, block_size)
-
-
-def ragged_length(draw, blocks, block):
-    """A length that needs exactly ``blocks`` blocks of ``block``: the last may be partial."""
-    return (blocks - 1) * block + draw(st.integers(1, block))
 
 
 # ---------------------------------------------------------------- element-level patterns
@@ -212,17 +209,7 @@ def test_block_level_generators_build_no_element_array():
 
 # ---------------------------------------------------------------- from_dense and BlockMask
 
-@st.composite
-def block_masks(draw):
-    """(BlockMask, n_q, n_k): leading dims, a grid, ragged lengths, then the layout from a seed."""
-    leading = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
-    n_q, n_k, block_size, grid = draw(grids(max_blocks=6))
-    density = draw(st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]))
-    layout = np.random.default_rng(draw(seeds)).random(leading + grid) < density
-    return BlockMask(layout, block_size), n_q, n_k
-
-
-@given(block_masks())
+@given(block_masks(batch_shape=(3, 2)))
 def test_from_dense_of_to_dense_is_the_same_mask(case):
     block_mask, n_q, n_k = case
     assert masks.from_dense(block_mask.to_dense(n_q, n_k), block_mask.block_size) == block_mask
@@ -277,17 +264,19 @@ def test_and_or_broadcast_leading_dims_elementwise(seed):
     assert (mask_a | mask_b).density == np.mean(a | b)
 
 
-@given(block_masks())
-def test_nonzero_key_blocks_lists_each_rows_nonzeros(case):
-    block_mask, _, _ = case
-    offsets, indices = block_mask.nonzero_key_blocks()
-    layout = block_mask.layout
-    assert offsets.shape == layout.shape[:-2] + (layout.shape[-2] + 1,)
-    for lead in np.ndindex(layout.shape[:-2]):
-        for i in range(layout.shape[-2]):
-            listed = indices[offsets[lead + (i,)]:offsets[lead + (i + 1,)]]
-            assert np.array_equal(listed, np.nonzero(layout[lead + (i,)])[0])
-    assert indices.size == layout.sum()
+@given(block_masks(batch_shape=(3, 2)))
+def test_tile_lists_in_the_masks_own_blocks_list_each_rows_nonzeros(case):
+    # Kernel tiles equal to the mask's blocks: every non-zero block is visited, wholly, and no other.
+    block_mask, n_q, n_k = case
+    layout = per_head_layout(block_mask, block_mask.layout.shape[:-2], n_q, n_k)
+    offsets, entries = tile_lists(*tile_visits(layout, block_mask.block_size, block_mask.block_size, n_q, n_k))
+    assert offsets.shape == (layout.shape[0], layout.shape[1] + 1)
+    for head in range(layout.shape[0]):
+        for i in range(layout.shape[1]):
+            listed = entries[offsets[head, i]:offsets[head, i + 1]]
+            assert np.array_equal(listed >> 1, np.nonzero(layout[head, i])[0])
+            assert not np.any(listed & 1)
+    assert entries.size == layout.sum()
 
 
 # ---------------------------------------------------------------- argument errors

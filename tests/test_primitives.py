@@ -9,8 +9,11 @@ import pytest
 from numba import cuda
 
 from numba_flash.kernels.fast.primitives import (
-    f32_as_u32, mma_f16, mma_tf32, pack_half2, shfl_xor, tf32_round, u32_as_f32, unpack_half2,
+    bf16_to_f32, exp2, f32_as_u32, half_to_f32, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2, shfl_xor,
+    tf32_round, u32_as_f32,
 )
+from strategies import BFLOAT16
+from tolerances import U32, product_tolerance
 
 
 def _tf32(x):
@@ -54,41 +57,46 @@ def test_mma_tf32_matches_fragment_layout(split):
     exact = a.astype(np.float64) @ b.astype(np.float64) + c
     if split:
         # Dropping A_small B_small and rounding the small parts costs ~2^-21
-        # relative per product: float32-class accuracy.
-        scale = np.abs(a).astype(np.float64) @ np.abs(b) + np.abs(c)
-        assert np.all(np.abs(d - exact) <= 2e-6 * scale)
+        # relative per product (16 u): float32-class accuracy.
+        assert np.all(np.abs(d - exact) <= product_tolerance(a, b, c, extra=16 * U32))
     else:
         # One tf32 product is as good as its rounded operands: compare with
         # the exact product of those, and show it is far from float32 accuracy.
-        rounded = _tf32(a).astype(np.float64) @ _tf32(b).astype(np.float64) + c
-        np.testing.assert_allclose(d, rounded, rtol=1e-5, atol=1e-5)
-        assert np.abs(d - exact).max() > 1e-5
+        rounded_a, rounded_b = _tf32(a), _tf32(b)
+        rounded = rounded_a.astype(np.float64) @ rounded_b.astype(np.float64) + c
+        assert np.all(np.abs(d - rounded) <= product_tolerance(rounded_a, rounded_b, c))
+        assert np.any(np.abs(d - exact) > product_tolerance(a, b, c, extra=16 * U32))
 
 
-@cuda.jit
-def _mma_f16_kernel(a, b, c, d):
-    lane = cuda.threadIdx.x
-    g, t = lane >> 2, lane & 3
-    a0 = pack_half2(a[g, 2 * t], a[g, 2 * t + 1])
-    a1 = pack_half2(a[g + 8, 2 * t], a[g + 8, 2 * t + 1])
-    a2 = pack_half2(a[g, 2 * t + 8], a[g, 2 * t + 9])
-    a3 = pack_half2(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9])
-    b0 = pack_half2(b[2 * t, g], b[2 * t + 1, g])
-    b1 = pack_half2(b[2 * t + 8, g], b[2 * t + 9, g])
-    acc = mma_f16(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
-    d[g, 2 * t], d[g, 2 * t + 1] = acc[0], acc[1]
-    d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = acc[2], acc[3]
+def _mma_16bit_kernel(mma, pack):
+    @cuda.jit
+    def kernel(a, b, c, d):
+        lane = cuda.threadIdx.x
+        g, t = lane >> 2, lane & 3
+        a0 = pack(a[g, 2 * t], a[g, 2 * t + 1])
+        a1 = pack(a[g + 8, 2 * t], a[g + 8, 2 * t + 1])
+        a2 = pack(a[g, 2 * t + 8], a[g, 2 * t + 9])
+        a3 = pack(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9])
+        b0 = pack(b[2 * t, g], b[2 * t + 1, g])
+        b1 = pack(b[2 * t + 8, g], b[2 * t + 9, g])
+        acc = mma(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d[g, 2 * t], d[g, 2 * t + 1] = acc[0], acc[1]
+        d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = acc[2], acc[3]
+
+    return kernel
 
 
-def test_mma_f16_matches_fragment_layout():
+@pytest.mark.parametrize("dtype, mma, pack", [(np.float16, mma_f16, pack_half2), (BFLOAT16, mma_bf16, pack_bf16x2)],
+                         ids=["float16", "bfloat16"])
+def test_mma_16bit_matches_fragment_layout(dtype, mma, pack):
     rng = np.random.default_rng(2)
-    a = rng.standard_normal((16, 16)).astype(np.float16).astype(np.float32)
-    b = rng.standard_normal((16, 8)).astype(np.float16).astype(np.float32)
+    a = rng.standard_normal((16, 16)).astype(dtype).astype(np.float32)
+    b = rng.standard_normal((16, 8)).astype(dtype).astype(np.float32)
     c = rng.standard_normal((16, 8)).astype(np.float32)
     d = np.full((16, 8), np.nan, np.float32)
-    _mma_f16_kernel[1, 32](a, b, c, d)
-    # Inputs are exact halves, so only float32 accumulation error remains.
-    np.testing.assert_allclose(d, a.astype(np.float64) @ b + c, rtol=1e-5, atol=1e-5)
+    _mma_16bit_kernel(mma, pack)[1, 32](a, b, c, d)
+    # Inputs are exact in their type, so only float32 accumulation error remains.
+    assert np.all(np.abs(d - (a.astype(np.float64) @ b + c)) <= product_tolerance(a, b, c))
 
 
 @cuda.jit
@@ -109,27 +117,55 @@ def test_shfl_xor_swaps_lanes_within_each_warp():
 
 
 @cuda.jit
-def _bits_kernel(x, bits, back, halves):
+def _bits_kernel(x, bits, back, halves, bf16s):
     i = cuda.grid(1)
     if i < x.size:
         bits[i] = f32_as_u32(x[i])
         back[i] = u32_as_f32(bits[i])
-        lo, hi = unpack_half2(pack_half2(x[i], -x[i]))
-        halves[i, 0] = lo
-        halves[i, 1] = hi
+        pair = pack_half2(x[i], -x[i])
+        halves[i, 0] = half_to_f32(pair)
+        halves[i, 1] = half_to_f32(pair >> 16)
+        pair = pack_bf16x2(x[i], -x[i])
+        bf16s[i, 0] = bf16_to_f32(pair)
+        bf16s[i, 1] = bf16_to_f32(pair >> 16)
 
 
-def test_bit_casts_and_half_packing():
-    x = np.array([0.0, -0.0, 1.0, -2.5, 3.1415927, 1e-30, 65504.0, 7e4], np.float32)
+def test_bit_casts_and_16bit_packing():
+    x = np.array([0.0, -0.0, 1.0, -2.5, 3.1415927, 1e-30, 65504.0, 7e4, 1.00390625, 1.01171875, np.inf, np.nan],
+                 np.float32)
     bits = np.zeros(x.size, np.uint32)
     back = np.zeros_like(x)
     halves = np.zeros((x.size, 2), np.float32)
-    _bits_kernel[1, 32](x, bits, back, halves)
+    bf16s = np.zeros((x.size, 2), np.float32)
+    _bits_kernel[1, 32](x, bits, back, halves, bf16s)
     np.testing.assert_array_equal(bits, x.view(np.uint32))
     np.testing.assert_array_equal(back.view(np.uint32), x.view(np.uint32))
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
+        # Rounded to nearest (even on ties: 1.00390625 and 1.01171875 are bfloat16 ties), as NumPy's casts.
         np.testing.assert_array_equal(halves[:, 0], x.astype(np.float16).astype(np.float32))
         np.testing.assert_array_equal(halves[:, 1], (-x).astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(bf16s[:, 0], x.astype(BFLOAT16).astype(np.float32))
+        np.testing.assert_array_equal(bf16s[:, 1], (-x).astype(BFLOAT16).astype(np.float32))
+
+
+@cuda.jit
+def _exp2_kernel(x, out):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = exp2(x[i])
+
+
+def test_exp2_keeps_nan_and_infinities():
+    # The kernels mask with -inf and must let NaN through (no fast-math assumptions).
+    x = np.array([0.0, 1.0, -1.5, 10.0, -np.inf, np.inf, np.nan, -200.0], np.float32)
+    out = np.full(x.size, -1.0, np.float32)
+    _exp2_kernel[1, 32](x, out)
+    with np.errstate(over="ignore"):
+        expected = np.exp2(x.astype(np.float64))
+    finite = np.isfinite(expected)
+    # ex2.approx: 2 ulp (2^-22 relative); subnormal results flush to 0 (ftz).
+    assert np.all(np.abs(out[finite] - expected[finite]) <= 4 * U32 * expected[finite] + 1e-38)
+    assert out[4] == 0 and out[5] == np.inf and np.isnan(out[6])
 
 
 @cuda.jit

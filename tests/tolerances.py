@@ -15,9 +15,10 @@ inputs (u is the unit roundoff of float32, 2^-24):
 3. O_i = sum_j P_ij v_j: the weights' relative error times max|v|, plus the
    length-N_k sum's (N_k + 4) u max|v|.
 
-For float16 inputs (exact halves, float32 arithmetic inside) the fast kernel
-also rounds P to float16 before the P V product (2^-11 relative per weight)
-and rounds O to float16 (2^-11 relative): both added below.
+For 16-bit inputs (float16, bfloat16: exact in their type, float32
+arithmetic inside) the fast kernel also rounds P to the input type before
+the P V product (u16 relative per weight: 2^-11 for float16, 2^-8 for
+bfloat16) and rounds O to it (u16 relative): both added below.
 
 lse = log sum_j exp(s_ij) moves by at most ds plus the sum's rounding.
 Bugs (a wrong mask, a missed rescale, a wrong lane) give errors orders of
@@ -25,15 +26,37 @@ magnitude above these bounds; the tests would catch them.
 """
 import os
 
+import ml_dtypes
 import numpy as np
 
 U32 = 2.0 ** -24
 U16 = 2.0 ** -11
+UBF16 = 2.0 ** -8
 #: Results are float32 (or float16): a true value below the output type's
 #: smallest subnormal can only come out as 0 (e.g. gradients scaled by
 #: scale = 1e-150, which itself rounds to 0 in float32), so every bound
 #: allows that much absolutely.
 TINY32 = float(np.finfo(np.float32).smallest_subnormal)
+
+
+def unit_roundoff(dtype):
+    """u of a result type: 2^-24 float32, 2^-11 float16, 2^-8 bfloat16."""
+    return {"float32": U32, "float16": U16, "bfloat16": UBF16}[np.dtype(dtype).name]
+
+
+def smallest_subnormal(dtype):
+    return float(ml_dtypes.finfo(dtype).smallest_subnormal)
+
+
+def product_tolerance(a, b, c, extra=0.0):
+    """Elementwise bound on |fl(A B + C) - (A B + C)| for float32 accumulation over A's k columns.
+
+    The textbook gamma_(k+1) = (k + 1) u of |A||B| + |C| (doubled for the
+    tensor cores' truncating accumulator), plus ``extra`` relative to the same
+    magnitude (the operands' own rounding, e.g. 3xTF32's 2^-21).
+    """
+    a, b, c = (np.abs(np.asarray(x, dtype=np.float64)) for x in (a, b, c))
+    return (2 * (a.shape[-1] + 1) * U32 + extra) * (a @ b + c)
 
 
 def logit_error(q, k, scale):
@@ -55,10 +78,10 @@ def forward_tolerance(q, k, v, scale, dtype=np.float32, weight_scale=1.0):
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max()) * weight_scale
     ds = logit_error(q, k, scale)
     weight_rel = np.expm1(2 * ds) + (n_k + 16) * U32
-    tol_o = (weight_rel + (n_k + 4) * U32) * v_max + float(np.finfo(dtype).smallest_subnormal)
+    tol_o = (weight_rel + (n_k + 4) * U32) * v_max + smallest_subnormal(dtype)
     tol_lse = ds + (n_k + 16) * U32
-    if np.dtype(dtype) == np.float16:
-        tol_o += 2 * U16 * v_max
+    if np.dtype(dtype) != np.float32:
+        tol_o += 2 * unit_roundoff(dtype) * v_max
     return tol_o, tol_lse
 
 
@@ -88,15 +111,15 @@ def _log_error(dtype, err, tol):
             f.write(f"{np.dtype(dtype).name} {err:.6g} {tol:.6g}\n")
 
 
-def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32):
+def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32, group=1):
     """(tol_dQ, tol_dK, tol_dV): first-order bounds on the gradient errors, from the inputs.
 
-    float16: the flash2 backward rounds each P and dS entry to float16 for
-    its tensor-core products, O and dO arrive rounded to float16, and the
-    results are rounded to float16: every relative rounding below is then
-    at most U16 instead of U32 (the logits stay float32-accurate: float16
-    inputs are exact and the products accumulate in float32), plus half a
-    float16 ulp of each result.
+    16-bit: the flash2 backward rounds each P and dS entry to the input type
+    for its tensor-core products, O and dO arrive rounded to it, and the
+    results are rounded to it: every relative rounding below is then at
+    most that type's u instead of U32 (the logits stay float32-accurate:
+    16-bit inputs are exact and the products accumulate in float32), plus
+    half an ulp of each result.
 
     ``weights`` is the reference P (undropped, float64).  With e_P the
     relative error of a weight (as in the forward model: logits, exp and the
@@ -105,11 +128,13 @@ def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=n
     most P_ij Z (e_P (B_dP + B_D) + e_dP + e_D) with e_dP, e_D the dot
     products' (d + 8) u rounding.  dQ sums N_k such entries with weights
     summing to 1 per row; dK and dV sum over queries, where a column's
-    weights add up to at most the largest column sum of P.
+    weights add up to at most the largest column sum of P.  With grouped
+    query heads (k, v given repeated per query head) dK and dV add ``group``
+    heads' gradients, and so their bounds.
     """
     q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
-    u = U16 if np.dtype(dtype) == np.float16 else U32
+    u = unit_roundoff(dtype)
     finite_lse = np.max(np.abs(np.where(weights.sum(-1) > 0, np.log(np.maximum(weights.sum(-1), 1e-300)), 0)))
     e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse)
     e_p = np.expm1(2 * e_s) + 16 * u
@@ -122,11 +147,11 @@ def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=n
     tol_dk = abs(scale) * q.max() * column_sum * (per_weight + (n_q + 4) * u * weight_scale * (b_dp + b_d))
     tol_dv = do.max() * column_sum * weight_scale * (e_p + (n_q + 4) * u)
     tiny = TINY32
-    if np.dtype(dtype) == np.float16:
-        # Rounding the result to float16: U16 of its magnitude (bounded as the
-        # sums above are), down to float16's smallest subnormal.
-        tiny = float(np.finfo(np.float16).smallest_subnormal)
-        tol_dq += U16 * abs(scale) * k.max() * weight_scale * (b_dp + b_d)
-        tol_dk += U16 * abs(scale) * q.max() * column_sum * weight_scale * (b_dp + b_d)
-        tol_dv += U16 * do.max() * column_sum * weight_scale
-    return tol_dq + tiny, tol_dk + tiny, tol_dv + tiny
+    if np.dtype(dtype) != np.float32:
+        # Rounding the result to its 16-bit type: u of its magnitude (bounded as
+        # the sums above are), down to the type's smallest subnormal.
+        tiny = smallest_subnormal(dtype)
+        tol_dq += u * abs(scale) * k.max() * weight_scale * (b_dp + b_d)
+        tol_dk += u * abs(scale) * q.max() * column_sum * weight_scale * (b_dp + b_d)
+        tol_dv += u * do.max() * column_sum * weight_scale
+    return tol_dq + tiny, group * tol_dk + tiny, group * tol_dv + tiny

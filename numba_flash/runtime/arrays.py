@@ -1,57 +1,412 @@
-"""Moving user arrays to and from the kernels' (batch*heads, N, d) layout.
+"""Arrays in and out: what the API accepts, how kernels see it, and where results live.
 
-NumPy arrays are copied to the GPU and the results copied back.  Anything
-with ``__cuda_array_interface__`` (Numba device arrays, torch or CuPy
-tensors) is wrapped in place: no copy, no trip through host memory, and the
-results stay on the device as Numba device arrays.
+Accepted inputs (``describe``):
+
+* **torch tensors** on a CUDA device: used in place (any strides whose last
+  dimension is contiguous), on torch's current stream; results are torch
+  tensors from torch's caching allocator, on that stream.
+* **Numba device arrays** and anything else with ``__cuda_array_interface__``
+  (CuPy, ...): used in place, on the stream the array or its interface
+  names (the legacy default stream if none); results are Numba device arrays
+  from a small per-stream pool (``_OutputPool``), so a call allocates no new
+  device memory once sizes repeat.
+* **host arrays**: NumPy arrays, and anything ``np.asarray`` converts (CPU
+  torch tensors; nested lists, as float32): copied to the GPU and the
+  results copied back as NumPy.
+
+No call waits on the host for the GPU: work is ordered on the streams the
+inputs name (``stream_of``).
+
+Kernels see flat 1-D views (``flat_view`` for Numba's dispatcher and the
+simulator) or raw device pointers (``device_pointer`` for the direct launch
+of ``launch.py``).
 """
+import functools
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Tuple
+
 import numpy as np
 from numba import cuda
 
 from .device import in_simulator
 
+try:  # torch is optional; when present its tensors are the fast path
+    import torch as _torch
+except ImportError:
+    _torch = None
 
-def cuda_interface(x):
-    """The array's ``__cuda_array_interface__``, or None for host objects.
+#: ``torch.Tensor`` (None without torch): an exact type test is the cheapest.
+TORCH_TENSOR = None if _torch is None else _torch.Tensor
 
-    The simulator's device arrays have no such interface; we describe them
-    the same way so that the rest of the package need not know.
+#: dtypes the kernels take, by name (bfloat16 through ml_dtypes on the host, torch.bfloat16 on the device).
+KERNEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _bfloat16():
+    """NumPy's bfloat16 dtype from ml_dtypes, or None when ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _torch_dtype_names():
+    if _torch is None:
+        return {}
+    return {_torch.float32: "float32", _torch.float16: "float16", _torch.bfloat16: "bfloat16",
+            _torch.float64: "float64", _torch.int32: "int32", _torch.int64: "int64", _torch.uint8: "uint8",
+            _torch.bool: "bool"}
+
+
+_TORCH_DTYPES = _torch_dtype_names()
+_TORCH_BY_NAME = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Strides:
+    """Element strides of the (batch, head, row) view of an operand (..., H, N, d) whose last dim is contiguous.
+
+    The batch dims must form one stride; a missing head or batch dim has stride 0.
     """
+
+    batch: int
+    head: int
+    row: int
+
+
+def view_strides(name, shape, strides):
+    """``Strides`` of an array of ``shape`` and element ``strides``, or a ValueError naming it."""
+    row = strides[-2]
+    head = strides[-3] if len(shape) > 2 and shape[-3] > 1 else 0
+    batch_dims = [(n, s) for n, s in zip(shape[:-3], strides[:-3]) if n > 1]
+    for (_, s_outer), (n_inner, s_inner) in zip(batch_dims, batch_dims[1:]):
+        if s_outer != n_inner * s_inner:
+            raise ValueError(f"{name}: its batch dims {tuple(shape[:-3])} with strides {tuple(strides[:-3])} do not "
+                             f"form one stride; make it contiguous over them (e.g. .contiguous() or .reshape)")
+    return Strides(batch_dims[-1][1] if batch_dims else 0, head, row)
+
+
+def c_strides(shape):
+    """Element strides of a C-contiguous array."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def is_c_contiguous(shape, strides):
+    """Whether element ``strides`` lay ``shape`` out in C order (dims of size 1 may have any stride)."""
+    return all(s == c or n == 1 for n, s, c in zip(shape, strides, c_strides(shape)))
+
+
+@dataclass(frozen=True)
+class Operand:
+    """What the checks and kernels need to know of one input array."""
+
+    kind: str                   # "torch", "cuda" (Numba or another __cuda_array_interface__) or "host"
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]    # in elements
+    dtype: str                  # "float32", "float16", "bfloat16", or another dtype's name (rejected later)
+    aligned: bool               # data pointer on a 16-byte boundary
+    stream: int                 # raw CUDA stream handle the data is ordered on (0: legacy default)
+    device: int = 0
+
+    @property
+    def on_device(self):
+        return self.kind != "host"
+
+
+def is_torch_tensor(x):
+    return _torch is not None and isinstance(x, _torch.Tensor)
+
+
+def grad_enabled():
+    return _torch.is_grad_enabled()
+
+
+def describe(name, x):
+    """An ``Operand`` for array ``x`` (named ``name`` in errors), or a TypeError."""
+    if is_torch_tensor(x):
+        if x.device.type != "cuda":
+            return _describe_host(name, x)
+        if x.requires_grad and _torch.is_grad_enabled():
+            raise TypeError(f"{name} requires grad: use numba_flash.torch.attention for autograd, "
+                            f"or pass {name}.detach()")
+        dtype = _TORCH_DTYPES.get(x.dtype, str(x.dtype))
+        index = x.device.index if x.device.index is not None else _torch.cuda.current_device()
+        return Operand("torch", tuple(x.shape), tuple(x.stride()), dtype, x.data_ptr() % 16 == 0,
+                       current_torch_stream(index), index)
     if in_simulator():
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         if isinstance(x, FakeCUDAArray):
             host = x._ary
-            return {"shape": host.shape, "typestr": host.dtype.str, "strides": host.strides, "data": None}
+            return Operand("cuda", host.shape, tuple(s // host.itemsize for s in host.strides), _dtype_name(host.dtype),
+                           True, 0)
+    if is_numba_device_array(x):
+        return Operand("cuda", tuple(x.shape), tuple(s // x.dtype.itemsize for s in x.strides), _dtype_name(x.dtype),
+                       device_pointer(x) % 16 == 0, stream_handle(x.stream))
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is not None:
+        dtype = np.dtype(interface["typestr"])
+        shape = tuple(interface["shape"])
+        strides = interface.get("strides")
+        strides = (tuple(s // dtype.itemsize for s in strides) if strides is not None
+                   else c_strides(shape))
+        # The interface's stream: None (no ordering needed), or a handle (1 and 2 are
+        # the legacy and per-thread default streams, valid handles for the driver too).
+        return Operand("cuda", shape, strides, _dtype_name(dtype), interface["data"][0] % 16 == 0,
+                       interface.get("stream") or 0)
+    return _describe_host(name, x)
+
+
+def _describe_host(name, x):
     try:
-        return x.__cuda_array_interface__
-    except AttributeError:
-        return None
-    except RuntimeError as exc:  # torch: "Can't get __cuda_array_interface__ on Variable that requires grad"
-        raise TypeError(f"{exc}; call .detach() first, or use numba_flash.torch for autograd") from exc
+        array = as_host_array(x)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an array: a NumPy array, a CUDA array (a torch tensor, a Numba "
+                        f"device array, anything with __cuda_array_interface__), or something np.asarray "
+                        f"converts; got {type(x).__name__} ({exc})") from None
+    if array.dtype == object:
+        raise TypeError(f"{name} must be a numeric array, got {type(x).__name__} that NumPy reads as objects")
+    return Operand("host", array.shape, c_strides(array.shape), _dtype_name(array.dtype), True, 0)
 
 
-def as_heads(x, on_device):
-    """View x (..., N, d) as (batch*heads, N, d) on the device."""
-    n, d = x.shape[-2:]
-    if on_device:
-        return (x if in_simulator() else cuda.as_cuda_array(x)).reshape(-1, n, d)
-    return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n, d))
+def _dtype_name(dtype):
+    dtype = np.dtype(dtype)
+    return "bfloat16" if dtype.name == "bfloat16" else dtype.name
 
 
-def as_rows(x, on_device):
-    """View a per-row statistic x (..., N) as (batch*heads, N) on the device."""
-    n = tuple(x.shape)[-1]  # the simulator's device-array shapes refuse negative indices
-    if on_device:
-        return (x if in_simulator() else cuda.as_cuda_array(x)).reshape(-1, n)
-    return cuda.to_device(np.ascontiguousarray(x).reshape(-1, n))
+def as_host_array(x):
+    """A NumPy array for a host input: CPU torch tensors (bfloat16 through ml_dtypes), and nested lists
+    or tuples of numbers as float32 (the dtype every algorithm takes; NumPy would make them float64)."""
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, dtype=np.float32)
+    if is_torch_tensor(x):
+        x = x.detach()
+        if x.dtype == _torch.bfloat16:
+            bf16 = _bfloat16()
+            if bf16 is None:
+                raise TypeError("a CPU bfloat16 tensor needs ml_dtypes (pip install ml_dtypes), or move it to CUDA")
+            return x.contiguous().view(_torch.int16).numpy().view(bf16)
+        return x.numpy()
+    return np.asarray(x)
 
 
-def empty(shape, dtype):
-    return cuda.device_array(shape, dtype=dtype)
+def is_numba_device_array(x):
+    """A (real) Numba device array; the simulator's have no device memory."""
+    return not in_simulator() and isinstance(x, _device_ndarray())
 
 
-def deliver(x, batch_shape, on_device):
-    """Give a (batch*heads, N[, d]) result back in the caller's shape and kind."""
-    x = x.reshape(tuple(batch_shape) + tuple(x.shape[1:]))
-    return x if on_device else x.copy_to_host()
+@functools.lru_cache(maxsize=None)
+def _device_ndarray():
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return DeviceNDArray
+
+
+def stream_of(x):
+    """The raw handle of the stream a CUDA array's data is ordered on (0: the legacy default stream)."""
+    if is_numba_device_array(x):
+        return stream_handle(x.stream)
+    interface = getattr(x, "__cuda_array_interface__", None) if not in_simulator() else None
+    return (interface.get("stream") or 0) if interface is not None else 0
+
+
+# ---------------------------------------------------------------- streams
+
+def current_torch_stream(device):
+    """The raw handle of torch's current stream on ``device`` (int).
+
+    ``torch.cuda.current_stream(device).cuda_stream`` builds a Python stream
+    object (about 7 us on the H200); torch's own Triton launcher reads the
+    raw handle instead, as we do when torch offers it.
+    """
+    raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else _torch.cuda.current_stream(device).cuda_stream
+
+
+def stream_handle(stream):
+    """The raw handle of a Numba stream (0 for Numba's default stream)."""
+    if not stream:
+        return 0
+    handle = getattr(stream, "handle", stream)
+    return int(getattr(handle, "value", handle) or 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle):
+    return cuda.external_stream(handle)
+
+
+def numba_stream(handle):
+    """A Numba stream object for a raw handle (0: the legacy default stream), created once per handle."""
+    return 0 if not handle or in_simulator() else _external_stream(handle)
+
+
+def wait_for(stream, others):
+    """Order ``stream`` after the current work of every stream in ``others`` (events, no host wait)."""
+    from cuda.bindings import driver as cuda_driver
+
+    for other in set(others) - {stream}:
+        err, event = cuda_driver.cuEventCreate(cuda_driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        cuda_driver.cuEventRecord(event, other)
+        cuda_driver.cuStreamWaitEvent(stream, event, 0)
+        cuda_driver.cuEventDestroy(event)
+
+
+# ---------------------------------------------------------------- kernels' views
+
+def device_pointer(x):
+    """The device address of ``x``'s first element (torch tensor, Numba array, or CUDA array interface)."""
+    if is_torch_tensor(x):
+        return x.data_ptr()
+    pointer = getattr(x, "_numba_flash_pointer", None)  # our pooled results carry it
+    if pointer is not None:
+        return pointer
+    gpu_data = getattr(x, "gpu_data", None)
+    if gpu_data is not None:
+        return int(gpu_data.device_pointer)
+    return x.__cuda_array_interface__["data"][0]
+
+
+def flat_view(x, dtype, extent):
+    """A 1-D Numba device array of ``extent`` elements of ``dtype`` starting at ``x``'s first element.
+
+    The kernels index operands as flat memory with their own strides; this
+    view is how Numba's dispatcher (and the simulator) passes them.
+    """
+    dtype = np.dtype(dtype)
+    if in_simulator():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        host = x._ary if isinstance(x, FakeCUDAArray) else np.asarray(x)
+        if host.flags.c_contiguous:
+            flat = host.reshape(-1)  # a view, so the traffic counter finds its root buffer
+        else:
+            flat = np.lib.stride_tricks.as_strided(host, shape=(extent * dtype.itemsize // host.itemsize,),
+                                                   strides=(host.itemsize,))
+        return FakeCUDAArray(flat.view(dtype)[:extent])
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    if not isinstance(x, DeviceNDArray):
+        x = cuda.as_cuda_array(x, sync=False)
+    return DeviceNDArray((extent,), (dtype.itemsize,), dtype, stream=x.stream, gpu_data=x.gpu_data)
+
+
+def extent(shape, strides):
+    """Elements from the first to one past the last element of a (non-negative) strided array."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+# ---------------------------------------------------------------- results
+
+class _OutputPool:
+    """Device memory for results returned as Numba device arrays, kept per stream and reused once dropped.
+
+    ``cuda.device_array`` costs about 55 us per call on the H200 (a driver
+    allocation and Numba's bookkeeping); a call of numba-flash returns two or
+    three arrays.  Blocks come back here when the array (and every view of it)
+    is garbage, and go out again only for work on the same stream, which runs
+    after everything queued there before: the rule torch's caching allocator
+    follows.  At most ``CACHE_BYTES`` of dropped blocks are kept.
+    """
+
+    CACHE_BYTES = 1 << 30
+    GRANULE = 512
+
+    def __init__(self):
+        self._free = defaultdict(list)     # (stream, bytes) -> [MemoryPointer]
+        self._cached = 0
+        self._lock = threading.Lock()
+        self._templates = {}
+
+    def _take(self, stream, nbytes):
+        nbytes = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
+        with self._lock:
+            free = self._free.get((stream, nbytes))
+            if free:
+                self._cached -= nbytes
+                return free.pop(), nbytes
+        return cuda.current_context().memalloc(nbytes), nbytes
+
+    def give_back(self, block, stream, nbytes):
+        with self._lock:
+            if self._cached + nbytes <= self.CACHE_BYTES:
+                self._free[stream, nbytes].append(block)
+                self._cached += nbytes
+
+    def empty(self, shape, dtype, stream):
+        """A C-contiguous Numba device array of ``shape`` and ``dtype``, ordered on ``stream``."""
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+        dtype = np.dtype(dtype)
+        block, nbytes = self._take(stream, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        loan = object.__new__(_Loan)
+        loan.__dict__.update(block.__dict__)
+        loan._numba_flash_return = (self, block, stream, nbytes)
+        key = (tuple(shape), dtype.str)
+        template = self._templates.get(key)
+        if template is None:
+            strides = tuple(s * dtype.itemsize for s in c_strides(shape))
+            template = self._templates[key] = DeviceNDArray(shape, strides, dtype, gpu_data=block)
+        array = object.__new__(DeviceNDArray)
+        array.__dict__.update(template.__dict__)
+        array.gpu_data = loan
+        array.stream = numba_stream(stream)
+        array._numba_flash_pointer = int(block.device_pointer)
+        return array
+
+
+try:
+    from numba.cuda.cudadrv.driver import MemoryPointer as _MemoryPointer
+except ImportError:  # pragma: no cover
+    _MemoryPointer = object
+
+
+class _Loan(_MemoryPointer):
+    """A pooled block lent to one result; it goes back to the pool when the result is garbage."""
+
+    def __del__(self):
+        pool, block, stream, nbytes = self._numba_flash_return
+        pool.give_back(block, stream, nbytes)
+
+    def free(self):  # the block belongs to the pool
+        pass
+
+
+_POOL = _OutputPool()
+
+
+def empty(kind, shape, dtype, stream, device=0):
+    """A new C-contiguous result of ``kind`` ("torch" or "cuda"; "host" computes on Numba arrays too)."""
+    dtype = str(dtype) if not isinstance(dtype, np.dtype) else _dtype_name(dtype)
+    if kind == "torch":
+        return _torch.empty(shape, dtype=_TORCH_BY_NAME[dtype], device=f"cuda:{device}")
+    np_dtype = _bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    if np_dtype is None:
+        np_dtype = np.dtype(np.uint16)  # bfloat16 bits when ml_dtypes is absent (never seen by users)
+    if in_simulator():
+        return cuda.device_array(shape, dtype=np_dtype)
+    return _POOL.empty(shape, np_dtype, stream)
+
+
+def to_device(x):
+    """A host array on the GPU (C-contiguous copy)."""
+    array = np.ascontiguousarray(as_host_array(x))
+    return cuda.to_device(array)
+
+
+def to_host(x):
+    """A device result back on the host as NumPy (bfloat16 as ml_dtypes' bfloat16)."""
+    return x.copy_to_host()
+
+
+@functools.lru_cache(maxsize=None)
+def placeholder(dtype, ndim=1):
+    """A one-element device array (of ``ndim`` dims) for array parameters a kernel specialisation never reads."""
+    return cuda.to_device(np.zeros((1,) * ndim, dtype=dtype))

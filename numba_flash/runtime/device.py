@@ -23,6 +23,8 @@ class DeviceLimits:
     shared_bytes_per_block: int
     #: Shared memory a block may use after the per-kernel opt-in (dynamic arrays).
     shared_bytes_per_block_optin: int
+    #: True for Numba's CUDA simulator, which reports the H200's limits.
+    simulated: bool = False
 
 
 # The H200 (compute capability 9.0), as read off the card on 2026-11-30.
@@ -33,6 +35,7 @@ SIMULATED_DEVICE = DeviceLimits(
     max_threads_per_block=1024,
     shared_bytes_per_block=48 * 1024,
     shared_bytes_per_block_optin=232448,
+    simulated=True,
 )
 
 

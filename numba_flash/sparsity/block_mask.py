@@ -24,10 +24,6 @@ import numpy as np
 
 from .._checks import boolean_grid, positive_int_pair
 
-#: How many prepared forms (device layouts, tile lists) one mask keeps.
-_CACHE_ENTRIES = 8
-
-
 class BlockMask:
     """A boolean tile layout at a given block size; see the module docstring."""
 
@@ -35,7 +31,8 @@ class BlockMask:
         self._layout = boolean_grid("layout", layout, ("T_r", "T_c")).copy()
         self._layout.flags.writeable = False
         self._block_size = positive_int_pair("block_size", block_size)
-        self._prepared = {}
+        #: Device forms of this mask (layouts, tile lists) kept by ``sparsity/tile_lists.py``: a mask is immutable.
+        self._device_forms = {}
 
     @property
     def layout(self):
@@ -75,36 +72,6 @@ class BlockMask:
         rows = np.arange(n_q) // block_rows
         cols = np.arange(n_k) // block_cols
         return self._layout[..., rows[:, None], cols[None, :]]
-
-    def nonzero_key_blocks(self):
-        """For every query block, the key blocks to visit (what the kernels iterate).
-
-        Returns (offsets, indices): ``indices[offsets[..., i]:offsets[..., i + 1]]``
-        lists, in increasing order, the key blocks j with ``layout[..., i, j]``.
-        ``offsets`` has shape (..., T_r + 1); ``indices`` is flat (int32), and the
-        offsets of each leading index continue where the previous ended.
-        """
-        counts = self._layout.sum(axis=-1)
-        flat_offsets = np.concatenate([[0], np.cumsum(counts.ravel())]).astype(np.int64)
-        t_r = self._layout.shape[-2]
-        starts = flat_offsets[:-1].reshape(counts.shape)
-        offsets = np.concatenate([starts, (starts[..., -1] + counts[..., -1])[..., None]], axis=-1)
-        indices = np.nonzero(self._layout.reshape(-1, self._layout.shape[-1]))[1].astype(np.int32)
-        assert offsets.shape[-1] == t_r + 1
-        return offsets, indices
-
-    def prepared(self, key, build):
-        """``build()``'s result for ``key``, built once and kept (at most a few keys).
-
-        The kernels read a mask as device arrays (a per-head layout, tile
-        lists) that take host work and copies to build; a mask is immutable,
-        so calls with the same mask and sizes reuse them.
-        """
-        if key not in self._prepared:
-            if len(self._prepared) >= _CACHE_ENTRIES:
-                self._prepared.pop(next(iter(self._prepared)))
-            self._prepared[key] = build()
-        return self._prepared[key]
 
     def _combine(self, other, op, symbol):
         if not isinstance(other, BlockMask):

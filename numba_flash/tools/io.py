@@ -11,13 +11,13 @@ its code moves, so that the bounds can be checked against what the code
 really does:
 
 * ``standard_traffic``: the three launches of Algorithm 0
-  (``kernels/standard_attention.py``);
+  (``kernels/literal/standard_attention.py``);
 * ``flash1_traffic``: Algorithm 1, or Algorithm 5 with a block mask
-  (``kernels/flash1_forward.py``);
-* ``flash2_traffic``: the FlashAttention-2 kernel (``kernels/flash2_forward.py``);
-* ``flash1_backward_traffic``: Algorithm 4 (``kernels/flash1_backward.py``);
+  (``kernels/literal/flash1_forward.py``);
+* ``flash2_traffic``: the FlashAttention-2 kernel (``kernels/fast/forward.py``);
+* ``flash1_backward_traffic``: Algorithm 4 (``kernels/literal/flash1_backward.py``);
 * ``flash2_backward_traffic``: the three launches of the flash2 backward
-  (``kernels/flash2_backward.py``).
+  (``kernels/fast/backward.py``).
 
 Each returns an ``AttentionTraffic``: one ``KernelTraffic`` per launch with
 the bytes read and written per buffer, named as in ``api.py`` (q, k, v, o,
@@ -60,9 +60,9 @@ from typing import Mapping, Tuple
 
 import numpy as np
 
-from ..kernels.fast.backward import BackwardLayout
-from ..kernels.fast.forward import Flash2Layout, key_tile_lists, tile_visits
 from ..kernels.literal.standard_attention import MATMUL_TILE
+from ..sparsity.tile_lists import tile_lists, tile_visits
+from ..tiling import flash2_threads
 
 FLOAT32 = 4  # bytes: S, P, l, m, lse, and q, k, v, o unless flash2 runs in float16
 INT32 = 4    # flash2's tile lists
@@ -267,7 +267,7 @@ def _flash2_visited_tiles(n_q, n_k, tile, causal, mask):
     Without a mask the kernel walks key tiles 0 .. n_blocks - 1 (causal: up to
     the last one holding a key <= the query tile's last row), the same in
     every head: these are one head's.  With a mask the host's
-    ``key_tile_lists`` decides, and these are all heads' tiles.
+    ``tile_lists`` decides, and these are all heads' tiles.
     """
     block_m, block_n = tile
     t_q, t_k = _cdiv(n_q, block_m), _cdiv(n_k, block_n)
@@ -278,7 +278,8 @@ def _flash2_visited_tiles(n_q, n_k, tile, causal, mask):
             visit &= block_n * np.arange(t_k)[None, None, :] <= last_row[None, :, None]
         _, q_tile, k_tile = np.nonzero(visit)
         return q_tile, k_tile, np.zeros(len(k_tile), bool)
-    offsets, entries = key_tile_lists(np.asarray(mask[0], bool), tuple(mask[1]), tile, n_q, n_k, causal)
+    offsets, entries = tile_lists(*tile_visits(np.asarray(mask[0], bool), tuple(mask[1]), tile, n_q, n_k,
+                                               0 if causal else None))
     per_query_tile = np.diff(offsets, axis=1).ravel()
     owner = np.repeat(np.arange(per_query_tile.size), per_query_tile)
     return owner % t_q, entries >> 1, (entries & 1).astype(bool)
@@ -295,7 +296,7 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     """
     block_m, block_n = block_sizes
     element = np.dtype(dtype).itemsize
-    threads = Flash2Layout(block_m, block_n, head_dim, element == 2).threads
+    threads = flash2_threads(block_m)
     heads_each = batch_heads if mask is None else 1
     q_tile, k_tile, partly = _flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)
 
@@ -364,7 +365,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
     own, other = block_sizes
     element = np.dtype(dtype).itemsize
     twice = 2 if element == 2 else 1
-    threads = BackwardLayout(own, other, head_dim, element == 2).threads
+    threads = flash2_threads(own)
     rows_q, rows_k = batch_heads * n_q, batch_heads * n_k
     preprocess = KernelTraffic("flash2_backward_preprocess", _bytes({"o": element * rows_q * head_dim,
                                                                        "do": element * rows_q * head_dim}),
@@ -387,7 +388,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
                     else np.ones((t_q, t_k), bool)
             own_tile, other_tile = np.nonzero(visit)
             return own_tile, other_tile, np.zeros(len(own_tile), bool), batch_heads
-        visit, partly = tile_visits(np.asarray(mask[0], bool), tuple(mask[1]), tile, n_q, n_k, causal)
+        visit, partly = tile_visits(np.asarray(mask[0], bool), tuple(mask[1]), tile, n_q, n_k, 0 if causal else None)
         if transpose:
             visit, partly = visit.transpose(0, 2, 1), partly.transpose(0, 2, 1)
         _, own_tile, other_tile = np.nonzero(visit)

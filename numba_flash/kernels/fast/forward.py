@@ -1,12 +1,24 @@
 """FlashAttention-2 forward (Dao, 2023) on tensor cores: the fast kernel.
 
-The loop order is FlashAttention-2's: one thread block per (query block,
-batch*head), an outer loop that is the grid, and an inner loop over key/value
-blocks.  The running statistics m_i, l_i and the output accumulator acc stay
-in registers for the whole inner loop; O is divided by l once at the end and
-O and lse are written once.  With ``causal``, key blocks entirely above the
-diagonal are never visited and only blocks that cross it are masked element
-by element.
+The loop order is FlashAttention-2's: one thread block per (query tile,
+batch, head), an outer loop that is the grid, and an inner loop over the
+key/value tiles the query tile may see.  The running statistics m_i, l_i and
+the output accumulator acc stay in registers for the whole inner loop; O is
+divided by l once at the end and O and lse are written once.  With
+``causal``, key tiles entirely above the diagonal are never visited and only
+tiles that cross it are masked element by element; with a block mask the
+host lists, per query tile, the key tiles to visit.
+
+The inner loop, one key tile K_j, V_j per iteration::
+
+    commit_kv        tile j (fetched into registers last iteration) into shared memory
+    fetch_kv         global loads of tile j + 1 into registers, in flight while we compute
+    S = Q K^T        ``rows_by_rows_t``: each warp its 16 query rows
+    scale_and_mask   logits to log2 units; -inf where a query may not see a key
+    online_softmax   m_new, P = exp2(S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
+    dropout          Algorithm 2's Z on P (after l: l and m see the undropped weights)
+    poison_weights   (partly masked tiles) NaN where an allowed key's value row held one
+    O = alpha O + P V ``accumulate_product``: P straight from the S registers
 
 How it is fast, and what each trick costs in clarity:
 
@@ -20,529 +32,314 @@ How it is fast, and what each trick costs in clarity:
   accumulate lo*hi + hi*lo + hi*hi, dropping lo*lo (~2^-22 relative): float32
   accuracy for three mma per tile (the trick CUTLASS calls "3xTF32").  The
   split happens once, when a tile enters shared memory.
-* **float16** uses ``mma.m16n8k16`` with float32 accumulation.  P is rounded
-  to float16 for the P V product, as in FlashAttention-2.
+* **... at any length.**  The tensor cores' float32 accumulator truncates
+  (``experiments/mma_accumulation.py``), so each key tile's P V goes into a
+  fresh fragment and is added into O with one FMA that also rescales:
+  O = alpha O + tile (``fragments.accumulate_product``).
+* **16-bit operands** (float16, bfloat16) use ``mma.m16n8k16`` with float32
+  accumulation.  P is rounded to the operand type for P V, as in
+  FlashAttention-2.
 * **P never leaves registers.**  The accumulator fragment of S (rows g, g+8;
   columns 2t, 2t+1 of each 8-wide tile) is reused as the A operand of P V.
-  For float16 it matches the k16 A layout exactly; for tf32 (k8) the A
-  columns are t and t+4, so we *renumber the keys inside the k-step*: k-index
+  For 16-bit operands it matches the k16 A layout exactly; for tf32 (k8) the
+  A columns are t and t+4, so we *renumber the keys inside the k-step*: k-index
   t stands for key 2t and t+4 for key 2t+1, and V's B fragment is read with
   the same renumbering.  A sum over keys does not care about their order.
 * **exp2**: logits are scaled by scale*log2(e) so that softmax uses exp2
   (one ``ex2.approx`` instruction); lse is converted back to natural log.
 * **Row statistics by shuffles**: the four lanes that share a row reduce
   max and sum with two ``shfl_xor`` (simulated in the simulator).
+* **Software pipeline**: tile j + 1's global loads are issued before tile j
+  is computed on, so memory latency hides behind the products.
 * **No bank conflicts**: shared rows are padded so that the 32 lanes of a
-  fragment load hit 32 different banks (strides = 4 mod 32 words, and 8 mod
-  32 for the float16 V layout).
+  fragment load hit 32 different banks (``tiling.row_stride``).
 
-The two products (S = Q K^T, and O += P V from the registers) are
-``fragments.py``'s ``rows_by_rows_t`` and ``regs_by_rows``, which the
-backward shares.  Layouts of the mma fragments are in ``primitives.py``.  Notation: a warp's
-lane is 4*g + t; ``s_acc[nt]`` holds S rows (g, g+8) x columns (2t, 2t+1) of
-key tile nt; ``o_acc[dt]`` the same for head-dim tile dt of O.
+Departures from the paper's Algorithm 1 (besides the loop order): the scale
+is folded into the exp2 argument; a row that has seen no allowed key keeps
+m = -inf, and its rescale factors are defined as 0 (exp2 of -inf - -inf
+would be NaN); such a row ends with O = 0 and lse = -inf.  NaN in the inputs
+reaches exactly the output rows allowed to see it (``common.py`` explains
+the masked-tile step that ensures it).
+
+Notation: a warp's lane is 4*g + t; ``s[nt]`` holds S rows (g, g+8) x
+columns (2t, 2t+1) of key tile nt; ``acc[dt]`` the same for head-dim tile dt
+of O.  Layouts of the mma fragments are in ``primitives.py``.
 """
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
-from ...dropout import NO_DROPOUT, philox_device
-from ...runtime.launch import cdiv, cuda_kernel, inlined_device_function, launch, no_mask_layout
-from .fragments import fragment_row_store, pair_stride, row_stride, split_tf32, tile_products
-from .primitives import exp2, load_vec4, load_word, pack_half2, shfl_xor, store_vec4
-
-LOG2_E = 1.4426950408889634
-ROWS_PER_WARP = 16
-MAX_HEAD_DIM = 256
-
-#: Default (BLOCK_M, BLOCK_N) per dtype, for head dims up to each bound.
-#: Measured with experiments/tune_flash2.py on the H200, (B,H,N,d) =
-#: (4,16,4096,d), non-causal (experiments/results/tune_flash2.md), TFLOP/s:
-#:   float32 d=64:  (64,32) 39.0  (128,32) 48.0  (128,64) 45.4  (256,32) 49.9
-#:   float32 d=128: (64,32) 33.9  (128,32) 47.8  ((128,64) does not fit)
-#:   float16 d=64:  (64,64) 110  (128,32) 130  (128,64) 147  (128,128) 45  (256,64) 137
-#:   float16 d=128: (64,64) 132  (128,32) 137  (the sweep's time ran out here)
-#: (256,32) edged out (128,32) at float32 d=64 by 4% but was not in the
-#: benchmark run, so the default stays the tile the published numbers used;
-#: float16 d=128 keeps (128,64), which the benchmark measured at 166 TFLOP/s
-#: at (2,16,8192,128).  d > 128 is not tuned: those tiles fit the shared
-#: memory, and the accumulators of d = 256 (128 registers) already spill.
-DEFAULT_BLOCK_SIZES = {
-    "float32": [(64, (128, 32)), (128, (128, 32)), (256, (32, 32))],
-    "float16": [(64, (128, 64)), (128, (128, 64)), (256, (64, 32))],
-}
-
-
-def tiles_for_head_dim(table, head_dim):
-    """The tiles of the first (largest head dim, tiles) entry of ``table`` that covers ``head_dim``."""
-    for bound, blocks in table:
-        if head_dim <= bound:
-            return blocks
-    raise ValueError(f"head dim {head_dim} exceeds {table[-1][0]}")
-
-
-def default_block_sizes(head_dim, dtype):
-    """The tuned (BLOCK_M, BLOCK_N) for this head dim and dtype."""
-    return tiles_for_head_dim(DEFAULT_BLOCK_SIZES[np.dtype(dtype).name], head_dim)
-
-
-@inlined_device_function
-def listed_tile(tile_entries, index, block):
-    """Entry ``index`` of a ``tile_lists`` list: the tile's first row (or key), and whether it is partly masked."""
-    entry = load_word(tile_entries, index)
-    return (entry >> 1) * block, (entry & 1) != 0
-
-
-@dataclass(frozen=True)
-class Flash2Layout:
-    """Compile-time shape of one flash2 specialisation and its shared memory."""
-
-    block_m: int
-    block_n: int
-    head_dim: int
-    is_f16: bool
-
-    @property
-    def warps(self):
-        return self.block_m // ROWS_PER_WARP
-
-    @property
-    def threads(self):
-        return 32 * self.warps
-
-    @property
-    def k_step(self):
-        """Depth of one mma: 8 for tf32, 16 for float16."""
-        return 16 if self.is_f16 else 8
-
-    @property
-    def d_pad(self):
-        """Head dim rounded up to the mma depth; the padding columns hold zeros."""
-        return cdiv(self.head_dim, self.k_step) * self.k_step
-
-    @property
-    def qk_stride(self):
-        """Words per row of the Q and K tiles, and of every row-major tile (tf32 words, or float16 pairs)."""
-        return row_stride(self.d_pad, self.is_f16)
-
-    @property
-    def v_stride(self):
-        """Words per row of the V tile (float16: a row holds a pair of keys, as every interleaved-pairs tile)."""
-        return pair_stride(self.d_pad) if self.is_f16 else row_stride(self.d_pad, False)
-
-    @property
-    def shared_words(self):
-        if self.is_f16:  # Q, K as float16 pairs along d; V as pairs along keys
-            return (self.block_m + self.block_n) * self.qk_stride + self.block_n // 2 * self.v_stride
-        # hi and lo halves of Q, K and V
-        return 2 * (self.block_m * self.qk_stride + self.block_n * (self.qk_stride + self.v_stride))
-
-    @property
-    def shared_bytes(self):
-        return 4 * self.shared_words
+from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...sparsity.tile_lists import listed_tile
+from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_layout, flash2_threads, padded_head_dim
+from .common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, contiguous_strides, dropout_arguments,
+                     dropout_words, kernel_name, lane_flags, tile_coordinates, tile_movers, warp_lane,
+                     word_extent)
+from .fragments import fragment_row_store, tile_products
+from .primitives import exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
-def make_load_chunk(IS_F16, VEC):
-    """The device function that fetches one 16-byte chunk of a row (see its docstring) for this dtype and VEC."""
+def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT):
+    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout).
 
-    @cuda.jit(device=True, inline=True)
-    def load_chunk(X, row_start, c, head_dim, row_ok):
-        """Words c/4 .. c/4 + 3 of a row (columns c.. of float32, c.. c+7 of float16), zeros outside."""
-        if IS_F16:
-            if VEC:  # X is the float16 data viewed as uint32 pairs; d is a multiple of 8
-                if row_ok and c < head_dim:
-                    return load_vec4(X, (row_start + c) // 2)
-                return uint32(0), uint32(0), uint32(0), uint32(0)
-            h = cuda.local.array(8, float32)
-            for i in range(8):
-                h[i] = float32(load_word(X, row_start + c + i)) if row_ok and c + i < head_dim else float32(0)
-            return (pack_half2(h[0], h[1]), pack_half2(h[2], h[3]),
-                    pack_half2(h[4], h[5]), pack_half2(h[6], h[7]))
-        if VEC:  # d is a multiple of 4: a chunk is wholly inside the row or wholly padding
-            if row_ok and c < head_dim:
-                return load_vec4(X, row_start + c)
-            return float32(0), float32(0), float32(0), float32(0)
-        x = cuda.local.array(4, float32)
-        for i in range(4):
-            x[i] = load_word(X, row_start + c + i) if row_ok and c + i < head_dim else float32(0)
-        return x[0], x[1], x[2], x[3]
-
-    return load_chunk
-
-
-@cuda.jit(device=True, inline=True)
-def store_split(base_hi, base_lo, w0, w1, w2, w3, smem):
-    """Four float32 into shared memory as tf32 hi and lo halves (3xTF32)."""
-    h0, l0 = split_tf32(w0)
-    h1, l1 = split_tf32(w1)
-    h2, l2 = split_tf32(w2)
-    h3, l3 = split_tf32(w3)
-    store_vec4(smem, base_hi, h0, h1, h2, h3)
-    store_vec4(smem, base_lo, l0, l1, l2, l3)
-
-
-@cuda.jit(device=True, inline=True)
-def cdiv_device(a, b):
-    return (a + b - 1) // b
-
-
-@lru_cache(maxsize=None)
-def make_flash2_forward(BLOCK_M, BLOCK_N, D_PAD, CAUSAL, IS_F16, VEC, HAS_MASK, HAS_DROPOUT):
-    """The flash2 forward kernel for one (BLOCK_M, BLOCK_N, padded d, causal, dtype, VEC, mask, dropout).
-
-    D_PAD is the head dim rounded up to the mma depth (8 for tf32, 16 for
-    float16): head dims that round to the same D_PAD share one compiled
-    kernel, which is told the true d and zero-fills the rest.  VEC: rows
-    start on 16-byte boundaries (d a multiple of 4 float32 / 8 float16 and
-    aligned arrays), so tiles move in 16-byte loads; otherwise element by
-    element.  HAS_MASK: a block mask lists, per query tile, the key tiles to
-    visit (see ``key_tile_lists``); only tiles the mask covers partly are
-    masked element by element.  HAS_DROPOUT: Algorithm 2's dropout on P,
-    regenerated from ``numba_flash.dropout``'s counter-based generator.
+    D_PAD is the head dim rounded up to the mma depth: head dims that round to
+    the same D_PAD share one compiled kernel, which is told the true d and
+    zero-fills the rest.  VEC: rows start on 16-byte boundaries, so tiles move
+    in 16-byte loads.  HAS_MASK: a block mask lists the key tiles of each query
+    tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.
     """
-    layout = Flash2Layout(BLOCK_M, BLOCK_N, D_PAD, IS_F16)
-    assert layout.d_pad == D_PAD, "D_PAD must be a multiple of the mma depth"
-    THREADS = layout.threads
-    QK_STRIDE = layout.qk_stride
-    V_STRIDE = layout.v_stride
+    SIXTEEN = PRECISION != "tf32x3"
+    THREADS = flash2_threads(BLOCK_M)
     N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
+    POISON_WORDS = -(-N_TILES // 16)  # a bit per entry of a lane's S fragment
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
-    # Tiles move between device memory and shared memory in chunks of four
-    # 32-bit words: 4 float32, or 8 float16 (as 4 packed pairs).
-    ROW_CHUNKS = D_PAD // (8 if IS_F16 else 4)
-    Q_ITERS = cdiv(BLOCK_M * ROW_CHUNKS, THREADS)
-    K_ITERS = cdiv(BLOCK_N * ROW_CHUNKS, THREADS)
-    # float16 V is stored as pairs of keys, so one unit is two rows' chunks.
-    V_UNITS = (BLOCK_N // 2 if IS_F16 else BLOCK_N) * ROW_CHUNKS
-    V_ITERS = cdiv(V_UNITS, THREADS)
-    V_WORDS = 8 if IS_F16 else 4
-    WORD = uint32 if IS_F16 else float32
-    # Offsets (in 32-bit words) of the tiles in dynamic shared memory.
-    if IS_F16:
-        Q_W = 0
-        K_W = BLOCK_M * QK_STRIDE
-        V_W = K_W + BLOCK_N * QK_STRIDE
-    else:
-        Q_HI = 0
-        Q_LO = BLOCK_M * QK_STRIDE
-        K_HI = 2 * BLOCK_M * QK_STRIDE
-        K_LO = K_HI + BLOCK_N * QK_STRIDE
-        V_HI = K_LO + BLOCK_N * QK_STRIDE
-        V_LO = V_HI + BLOCK_N * V_STRIDE
-    # The tiles as the shared products read them (float16 has no lo halves).
-    Q_A, Q_A_LO = (Q_W, 0) if IS_F16 else (Q_HI, Q_LO)
-    K_B, K_B_LO = (K_W, 0) if IS_F16 else (K_HI, K_LO)
-    V_B, V_B_LO = (V_W, 0) if IS_F16 else (V_HI, V_LO)
-    rows_by_rows_t, regs_by_rows = tile_products(BLOCK_N, D_PAD, IS_F16)
-    store_fragment_row = fragment_row_store(D_PAD, IS_F16, VEC)
+    WORD = uint32 if SIXTEEN else float32
+    layout = flash2_forward_layout(BLOCK_M, BLOCK_N, D_PAD, PRECISION)
+    # Where the tiles sit in shared memory (16-bit tiles have no lo half: LO = HI is never read).
+    Q_HI = layout.offset("Q" if SIXTEEN else "Q_HI")
+    Q_LO = Q_HI if SIXTEEN else layout.offset("Q_LO")
+    K_HI = layout.offset("K" if SIXTEEN else "K_HI")
+    K_LO = K_HI if SIXTEEN else layout.offset("K_LO")
+    V_HI = layout.offset("V" if SIXTEEN else "V_HI")
+    V_LO = V_HI if SIXTEEN else layout.offset("V_LO")
+    V_NAN = layout.offset("V_NAN")
+    Q_ITERS, _, fetch_q, commit_q, _, _, _, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
+    (K_ITERS, PAIR_ITERS, fetch_key_rows, commit_key_rows, fetch_key_pairs, commit_key_pairs, sanitize_key_rows,
+     sanitize_key_pairs) = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
+    V_ITERS, V_WORDS = (PAIR_ITERS, 8) if SIXTEEN else (K_ITERS, 4)   # 16-bit V moves as row pairs
+    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
+    store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
+    key_flags = lane_flags(N_TILES)
 
-    load_chunk = make_load_chunk(IS_F16, VEC)
+    @inlined_device_function
+    def fetch_kv(k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
+        """Global loads of K_j, V_j (``keys`` valid rows from k_row, v_row) into registers."""
+        fetch_key_rows(k_regs, K, k_row, k_sn, keys, head_dim, tid)
+        if SIXTEEN:
+            fetch_key_pairs(v_regs, V, v_row, v_sn, keys, head_dim, tid)
+        else:
+            fetch_key_rows(v_regs, V, v_row, v_sn, keys, head_dim, tid)
 
-    def kernel(Q, K, V, O, LSE, n_q, n_k, head_dim, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
-               keep_threshold, keep_scale, seed0, seed1):
-        # Q, O: flat (BH * N_q * d); K, V: flat (BH * N_k * d); LSE: (BH, N_q) float32.
-        # With VEC and float16 the flat arrays are uint32 views (pairs of halves).
-        # With HAS_MASK: key tiles of query tile qt of head bh are
-        # tile_entries[tile_offsets[bh, qt]:tile_offsets[bh, qt + 1]] >> 1 (low bit:
-        # partly masked); M: (BH, T_r, T_c) uint8 block mask in blocks of
-        # (mask_rows, mask_cols).
-        bh = cuda.blockIdx.y
-        # Causal blocks further down have more keys to visit: start them first.
-        q_block = (cdiv_device(n_q, BLOCK_M) - 1 - cuda.blockIdx.x) if CAUSAL else cuda.blockIdx.x
-        q0 = q_block * BLOCK_M
+    @inlined_device_function
+    def commit_kv(smem, k_regs, v_regs, tid):
+        """K_j row-major, V_j as row pairs (16-bit) or row-major (tf32 hi and lo) into shared memory."""
+        commit_key_rows(smem, k_regs, K_HI, K_LO, tid)
+        if SIXTEEN:
+            commit_key_pairs(smem, v_regs, V_HI, tid)
+        else:
+            commit_key_rows(smem, v_regs, V_HI, V_LO, tid)
+
+    @inlined_device_function
+    def sanitize_v(smem, tid):
+        """NaN in V_j to 0, and a flag per key at V_NAN (partly masked tiles only: see common.py)."""
+        if SIXTEEN:
+            low, high = sanitize_key_pairs(smem, V_HI, tid)
+            if tid < BLOCK_N // 2:
+                store_word(smem, V_NAN + 2 * tid, low)
+                store_word(smem, V_NAN + 2 * tid + 1, high)
+        else:
+            found = sanitize_key_rows(smem, V_HI, tid)
+            if tid < BLOCK_N:
+                store_word(smem, V_NAN + tid, found)
+
+    @inlined_device_function
+    def scale_and_mask(s, poison, masked, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked,
+                       M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
+        """Logits in log2 units, -inf where the query may not see the key; ``poison`` marks the allowed
+        entries whose value row held a NaN (v_nan: the lane's key flags, ``lane_flags``), bit
+        4 (nt % 16) + 2 half + e of poison[nt // 16]."""
+        for w in range(POISON_WORDS):
+            poison[w] = uint64(0)
+        for nt in range(N_TILES):
+            for half in range(2):
+                row = q0 + row0 + 8 * half
+                for e in range(2):
+                    x = s[nt, 2 * half + e] * c_log2
+                    if masked:
+                        if not allowed(row, k0 + nt * 8 + 2 * t + e, n_q, n_k, CAUSAL, causal_offset, partly_masked,
+                                       M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
+                            x = float32(NEG_INF)
+                        elif (v_nan >> uint64(2 * nt + e)) & uint64(1):
+                            poison[nt // 16] |= uint64(1) << uint64(4 * (nt % 16) + 2 * half + e)
+                    s[nt, 2 * half + e] = x
+
+    @inlined_device_function
+    def poison_weights(s, poison):
+        """P = NaN where ``scale_and_mask`` marked it: O is NaN there, l and lse stay those of the logits."""
+        for nt in range(N_TILES):
+            for i in range(4):
+                if (poison[nt // 16] >> uint64(4 * (nt % 16) + i)) & uint64(1):
+                    s[nt, i] = float32(math.nan)
+
+    @inlined_device_function
+    def online_softmax(s, m_i, l_i, half):
+        """Row ``half`` of the lane (g or g + 8): new max, P = exp2(S - m) in place, l updated; returns alpha."""
+        m_tile = float32(NEG_INF)
+        for nt in range(N_TILES):
+            m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
+        # The four lanes of a row hold different columns: combine them.
+        m_tile = max(m_tile, shfl_xor(m_tile, 1))
+        m_tile = max(m_tile, shfl_xor(m_tile, 2))
+        m_new = max(m_i[half], m_tile)
+        # A row that has seen no allowed key keeps m = -inf; shifting by 0
+        # instead makes every exp2 below exactly 0 rather than NaN.
+        shift = m_new if m_new != float32(NEG_INF) else float32(0)
+        alpha = exp2(m_i[half] - shift)
+        row_sum = float32(0)
+        for nt in range(N_TILES):
+            for e in range(2):
+                p = exp2(s[nt, 2 * half + e] - shift)
+                s[nt, 2 * half + e] = p
+                row_sum += p
+        l_i[half] = alpha * l_i[half] + row_sum
+        m_i[half] = m_new
+        return alpha
+
+    @inlined_device_function
+    def dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1):
+        """Algorithm 2, lines 14-15: drop P entries (kept ones scaled by 1 / (1 - p))."""
+        for half in range(2):
+            row = q0 + row0 + 8 * half
+            for nt in range(N_TILES):
+                first, second = dropout_words(row, k0 + nt * 8 + 2 * t, bh, seed0, seed1, t)
+                s[nt, 2 * half] *= float32(keep_scale) if first >= keep_threshold else float32(0)
+                s[nt, 2 * half + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
+
+    @inlined_device_function
+    def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_row, n_q, head_dim):
+        """O_i = acc / l and lse = m + log l, once; a row with no allowed key gets O = 0, lse = -inf."""
+        for half in range(2):
+            l_row = l_i[half]
+            l_row += shfl_xor(l_row, 1)
+            l_row += shfl_xor(l_row, 2)
+            row = q0 + row0 + 8 * half
+            # l is 0 only for a row that saw no allowed key; NaN stays NaN.
+            inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
+            if row < n_q:
+                store_fragment_row(O, acc, half, o_row + row * o_sn, head_dim, inv_l, t)
+                if t == 0:
+                    LSE[lse_row + row] = (m_i[half] * float32(1 / LOG2_E) + math.log(l_row)
+                                          if l_row != float32(0) else float32(NEG_INF))
+
+    def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
+               n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, M, mask_rows,
+               mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1):
+        # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
+        # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
+        # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
+        # ...] (``listed_tile``); M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
+        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        # Causal query tiles further down have more keys to visit: start them first.
+        q_tile = q_tiles - 1 - tile if CAUSAL else tile
+        q0 = q_tile * BLOCK_M
         tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane >> 2
-        t = lane & 3
+        warp, g, t = warp_lane(tid)
         row0 = warp * ROWS_PER_WARP + g          # this lane's rows: row0 and row0 + 8
-        NEG_INF = float32(-math.inf)
+        k_row = b * k_sb + (h // group) * k_sh   # row 0 of this head's K (and V below)
+        v_row = b * v_sb + (h // group) * v_sh
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
         smem = cuda.shared.array(0, uint32)
 
-        # ---- load Q_i once: it stays in shared memory for the whole loop ----
-        for i in range(Q_ITERS):
-            e = tid + i * THREADS
-            if e < BLOCK_M * ROW_CHUNKS:
-                r = e // ROW_CHUNKS
-                w0, w1, w2, w3 = load_chunk(Q, (bh * n_q + q0 + r) * head_dim, (e % ROW_CHUNKS) * (8 if IS_F16 else 4),
-                                            head_dim, q0 + r < n_q)
-                if IS_F16:
-                    store_vec4(smem, Q_W + r * QK_STRIDE + 4 * (e % ROW_CHUNKS), w0, w1, w2, w3)
-                else:
-                    at = r * QK_STRIDE + 4 * (e % ROW_CHUNKS)
-                    store_split(Q_HI + at, Q_LO + at, w0, w1, w2, w3, smem)
+        # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
+        q_regs = cuda.local.array((Q_ITERS, 4), WORD)
+        fetch_q(q_regs, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
+        commit_q(smem, q_regs, Q_HI, Q_LO, tid)
 
         m_i = cuda.local.array(2, float32)       # running max (log2 units) of rows row0, row0 + 8
         l_i = cuda.local.array(2, float32)       # running sum, this lane's columns only
         acc = cuda.local.array((D_TILES, 4), float32)
-        s_acc = cuda.local.array((N_TILES, 4), float32)
-        k_next = cuda.local.array((K_ITERS, 4), WORD)       # the next K tile, in flight
-        v_next = cuda.local.array((V_ITERS, V_WORDS), WORD)  # the next V tile, in flight
-        for h in range(2):
-            m_i[h] = NEG_INF
-            l_i[h] = float32(0)
+        s = cuda.local.array((N_TILES, 4), float32)
+        poison = cuda.local.array(POISON_WORDS, uint64)     # weights to make NaN (see scale_and_mask)
+        k_regs = cuda.local.array((K_ITERS, 4), WORD)       # the next K tile, in flight
+        v_regs = cuda.local.array((V_ITERS, V_WORDS), WORD)  # the next V tile, in flight
+        for half in range(2):
+            m_i[half] = float32(NEG_INF)
+            l_i[half] = float32(0)
         for dt in range(D_TILES):
             for e in range(4):
                 acc[dt, e] = float32(0)
 
-        if HAS_MASK:  # the host listed the key tiles this query tile visits
-            first = tile_offsets[bh, q_block]
-            n_blocks = tile_offsets[bh, q_block + 1] - first
+        # ---- the key tiles this query tile visits ----
+        if HAS_MASK:  # listed by the host
+            first = tile_offsets[bh * (q_tiles + 1) + q_tile]
+            n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
         else:
             first = 0
-            n_blocks = cdiv_device(n_k, BLOCK_N)
-            if CAUSAL:  # key blocks beyond the last row of this query block see nothing
-                n_blocks = min(n_blocks, cdiv_device(min(q0 + BLOCK_M, n_q), BLOCK_N))
-        # Software pipeline: iteration j stores tile j (fetched during
-        # iteration j - 1) into shared memory, starts the global loads of
-        # tile j + 1 into registers, and computes on tile j while they fly.
-        # Iteration -1 only fetches tile 0.
-        for j in range(-1, n_blocks):
-            if j >= 0:
-                cuda.syncthreads()  # everyone is done with tile j - 1 (and Q_i is stored)
-                for i in range(K_ITERS):
-                    e = tid + i * THREADS
-                    if e < BLOCK_N * ROW_CHUNKS:
-                        at = (e // ROW_CHUNKS) * QK_STRIDE + 4 * (e % ROW_CHUNKS)
-                        if IS_F16:
-                            store_vec4(smem, K_W + at, k_next[i, 0], k_next[i, 1], k_next[i, 2], k_next[i, 3])
-                        else:
-                            store_split(K_HI + at, K_LO + at, k_next[i, 0], k_next[i, 1], k_next[i, 2],
-                                        k_next[i, 3], smem)
-                for i in range(V_ITERS):
-                    e = tid + i * THREADS
-                    if e < V_UNITS:
-                        at = (e // ROW_CHUNKS) * V_STRIDE + V_WORDS * (e % ROW_CHUNKS)
-                        if IS_F16:
-                            # Rows 2r and 2r+1 interleaved: word (key pair r, column c)
-                            # holds V[2r, c] low and V[2r+1, c] high (m16n8k16's B layout).
-                            for w in range(4):
-                                a = v_next[i, w]
-                                b = v_next[i, 4 + w]
-                                v_next[i, w] = (a & 0xFFFF) | (b << 16)            # column 2w
-                                v_next[i, 4 + w] = (a >> 16) | (b & 0xFFFF0000)    # column 2w + 1
-                            store_vec4(smem, V_W + at, v_next[i, 0], v_next[i, 4], v_next[i, 1], v_next[i, 5])
-                            store_vec4(smem, V_W + at + 4, v_next[i, 2], v_next[i, 6], v_next[i, 3], v_next[i, 7])
-                        else:
-                            store_split(V_HI + at, V_LO + at, v_next[i, 0], v_next[i, 1], v_next[i, 2],
-                                        v_next[i, 3], smem)
-                cuda.syncthreads()  # tile j complete in shared memory
-            if j + 1 < n_blocks:
-                # ---- fetch tile j + 1 into registers (no wait: used next iteration) ----
-                k1 = ((load_word(tile_entries, first + j + 1) >> 1) if HAS_MASK else j + 1) * BLOCK_N
-                for i in range(K_ITERS):
-                    e = tid + i * THREADS
-                    r = e // ROW_CHUNKS
-                    w0, w1, w2, w3 = load_chunk(K, (bh * n_k + k1 + r) * head_dim,
-                                                (e % ROW_CHUNKS) * (8 if IS_F16 else 4), head_dim,
-                                                e < BLOCK_N * ROW_CHUNKS and k1 + r < n_k)
-                    k_next[i, 0], k_next[i, 1], k_next[i, 2], k_next[i, 3] = w0, w1, w2, w3
-                for i in range(V_ITERS):
-                    e = tid + i * THREADS
-                    c = (e % ROW_CHUNKS) * (8 if IS_F16 else 4)
-                    if IS_F16:  # key pair r: rows 2r and 2r + 1
-                        key = k1 + 2 * (e // ROW_CHUNKS)
-                        w0, w1, w2, w3 = load_chunk(V, (bh * n_k + key) * head_dim, c, head_dim,
-                                                    e < V_UNITS and key < n_k)
-                        v_next[i, 0], v_next[i, 1], v_next[i, 2], v_next[i, 3] = w0, w1, w2, w3
-                        w0, w1, w2, w3 = load_chunk(V, (bh * n_k + key + 1) * head_dim, c, head_dim,
-                                                    e < V_UNITS and key + 1 < n_k)
-                        v_next[i, 4], v_next[i, 5], v_next[i, 6], v_next[i, 7] = w0, w1, w2, w3
-                    else:
-                        key = k1 + e // ROW_CHUNKS
-                        w0, w1, w2, w3 = load_chunk(V, (bh * n_k + key) * head_dim, c, head_dim,
-                                                    e < V_UNITS and key < n_k)
-                        v_next[i, 0], v_next[i, 1], v_next[i, 2], v_next[i, 3] = w0, w1, w2, w3
-            if j < 0:
-                continue
+            n_tiles = ceil_div(n_k, BLOCK_N)
+            if CAUSAL:  # no key beyond the last row's diagonal
+                n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
+        if n_tiles > 0:
+            k0 = listed_tile(tile_entries, first, BLOCK_N)[0] if HAS_MASK else 0
+            fetch_kv(k_regs, v_regs, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0, head_dim, tid)
+
+        for j in range(n_tiles):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_N)
             else:
-                k0 = j * BLOCK_N
-                partly_masked = False
-            # ---- S = Q_i K_j^T for this warp's 16 rows ----
-            for nt in range(N_TILES):
-                for e in range(4):
-                    s_acc[nt, e] = float32(0)
-            rows_by_rows_t(s_acc, smem, Q_A, Q_A_LO, K_B, K_B_LO, warp * ROWS_PER_WARP, g, t)
+                k0, partly_masked = j * BLOCK_N, False
+            cuda.syncthreads()  # every warp is done with tile j - 1 (and Q_i is complete)
+            commit_kv(smem, k_regs, v_regs, tid)
+            cuda.syncthreads()  # tile j is complete in shared memory
+            # Tiles that some query may not fully see: crossing the diagonal, or partly
+            # covered by the block mask (their masked weights are 0: see common.py on NaN).
+            mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
+            if mixed:  # the same for every thread of the block, so all reach the barrier
+                sanitize_v(smem, tid)
+                cuda.syncthreads()  # V_j without NaN, and its flags, before any warp reads them
+            if j + 1 < n_tiles:
+                k1 = listed_tile(tile_entries, first + j + 1, BLOCK_N)[0] if HAS_MASK else k0 + BLOCK_N
+                fetch_kv(k_regs, v_regs, K, V, k_row + k1 * k_sn, v_row + k1 * v_sn, k_sn, v_sn, n_k - k1,
+                         head_dim, tid)
 
-            # ---- online softmax: scale to log2 units, mask, new max, P = exp2(S - m) ----
-            # Only the last key block (ragged) and blocks crossing the diagonal need masks.
-            masked = k0 + BLOCK_N > n_k or (CAUSAL and k0 + BLOCK_N - 1 > q0) or partly_masked
-            for h in range(2):
-                row = q0 + row0 + 8 * h
-                m_tile = NEG_INF
-                for nt in range(N_TILES):
-                    for e in range(2):
-                        x = s_acc[nt, 2 * h + e] * c_log2
-                        if masked:
-                            key = k0 + nt * 8 + 2 * t + e
-                            if key >= n_k or (CAUSAL and key > row):
-                                x = NEG_INF
-                            elif partly_masked and (row >= n_q or M[bh, row // mask_rows, key // mask_cols] == 0):
-                                x = NEG_INF
-                        s_acc[nt, 2 * h + e] = x
-                        m_tile = max(m_tile, x)
-                # The four lanes of a row hold different columns: combine them.
-                m_tile = max(m_tile, shfl_xor(m_tile, 1))
-                m_tile = max(m_tile, shfl_xor(m_tile, 2))
-                m_new = max(m_i[h], m_tile)
-                # A row that has seen no allowed key keeps m = -inf; shifting by
-                # 0 instead makes every exp2 below exactly 0 rather than NaN.
-                shift = m_new if m_new != NEG_INF else float32(0)
-                alpha = exp2(m_i[h] - shift)
-                row_sum = float32(0)
-                for nt in range(N_TILES):
-                    for e in range(2):
-                        p = exp2(s_acc[nt, 2 * h + e] - shift)
-                        s_acc[nt, 2 * h + e] = p
-                        row_sum += p
-                l_i[h] = alpha * l_i[h] + row_sum
-                m_i[h] = m_new
-                for dt in range(D_TILES):
-                    acc[dt, 2 * h] *= alpha
-                    acc[dt, 2 * h + 1] *= alpha
-
+            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI, K_LO, warp * ROWS_PER_WARP, g, t)   # S = Q_i K_j^T
+            v_nan = key_flags(smem, V_NAN, t) if mixed else uint64(0)
+            scale_and_mask(s, poison, mixed or k0 + BLOCK_N > n_k, v_nan, c_log2, q0, row0, k0, t, n_q, n_k,
+                           causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
+            alpha0 = online_softmax(s, m_i, l_i, 0)
+            alpha1 = online_softmax(s, m_i, l_i, 1)
             if HAS_DROPOUT:
-                # Algorithm 2, lines 14-15: drop P after l is summed (l and m see
-                # the undropped values).  A lane's two columns 2t, 2t + 1 share one
-                # generator call: they are words 2(t & 1) and 2(t & 1) + 1 of
-                # the group of four keys they belong to.
-                for h in range(2):
-                    row = q0 + row0 + 8 * h
-                    for nt in range(N_TILES):
-                        key = k0 + nt * 8 + 2 * t
-                        w0, w1, w2, w3 = philox_device(uint32(key // 4), uint32(row), uint32(bh), uint32(0),
-                                                       uint32(seed0), uint32(seed1))
-                        first_word = w2 if t & 1 else w0
-                        second_word = w3 if t & 1 else w1
-                        s_acc[nt, 2 * h] *= float32(keep_scale) if first_word >= keep_threshold else float32(0)
-                        s_acc[nt, 2 * h + 1] *= float32(keep_scale) if second_word >= keep_threshold else float32(0)
+                dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
+            if mixed:
+                poison_weights(s, poison)
+            accumulate_product(acc, alpha0, alpha1, s, smem, V_HI, V_LO, g, t)            # O = alpha O + P V_j
 
-            # ---- acc += P V_j, with P straight from the S registers ----
-            regs_by_rows(acc, s_acc, smem, V_B, V_B_LO, g, t)
+        write_output(O, LSE, acc, m_i, l_i, q0, row0, t, b * o_sb + h * o_sh, o_sn, bh * n_q, n_q, head_dim)
 
-        # ---- epilogue: O_i = acc / l_i, lse = m + log l, written once ----
-        for h in range(2):
-            l_row = l_i[h]
-            l_row += shfl_xor(l_row, 1)
-            l_row += shfl_xor(l_row, 2)
-            row = q0 + row0 + 8 * h
-            inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
-            if row < n_q:
-                store_fragment_row(O, acc, h, (bh * n_q + row) * head_dim, head_dim, inv_l, t)
-                if t == 0:
-                    LSE[bh, row] = (m_i[h] * float32(1 / LOG2_E) + math.log(l_row)
-                                    if l_row > float32(0) else NEG_INF)
-
-    name = (f"flash2_forward_m{BLOCK_M}_n{BLOCK_N}_d{D_PAD}_{'f16' if IS_F16 else 'f32'}"
-            + ("_causal" if CAUSAL else "") + ("" if VEC else "_scalar") + ("_sparse" if HAS_MASK else "")
-            + ("_dropout" if HAS_DROPOUT else ""))
-    return cuda_kernel(kernel, name, fastmath=True)
+    data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
+    return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
+                                      HAS_DROPOUT),
+                  arrays=dict(Q=data, K=data, V=data, O=data, LSE=np.float32, tile_offsets=np.int32,
+                              tile_entries=np.int32, M=np.uint8),
+                  floats=("scale_log2", "keep_scale"),
+                  # 16-bit at d <= 64: two blocks per multiprocessor (128 registers for 2 x 8 warps); left
+                  # alone, ptxas takes 129 and leaves room for one (tests/gpu_compile_all.py prints them).
+                  launch_bounds=(THREADS, 2) if SIXTEEN and D_PAD <= 64 else None)
 
 
-@lru_cache(maxsize=None)
-def no_tile_lists():
-    """Placeholder tile lists for the dense kernel, which never reads them."""
-    return cuda.to_device(np.zeros((1, 2), np.int32)), cuda.to_device(np.zeros(1, np.int32))
+def forward_launch(call):
+    """flash2's forward for a validated ``AttentionCall`` as a ``Launch``.
 
-
-def _flat(x, as_pairs):
-    """x (BH, N, d) as a flat array; float16 data as uint32 pairs when ``as_pairs``."""
-    flat = x.reshape(x.size)
-    return flat.view(np.uint32) if as_pairs else flat
-
-
-def _aligned16(x):
-    """True if the array's data starts on a 16-byte boundary (always true in the simulator)."""
-    pointer = getattr(x, "device_ctypes_pointer", None)
-    return pointer is None or pointer.value is None or pointer.value % 16 == 0
-
-
-def tile_visits(layout, mask_block, tile, n_q, n_k, causal):
-    """Which (query tile, key tile) pairs a kernel visits under a block mask, and which it masks.
-
-    layout: (BH, T_r, T_c) bool, in blocks of mask_block = (B_r, B_c); tile:
-    (query rows, keys) of the kernel's tiles, which need not match the mask's
-    blocks.  A tile is visited if any mask block it overlaps is non-zero (and,
-    when causal, if any of its keys is not above every one of its rows); it is
-    *partly masked* unless every mask block it overlaps is non-zero, and then
-    the kernel checks each element against the layout.  Returns boolean
-    (visit, partly), each (BH, query tiles, key tiles).
+    Per call it takes q, k, v (the caller's arrays), o and lse (new results,
+    C-contiguous) and the dropout seed's two words.
     """
-    (mask_rows, mask_cols), (block_m, block_n) = mask_block, tile
-    heads = layout.shape[0]
-    # 2-D prefix sums count the non-zero mask blocks in any rectangle.
-    prefix = np.zeros((heads, layout.shape[1] + 1, layout.shape[2] + 1), np.int64)
-    prefix[:, 1:, 1:] = layout.cumsum(1).cumsum(2)
-    q_first = np.arange(0, n_q, block_m)
-    q_last = np.minimum(q_first + block_m, n_q) - 1
-    k_first = np.arange(0, n_k, block_n)
-    k_last = np.minimum(k_first + block_n, n_k) - 1
-    r0, r1 = q_first // mask_rows, q_last // mask_rows + 1
-    c0, c1 = k_first // mask_cols, k_last // mask_cols + 1
-    nonzero = (prefix[:, r1][:, :, c1] - prefix[:, r0][:, :, c1] - prefix[:, r1][:, :, c0]
-               + prefix[:, r0][:, :, c0])
-    covered = (r1 - r0)[:, None] * (c1 - c0)[None, :]
-    visit = nonzero > 0
-    if causal:
-        visit &= k_first[None, None, :] <= q_last[None, :, None]
-    return visit, visit & (nonzero < covered[None])
-
-
-def tile_lists(visit, partly):
-    """visit, partly (BH, T_own, T_other) as per-(head, own tile) lists of the other tiles to visit.
-
-    Returns (offsets (BH, T_own + 1) int32, entries int32 = other tile * 2 +
-    partly-masked bit): head bh's own tile i visits
-    ``entries[offsets[bh, i]:offsets[bh, i + 1]] >> 1``, in increasing order.
-    """
-    heads, own_tiles = visit.shape[:2]
-    counts = visit.sum(axis=2)
-    offsets = np.zeros((heads, own_tiles + 1), np.int64)
-    offsets[:, 1:] = counts.cumsum(axis=1)
-    offsets += (np.concatenate([[0], counts.sum(axis=1).cumsum()[:-1]]))[:, None]
-    _, _, others = np.nonzero(visit)
-    return offsets.astype(np.int32), (others * 2 + partly[visit]).astype(np.int32)
-
-
-def key_tile_lists(layout, mask_block, tile, n_q, n_k, causal):
-    """For each (head, query tile), the key tiles flash2's forward visits (``tile_visits``, ``tile_lists``)."""
-    return tile_lists(*tile_visits(layout, mask_block, tile, n_q, n_k, causal))
-
-
-def block_mask_args(layout, device_layout, mask_block, tile, n_q, n_k, causal):
-    """A block mask as flash2's kernel arguments: device tile lists, the layout, its block size.
-
-    layout: (BH, T_r, T_c) bool NumPy array (the host builds the tile lists
-    from it); device_layout: the same as a uint8 device array.
-    """
-    offsets, entries = key_tile_lists(layout, mask_block, tile, n_q, n_k, causal)
-    return (cuda.to_device(offsets), cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
-            device_layout, int(mask_block[0]), int(mask_block[1]))
-
-
-def flash2_forward(q, k, v, o, lse, *, scale, causal, block_sizes, mask=None, dropout=None, stream=0):
-    """Launch the flash2 forward on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
-
-    mask: None, or ``block_mask_args(...)`` for these tiles; dropout: None or
-    ``numba_flash.dropout.kernel_args``.
-    """
-    block_m, block_n = int(block_sizes[0]), int(block_sizes[1])  # plain ints: compile-time constants
-    bh, n_q, head_dim = (int(n) for n in q.shape)
-    n_k = int(k.shape[1])
-    is_f16 = q.dtype.itemsize == 2
-    layout = Flash2Layout(block_m, block_n, head_dim, is_f16)
-    vec = head_dim % (8 if is_f16 else 4) == 0 and all(_aligned16(x) for x in (q, k, v, o))
-    kernel = make_flash2_forward(block_m, block_n, layout.d_pad, bool(causal), is_f16, vec, mask is not None,
-                                 dropout is not None)
-    grid = (cdiv(n_q, block_m), bh)
-    sparse = no_tile_lists() + (no_mask_layout(), 1, 1) if mask is None else mask
-    args = (tuple(_flat(x, is_f16 and vec) for x in (q, k, v, o)) + (lse, n_q, n_k, head_dim, scale * LOG2_E) + sparse
-            + (NO_DROPOUT if dropout is None else dropout))
-    launch(kernel, grid, layout.threads, args, dynamic_shared_bytes=layout.shared_bytes, stream=stream)
+    block_m, block_n = call.block_sizes
+    d_pad = padded_head_dim(call.head_dim, call.precision)
+    has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
+    kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout)
+    q_tiles = cdiv(call.n_q, block_m)
+    qs, ks, vs = call.strides
+    os_ = contiguous_strides(call.q_shape)
+    words = word_extent(call)
+    fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
+                 v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
+                 heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, head_dim=call.head_dim,
+                 q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
+                 **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"))
+    extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
+                   O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
+    return Launch(kernel, q_tiles * call.batch_heads, flash2_threads(block_m),
+                  flash2_forward_layout(block_m, block_n, d_pad, call.precision).bytes, fixed,
+                  ("Q", "K", "V", "O", "LSE", "seed0", "seed1"), extents)

@@ -6,53 +6,57 @@ it streams, in 8-wide column tiles) and multiplies through the tensor cores
 
 * ``rows_by_rows_t``: acc += A B^T with A and B row-major tiles in shared
   memory, contracting over the head dim: S = Q K^T, dP = dO V^T and the
-  backward's transposes S^T = K Q^T, dP^T = V dO^T;
-* ``store_fragment_row`` (from ``fragment_row_store``): one of a lane's
-  two rows of a 16 x d accumulator, scaled, to device memory: the forward's
-  O_i and the backward's dK, dV and dQ.
-* ``regs_by_rows``: acc += P B with P an accumulator fragment still in
-  registers (the contraction runs over P's column tiles) and B (OTHER x d)
-  in shared memory: O += P V, and the backward's dV, dK and dQ.  For tf32
-  (k = 8) the accumulator's columns (2t, 2t + 1) are renumbered as k-indices
-  t and t + 4 inside each k-step, and B is read with the same renumbering
-  (a sum over columns does not care about their order).  For float16 the
-  accumulator layout is m16n8k16's A layout exactly, and B is read from a
-  tile stored as interleaved row pairs (its B layout).
+  backward's transposes S^T = K Q^T, dP^T = V dO^T.  Each call starts from a
+  zeroed fragment: one tile's dot products are short (d / 8 or d / 16 k-steps).
+* ``accumulate_product``: acc = alpha acc + P B with P an accumulator
+  fragment still in registers (the contraction runs over P's column tiles)
+  and B (OTHER x d) in shared memory: O = alpha O + P V, and the backward's
+  dV += P^T dO, dK += dS^T Q and dQ += dS K.  The product of one tile goes
+  into a *fresh* fragment and is added into acc on the float32 units: the
+  tensor cores' float32 accumulator truncates instead of rounding
+  (``experiments/results/mma_accumulation.md``: a chain of 32768 tf32 steps
+  is 1.5e-3 too small), so a chain that ran over every key tile made the
+  error grow linearly in N.  One tile's chain is short; the adds across
+  tiles round to nearest.  The fresh fragment covers CHUNK head-dim tiles at
+  a time, so it costs 4 CHUNK registers, not d / 2.
+* ``store_fragment_row`` (from ``fragment_row_store``): one of a lane's two
+  rows of a 16 x d accumulator, scaled, to device memory: the forward's O_i
+  and the backward's dK, dV and dQ.
+
+For tf32 (k = 8) ``accumulate_product`` renumbers the accumulator's columns
+(2t, 2t + 1) as k-indices t and t + 4 inside each k-step, and reads B with
+the same renumbering (a sum over columns does not care about their order).
+For 16-bit operands the accumulator layout is m16n8k16's A layout exactly,
+and B is read from a tile stored as interleaved row pairs (its B layout).
 
 float32 runs as 3xTF32: every operand is split once into tf32 hi and lo
 halves (stored in two tiles, at ``*_HI`` and ``*_LO``), and each product is
-lo*hi + hi*lo + hi*hi, float32-accurate.  Shared rows are padded to strides
-that make the 32 lanes of a fragment load hit 32 different banks.
+lo*hi + hi*lo + hi*hi, float32-accurate.
 """
 from functools import lru_cache
 
-from numba import cuda
-from numba.cuda.types import float16
+from numba import cuda, float32, uint32
 
 from ...runtime.launch import inlined_device_function
-from .primitives import load_word, mma_f16, mma_tf32, pack_half2, store_word, tf32_round, u32_as_f32
+from ...tiling import pair_stride, row_stride
+from .primitives import (load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round,
+                         u32_as_f32)
 
-
-def padded_stride(words, residue):
-    """The smallest stride >= words that is congruent to residue mod 32 (banks)."""
-    return words + (residue - words) % 32
-
-
-def row_stride(d_pad, is_f16):
-    """Words per row of a row-major tile: tf32 words, or float16 pairs along d (4 mod 32: conflict-free)."""
-    return padded_stride(d_pad // 2 if is_f16 else d_pad, 4)
-
-
-def pair_stride(d_pad):
-    """Words per row pair of a float16 tile stored as interleaved row pairs (8 mod 32)."""
-    return padded_stride(d_pad, 8)
+#: Head-dim tiles that one fresh product fragment covers (4 registers each): 2 keeps flash2's forward
+#: at 128 registers up to d = 64 (ptxas, tests/gpu_compile_all.py), with no loss in the products.
+PRODUCT_CHUNK = 2
 
 
 @cuda.jit(device=True, inline=True)
 def split_tf32(x):
-    """x = hi + lo, both as tf32 bit patterns (3xTF32)."""
+    """x = hi + lo, both as tf32 bit patterns (3xTF32).
+
+    For x = +-inf, x - hi is NaN; lo is then 0 so that hi carries the
+    infinity through the product as IEEE arithmetic would.
+    """
     hi = tf32_round(x)
-    return hi, tf32_round(x - u32_as_f32(hi))
+    rest = x - u32_as_f32(hi)
+    return hi, tf32_round(rest) if rest == rest else uint32(0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -64,29 +68,40 @@ def mma_3xtf32(a_hi0, a_hi1, a_hi2, a_hi3, a_lo0, a_lo1, a_lo2, a_lo3,
     return mma_tf32(a_hi0, a_hi1, a_hi2, a_hi3, b_hi0, b_hi1, c0, c1, c2, c3)
 
 
+def sixteen_bit_ops(PRECISION):
+    """(mma, pack): the m16n8k16 instruction and the float32-pair packing of a 16-bit precision."""
+    return (mma_f16, pack_half2) if PRECISION == "f16" else (mma_bf16, pack_bf16x2)
+
+
 @lru_cache(maxsize=None)
-def tile_products(OTHER, D_PAD, IS_F16):
-    """(rows_by_rows_t, regs_by_rows) for a streamed tile of OTHER rows and head dim D_PAD."""
-    RS = row_stride(D_PAD, IS_F16)
+def tile_products(OTHER, D_PAD, PRECISION):
+    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD."""
+    SIXTEEN = PRECISION != "tf32x3"
+    RS = row_stride(D_PAD, SIXTEEN)
     PS = pair_stride(D_PAD)
     O_TILES = OTHER // 8            # 8-wide column tiles of a 16 x OTHER fragment
     D_TILES = D_PAD // 8
-    QK_STEPS = D_PAD // (16 if IS_F16 else 8)
+    QK_STEPS = D_PAD // (16 if SIXTEEN else 8)
+    CHUNK = min(D_TILES, PRODUCT_CHUNK)
+    mma16, pack = sixteen_bit_ops(PRECISION) if SIXTEEN else (None, None)
 
     @cuda.jit(device=True, inline=True)
     def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
-        """acc[ot] += A[a_row0 + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B)."""
+        """acc[ot] = A[a_row0 + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B)."""
+        for ot in range(O_TILES):
+            for e in range(4):
+                acc[ot, e] = float32(0)
         for ks in range(QK_STEPS):
             a_row = (a_row0 + g) * RS + ks * 8 + t
-            if IS_F16:
+            if SIXTEEN:
                 a0 = load_word(smem, A_HI + a_row)
                 a1 = load_word(smem, A_HI + a_row + 8 * RS)
                 a2 = load_word(smem, A_HI + a_row + 4)
                 a3 = load_word(smem, A_HI + a_row + 8 * RS + 4)
                 for ot in range(O_TILES):
                     b_row = B_HI + (ot * 8 + g) * RS + ks * 8 + t
-                    c0, c1, c2, c3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4),
-                                             acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
+                    c0, c1, c2, c3 = mma16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4),
+                                           acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
                     acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
             else:
                 ah0 = load_word(smem, A_HI + a_row)
@@ -106,53 +121,86 @@ def tile_products(OTHER, D_PAD, IS_F16):
                         acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
                     acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
 
-    @cuda.jit(device=True, inline=True)
-    def regs_by_rows(acc, p, smem, B_HI, B_LO, g, t):
-        """acc[dt] += P . B: P (16 x OTHER) in accumulator fragments, B (OTHER x d) in shared memory.
+    def product_chunk(FIRST, COUNT):
+        """acc[FIRST:FIRST + COUNT] = alpha acc + (P . B)[FIRST:FIRST + COUNT], through a fresh fragment."""
 
-        B is a row-major tile at B_HI/B_LO for tf32, and an interleaved-pairs
-        tile at B_HI for float16.
-        """
-        if IS_F16:
-            for ks in range(O_TILES // 2):
-                a0 = pack_half2(p[2 * ks, 0], p[2 * ks, 1])
-                a1 = pack_half2(p[2 * ks, 2], p[2 * ks, 3])
-                a2 = pack_half2(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
-                a3 = pack_half2(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
-                for dt in range(D_TILES):
-                    b_row = B_HI + (ks * 8 + t) * PS + dt * 8 + g
-                    c0, c1, c2, c3 = mma_f16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4 * PS),
-                                             acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = c0, c1, c2, c3
-        else:
-            for ks in range(O_TILES):
-                # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).
-                ah0, al0 = split_tf32(p[ks, 0])
-                ah1, al1 = split_tf32(p[ks, 2])
-                ah2, al2 = split_tf32(p[ks, 1])
-                ah3, al3 = split_tf32(p[ks, 3])
-                for dt in range(D_TILES):
-                    b_row = (ks * 8 + 2 * t) * RS + dt * 8 + g
-                    c0, c1, c2, c3 = mma_3xtf32(
-                        ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                        load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + RS),
-                        load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + RS),
-                        acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
-                    acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3] = c0, c1, c2, c3
+        @inlined_device_function
+        def chunk(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t):
+            tile = cuda.local.array((COUNT, 4), float32)
+            for c in range(COUNT):
+                for e in range(4):
+                    tile[c, e] = float32(0)
+            if SIXTEEN:
+                for ks in range(O_TILES // 2):
+                    a0 = pack(p[2 * ks, 0], p[2 * ks, 1])
+                    a1 = pack(p[2 * ks, 2], p[2 * ks, 3])
+                    a2 = pack(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
+                    a3 = pack(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
+                    for c in range(COUNT):
+                        b_row = B_HI + (ks * 8 + t) * PS + (FIRST + c) * 8 + g
+                        c0, c1, c2, c3 = mma16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4 * PS),
+                                               tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
+                        tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+            else:
+                for ks in range(O_TILES):
+                    # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).
+                    ah0, al0 = split_tf32(p[ks, 0])
+                    ah1, al1 = split_tf32(p[ks, 2])
+                    ah2, al2 = split_tf32(p[ks, 1])
+                    ah3, al3 = split_tf32(p[ks, 3])
+                    for c in range(COUNT):
+                        b_row = (ks * 8 + 2 * t) * RS + (FIRST + c) * 8 + g
+                        c0, c1, c2, c3 = mma_3xtf32(
+                            ah0, ah1, ah2, ah3, al0, al1, al2, al3,
+                            load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + RS),
+                            load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + RS),
+                            tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
+                        tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+            # Promote the tile's product into acc with round-to-nearest adds (one FMA each).
+            for c in range(COUNT):
+                acc[FIRST + c, 0] = acc[FIRST + c, 0] * alpha0 + tile[c, 0]
+                acc[FIRST + c, 1] = acc[FIRST + c, 1] * alpha0 + tile[c, 1]
+                acc[FIRST + c, 2] = acc[FIRST + c, 2] * alpha1 + tile[c, 2]
+                acc[FIRST + c, 3] = acc[FIRST + c, 3] * alpha1 + tile[c, 3]
 
-    return rows_by_rows_t, regs_by_rows
+        return chunk
+
+    def chained(chunks):
+        """The chunks one after the other, as one device function.  Chained rather than looped over: NVVM
+        does not unroll a loop over chunks at d = 128, and a run-time chunk index sends acc to local memory."""
+        if len(chunks) == 1:
+            return chunks[0]
+        head, rest = chunks[0], chained(chunks[1:])
+
+        @inlined_device_function
+        def both(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t):
+            head(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t)
+            rest(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t)
+
+        return both
+
+    #: acc[dt] = alpha acc[dt] + (P . B)[dt]: P (16 x OTHER) in accumulator fragments, B (OTHER x d) in shared
+    #: memory (row-major at B_HI/B_LO for tf32, interleaved pairs at B_HI for 16-bit operands); alpha0 scales
+    #: the lane's row g, alpha1 its row g + 8.
+    accumulate_product = chained([product_chunk(first, min(CHUNK, D_TILES - first))
+                                  for first in range(0, D_TILES, CHUNK)])
+
+    return rows_by_rows_t, accumulate_product
 
 
 @lru_cache(maxsize=None)
-def fragment_row_store(D_PAD, IS_F16, VEC):
+def fragment_row_store(D_PAD, PRECISION, VEC):
     """store_fragment_row(X, acc, h, out, head_dim, scale, t) for a 16 x D_PAD accumulator fragment.
 
     Writes row h of the lane's two (0: row g, 1: row g + 8), times scale, to
     X[out + c] for the lane's columns c = 8 dt + 2t, 8 dt + 2t + 1 below head_dim.
-    X is flat: float32 or float16 elements, or for float16 with VEC packed pairs
-    (d even, so a pair never straddles head_dim).
+    X is flat: float32 elements, or for 16-bit outputs packed pairs (uint32,
+    with VEC: d even, so a pair never straddles head_dim) or single 16-bit
+    words (uint16).
     """
     D_TILES = D_PAD // 8
+    SIXTEEN = PRECISION != "tf32x3"
+    pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
 
     @inlined_device_function
     def store_fragment_row(X, acc, h, out, head_dim, scale, t):
@@ -160,13 +208,20 @@ def fragment_row_store(D_PAD, IS_F16, VEC):
             col = dt * 8 + 2 * t
             x0 = acc[dt, 2 * h] * scale
             x1 = acc[dt, 2 * h + 1] * scale
-            if IS_F16 and VEC:  # columns col, col + 1 as one packed pair
-                if col < head_dim:
-                    store_word(X, (out + col) // 2, pack_half2(x0, x1))
+            if SIXTEEN:
+                pair = pack(x0, x1)
+                if VEC:  # columns col, col + 1 as one packed pair
+                    if col < head_dim:
+                        store_word(X, (out + col) // 2, pair)
+                else:
+                    if col < head_dim:
+                        store_word(X, out + col, pair & uint32(0xFFFF))
+                    if col + 1 < head_dim:
+                        store_word(X, out + col + 1, pair >> uint32(16))
             else:
                 if col < head_dim:
-                    store_word(X, out + col, float16(x0) if IS_F16 else x0)
+                    store_word(X, out + col, x0)
                 if col + 1 < head_dim:
-                    store_word(X, out + col + 1, float16(x1) if IS_F16 else x1)
+                    store_word(X, out + col + 1, x1)
 
     return store_fragment_row

@@ -18,13 +18,13 @@ Fragment layouts are the PTX ISA's ("Matrix fragments for mma.m16n8k8" and
 ==========================  ============================================
 m16n8k8, tf32 operands      A (16x8):  a0=(g, t)  a1=(g+8, t)  a2=(g, t+4)  a3=(g+8, t+4)
                             B (8x8):   b0=(t, g)  b1=(t+4, g)
-m16n8k16, f16 operands      A (16x16): a0=(g, 2t:2t+2)  a1=(g+8, 2t:2t+2)
-(two halves per register,              a2=(g, 2t+8:2t+10)  a3=(g+8, 2t+8:2t+10)
-lower index in the low half) B (16x8): b0=(2t:2t+2, g)  b1=(2t+8:2t+10, g)
+m16n8k16, f16 or bf16       A (16x16): a0=(g, 2t:2t+2)  a1=(g+8, 2t:2t+2)
+operands (two halves per               a2=(g, 2t+8:2t+10)  a3=(g+8, 2t+8:2t+10)
+register, lower index in    B (16x8):  b0=(2t:2t+2, g)  b1=(2t+8:2t+10, g)
+the low half)
 both, f32 accumulators      C (16x8):  c0=(g, 2t)  c1=(g, 2t+1)  c2=(g+8, 2t)  c3=(g+8, 2t+1)
 ==========================  ============================================
 """
-import math
 import threading
 
 import numpy as np
@@ -36,9 +36,12 @@ __all__ = [
     "u32_as_f32",
     "tf32_round",
     "pack_half2",
-    "unpack_half2",
+    "pack_bf16x2",
+    "half_to_f32",
+    "bf16_to_f32",
     "mma_tf32",
     "mma_f16",
+    "mma_bf16",
     "shfl_xor",
     "exp2",
     "load_word",
@@ -50,8 +53,6 @@ __all__ = [
 WARP_SIZE = 32
 TF32_DROPPED_BITS = 0x1FFF  # tf32 keeps 10 of float32's 23 mantissa bits
 
-
-exp2 = math.exp2  # with fastmath=True this compiles to ex2.approx.ftz.f32
 
 if not config.ENABLE_CUDASIM:
     from llvmlite import ir
@@ -95,21 +96,41 @@ if not config.ENABLE_CUDASIM:
         return types.uint32(lo, hi), codegen
 
     @intrinsic
-    def unpack_half2(typingctx, u):
-        """The two float16 packed in ``u``, widened to float32: (low half, high half)."""
+    def pack_bf16x2(typingctx, lo, hi):
+        """Round two float32 to bfloat16 (nearest even) and pack them: ``lo`` in bits 0-15."""
         def codegen(context, builder, sig, args):
-            (u,) = _cast_all(context, builder, sig, args, [types.uint32])
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.LiteralStructType([_F32, _F32]), [_I32]),
-                "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; "
-                "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
-                "=f,=f,r",
-            )
-            pair = builder.call(asm, [u])
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(pair, i) for i in range(2)])
+            lo, hi = _cast_all(context, builder, sig, args, [types.float32] * 2)
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                               "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [hi, lo])
 
-        return types.UniTuple(types.float32, 2)(u), codegen
+        return types.uint32(lo, hi), codegen
+
+    @intrinsic
+    def half_to_f32(typingctx, bits):
+        """The float16 whose bits are the low 16 bits of ``bits``, widened to float32 (exactly)."""
+        def codegen(context, builder, sig, args):
+            (bits,) = _cast_all(context, builder, sig, args, [types.uint32])
+            asm = ir.InlineAsm(ir.FunctionType(_F32, [_I32]),
+                               "{ .reg .b16 h; cvt.u16.u32 h, $1; cvt.f32.f16 $0, h; }", "=f,r")
+            return builder.call(asm, [bits])
+
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def exp2(typingctx, x):
+        """2^x in one instruction, ``ex2.approx.ftz.f32`` (relative error ~2^-22; NaN stays NaN, -inf gives 0).
+
+        Written out rather than left to ``math.exp2`` under Numba's ``fastmath``,
+        which also tells LLVM that no value is NaN or infinite: the kernels
+        rely on -inf for masking and must let NaN through (issue 12).
+        """
+        def codegen(context, builder, sig, args):
+            (x,) = _cast_all(context, builder, sig, args, [types.float32])
+            asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            return builder.call(asm, [x])
+
+        return types.float32(x), codegen
 
     def _mma_intrinsic(ptx_shape_and_types, doc):
         @intrinsic
@@ -138,6 +159,9 @@ if not config.ENABLE_CUDASIM:
     mma_f16 = _mma_intrinsic(
         "m16n8k16.row.col.f32.f16.f16.f32",
         "D = A B + C for one warp: A 16x16, B 16x8 as packed float16 pairs, C and D float32.")
+    mma_bf16 = _mma_intrinsic(
+        "m16n8k16.row.col.f32.bf16.bf16.f32",
+        "D = A B + C for one warp: A 16x16, B 16x8 as packed bfloat16 pairs, C and D float32.")
 
     def _element_pointer(context, builder, arrty, arr, index, indexty):
         from numba.cuda.np.arrayobj import make_array
@@ -228,6 +252,11 @@ if not config.ENABLE_CUDASIM:
         """``x`` rounded to tf32 (nearest, ties away, as ``cvt.rna.tf32.f32``): the bits ``mma_tf32`` takes."""
         return uint32((f32_as_u32(x) + uint32(0x1000)) & uint32(0xFFFFE000))
 
+    @cuda.jit(device=True, inline=True)
+    def bf16_to_f32(bits):
+        """The bfloat16 whose bits are the low 16 bits of ``bits``, as float32 (a shift: exact)."""
+        return u32_as_f32(uint32(bits) << uint32(16))
+
 else:
     # ------------------------------------------------------------------
     # Simulator twins.  Each warp gets a "room": its 32 threads post their
@@ -292,10 +321,29 @@ else:
             halves = np.array([lo, hi], dtype=np.float32).astype(np.float16)
         return np.uint32(halves.view(np.uint32)[0])
 
-    def unpack_half2(u):
-        """The two float16 packed in ``u``, widened to float32: (low half, high half)."""
-        lo, hi = np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float32)
-        return lo, hi
+    def pack_bf16x2(lo, hi):
+        """Round two float32 to bfloat16 (nearest even) and pack them: ``lo`` in bits 0-15."""
+        return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def _bf16_bits(x):
+        """float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN), as cvt.rn.bf16."""
+        bits = int(f32_as_u32(x))
+        if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+            return (bits >> 16) | 0x40
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+    def half_to_f32(bits):
+        """The float16 whose bits are the low 16 bits of ``bits``, widened to float32 (exactly)."""
+        return np.float32(np.array([int(bits) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+    def bf16_to_f32(bits):
+        """The bfloat16 whose bits are the low 16 bits of ``bits``, as float32 (a shift: exact)."""
+        return u32_as_f32((int(bits) & 0xFFFF) << 16)
+
+    def exp2(x):
+        """2^x in float32 (the GPU's ex2.approx.ftz.f32 is within ~2^-22 of this)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.float32(np.exp2(np.float32(x)))
 
     def _check_index(name, index, multiple=1):
         # The GPU versions trust the caller; here a wrong index is an error
@@ -360,16 +408,22 @@ else:
         """(32,) uint32 -> (32, 2) float64: low half, high half."""
         return np.ascontiguousarray(words).view(np.float16).reshape(-1, 2).astype(np.float64)
 
-    def _mma_f16_warp(posts):
+    def _bf16_halves(words):
+        """(32,) uint32 -> (32, 2) float64 from bfloat16 pairs: low half, high half."""
+        words = np.asarray(words, dtype=np.uint32)
+        pairs = np.stack([words << np.uint32(16), words & np.uint32(0xFFFF0000)], axis=1)
+        return pairs.view(np.float32).astype(np.float64)
+
+    def _mma_16bit_warp(posts, halves):
         regs = _unpack(posts, 6)
         a = np.zeros((16, 16))
         b = np.zeros((16, 8))
         for reg, (row_off, col_off) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
-            pair = _halves(regs[:, reg])
+            pair = halves(regs[:, reg])
             a[_G + row_off, 2 * _T + col_off] = pair[:, 0]
             a[_G + row_off, 2 * _T + col_off + 1] = pair[:, 1]
         for reg, row_off in enumerate([0, 8]):
-            pair = _halves(regs[:, 4 + reg])
+            pair = halves(regs[:, 4 + reg])
             b[2 * _T + row_off, _G] = pair[:, 0]
             b[2 * _T + row_off + 1, _G] = pair[:, 1]
         return _accumulate(posts, a, b)
@@ -380,4 +434,8 @@ else:
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """D = A B + C for one warp: A 16x16, B 16x8 as packed float16 pairs, C and D float32."""
-        return _warp_op((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _mma_f16_warp)
+        return _warp_op((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), lambda posts: _mma_16bit_warp(posts, _halves))
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C for one warp: A 16x16, B 16x8 as packed bfloat16 pairs, C and D float32."""
+        return _warp_op((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), lambda posts: _mma_16bit_warp(posts, _bf16_halves))

@@ -14,8 +14,12 @@ Departures, each marked where it happens:
 * P_ij is rebuilt from the forward's log-sum-exp, P_ij = exp(S_ij - lse_i),
   instead of from l_i and m_i (lse_i = m_i + log l_i: one statistic, as
   FlashAttention-2 keeps);
-* masked entries (causal, the block mask, keys past N_k) have P_ij = 0;
-  a row that attended to nothing (lse_i = -inf) has P_ij = 0 and dS_ij = 0;
+* masked entries (causal, the block mask, keys past N_k) have P_ij = 0 and
+  dS_ij = 0, and the products of lines 16, 21 and 22 run over the allowed
+  entries only (0 * NaN is NaN: a NaN must reach only the gradients of
+  entries allowed to see it); a row that attended to nothing (lse_i = -inf)
+  has P_ij = 0 and dS_ij = 0; causal means key j is visible to query i iff
+  j <= i + causal_offset;
 * with a block mask, the inner iteration runs only if M_ij != 0 (Algorithm 5's test);
 * dropout (lines 14, 18) regenerates the forward's mask from the
   counter-based generator of ``numba_flash.dropout``; nothing is stored.
@@ -23,23 +27,25 @@ Departures, each marked where it happens:
 import math
 from functools import lru_cache
 
+import numpy as np
 from numba import cuda, float32
 
 from ...dropout import NO_DROPOUT, dropout_weight
-from ...runtime.launch import cuda_kernel, launch, no_mask_layout
+from ...runtime.arrays import placeholder
+from ...runtime.launch import cuda_kernel, inlined_device_function, launch
 from .tiles import load_rows, zero_tile
-
-
-def shared_bytes(block_rows, block_cols, head_dim):
-    """Shared memory of one block: Q_i, dO_i, K_j, V_j, dK_j, dV_j, P_ij and dS_ij in float32."""
-    return 4 * ((2 * block_rows + 4 * block_cols) * head_dim + 2 * block_rows * block_cols)
 
 
 @lru_cache(maxsize=None)
 def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     """Algorithm 4 for B_r = BR, B_c = BC, head dim D (compile-time constants)."""
 
-    def kernel(Q, K, V, O, dO, LSE, dQ, dK, dV, scale, M, keep_threshold, keep_scale, seed0, seed1):
+    @inlined_device_function
+    def allowed(row, key, n_q, n_k, causal_offset):
+        """Whether query ``row`` may attend to ``key`` (the block mask's test is per tile, above)."""
+        return row < n_q and key < n_k and (not CAUSAL or key <= row + causal_offset)
+
+    def kernel(Q, K, V, O, dO, LSE, dQ, dK, dV, scale, causal_offset, M, keep_threshold, keep_scale, seed0, seed1):
         # Q, O, dO, dQ: (BH, N_q, D); K, V, dK, dV: (BH, N_k, D); LSE: (BH, N_q);
         # M: (BH, T_r, T_c) uint8 block mask (if HAS_MASK); dropout keeps an entry
         # iff its generator word >= keep_threshold and scales it by keep_scale.
@@ -98,9 +104,9 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     for c in range(BC):
                         key = j * BC + c
                         # The block mask's test passed above; the rest is element-wise.
-                        allowed = key < n_k and (not CAUSAL or key <= row) and lse_i != NEG_INF
+                        visible = allowed(row, key, n_q, n_k, causal_offset) and lse_i != NEG_INF
                         P = float32(0)
-                        if allowed:
+                        if visible:
                             # Alg. 4, lines 11-13: S_ij = tau Q_i K_j^T, P_ij = exp(S_ij - lse_i).
                             s = float32(0)
                             for x in range(D):
@@ -116,12 +122,13 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                         for x in range(D):
                             dP += dO_i[r, x] * V_j[c, x]
                         # Alg. 4, line 20: dS_ij = P_ij o (dP_ij - D_i).
-                        dS_ij[r, c] = P * (dP * Z - D_i)
+                        dS_ij[r, c] = P * (dP * Z - D_i) if visible else float32(0)
                     # Alg. 4, line 21: dQ_i <- dQ_i + tau dS_ij K_j, in HBM.
                     for x in range(D):
                         acc = float32(0)
                         for c in range(BC):
-                            acc += dS_ij[r, c] * K_j[c, x]
+                            if allowed(row, j * BC + c, n_q, n_k, causal_offset):
+                                acc += dS_ij[r, c] * K_j[c, x]
                         dQ[bh, row, x] += tau * acc
                 else:  # rows past N_q contribute nothing to dK_j, dV_j
                     for c in range(BC):
@@ -137,8 +144,9 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     dv = float32(0)
                     dk = float32(0)
                     for rr in range(BR):
-                        dv += P_ij[rr, c] * dO_i[rr, x]
-                        dk += dS_ij[rr, c] * Q_i[rr, x]
+                        if allowed(i * BR + rr, j * BC + c, n_q, n_k, causal_offset):
+                            dv += P_ij[rr, c] * dO_i[rr, x]
+                            dk += dS_ij[rr, c] * Q_i[rr, x]
                     dV_j[c, x] += dv
                     dK_j[c, x] += tau * dk
 
@@ -156,7 +164,8 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, block_sizes, mask=None, dropout=None, stream=0):
+def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, causal_offset, block_sizes, mask=None,
+                    dropout=None, stream=0):
     """Launch Algorithm 4 on device arrays ((BH, N, d) and lse (BH, N_q)).
 
     mask: None or a (BH, T_r, T_c) uint8 device array in blocks of ``block_sizes``;
@@ -167,5 +176,5 @@ def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, block_siz
                                   dropout is not None)
     keep_threshold, keep_scale, seed0, seed1 = NO_DROPOUT if dropout is None else dropout
     launch(kernel, q.shape[0], block_rows,
-           (q, k, v, o, do, lse, dq, dk, dv, scale, no_mask_layout() if mask is None else mask,
+           (q, k, v, o, do, lse, dq, dk, dv, scale, causal_offset, placeholder(np.uint8, 3) if mask is None else mask,
             keep_threshold, keep_scale, seed0, seed1), stream=stream)

@@ -18,12 +18,16 @@ where it happens:
 
 * the softmax scale tau enters at line 9, as in Algorithm 2 (line 10 there);
 * masked entries (causal, or keys past N_k in a ragged last block) are -inf
-  in S_ij, as Algorithm 2's MASK;
+  in S_ij, as Algorithm 2's MASK; causal means key j is visible to query i
+  iff j <= i + causal_offset (0: top-left aligned, N_k - N_q: bottom-right);
 * a row that has not met an allowed key yet keeps O = 0, l = 0, m = -inf:
   the paper's exp(m_i - m_new) would be exp(-inf + inf) = NaN there, so we
   define such rescale factors as 0;
 * after the loops each thread writes lse = m + log(l) for its rows, the one
   statistic FlashAttention-2 and the backward pass keep;
+* line 12's product Pt_ij V_j runs over the allowed keys only: a masked
+  weight is 0, but 0 * NaN is NaN, and a NaN value row must reach only the
+  rows allowed to see it (NaN in q or k reaches them through S_ij);
 * with dropout (Algorithm 2, lines 14-15), Pt_ij is dropped and rescaled
   after lt_ij is summed, so l and m see the undropped values; the mask comes
   from the counter-based generator of ``numba_flash.dropout`` (nothing stored).
@@ -31,23 +35,20 @@ where it happens:
 import math
 from functools import lru_cache
 
+import numpy as np
 from numba import cuda, float32
 
 from ...dropout import NO_DROPOUT, dropout_weight
-from ...runtime.launch import cuda_kernel, launch, no_mask_layout
+from ...runtime.arrays import placeholder
+from ...runtime.launch import cuda_kernel, launch
 from .tiles import load_rows
-
-
-def shared_bytes(block_rows, block_cols, head_dim):
-    """Shared memory of one block: the Q_i, K_j, V_j and S_ij tiles in float32."""
-    return 4 * ((block_rows + 2 * block_cols) * head_dim + block_rows * block_cols)
 
 
 @lru_cache(maxsize=None)
 def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     """Algorithm 1 (5 with HAS_MASK, 2's dropout with HAS_DROPOUT) for B_r = BR, B_c = BC, head dim D."""
 
-    def kernel(Q, K, V, O, l, m, lse, scale, M, keep_threshold, keep_scale, seed0, seed1):
+    def kernel(Q, K, V, O, l, m, lse, scale, causal_offset, M, keep_threshold, keep_scale, seed0, seed1):
         # Q, O: (BH, N_q, D); K, V: (BH, N_k, D); l, m, lse: (BH, N_q), float32;
         # M: (BH, T_r, T_c) uint8 block mask (Algorithm 5), read only if HAS_MASK;
         # dropout keeps an entry iff its generator word >= keep_threshold.
@@ -103,7 +104,7 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     # Alg. 1, line 9: S_ij = tau Q_i K_j^T (row r), masked -> -inf.
                     for c in range(BC):
                         key = j * BC + c
-                        if key < n_k and (not CAUSAL or key <= row):
+                        if key < n_k and (not CAUSAL or key <= row + causal_offset):
                             s = float32(0)
                             for x in range(D):
                                 s += Q_i[r, x] * K_j[c, x]
@@ -138,11 +139,14 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
 
                     # Alg. 1, line 12: O_i <- diag(l_new)^-1 (diag(l_i) exp(m_i - m_new) O_i
                     #                                        + exp(mt_ij - m_new) Pt_ij V_j).
-                    if l_new > float32(0):
+                    # (l_new is 0 only while no allowed key has been seen; NaN goes through.)
+                    if l_new != float32(0):
                         for x in range(D):
                             pv = float32(0)
                             for c in range(BC):
-                                pv += S_ij[r, c] * V_j[c, x]
+                                key = j * BC + c
+                                if key < n_k and (not CAUSAL or key <= row + causal_offset):
+                                    pv += S_ij[r, c] * V_j[c, x]
                             O[bh, row, x] = (l_i * alpha * O[bh, row, x] + beta * pv) / l_new
 
                     # Alg. 1, line 13: l_i <- l_new, m_i <- m_new.
@@ -153,14 +157,15 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
         for i in range(T_r):
             row = i * BR + r
             if row < n_q:
-                lse[bh, row] = m[bh, row] + math.log(l[bh, row]) if l[bh, row] > float32(0) else NEG_INF
+                lse[bh, row] = m[bh, row] + math.log(l[bh, row]) if l[bh, row] != float32(0) else NEG_INF
 
     name = (f"flash1_forward_Br{BR}_Bc{BC}_d{D}" + ("_causal" if CAUSAL else "") + ("_sparse" if HAS_MASK else "")
             + ("_dropout" if HAS_DROPOUT else ""))
     return cuda_kernel(kernel, name)
 
 
-def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=None, dropout=None, stream=0):
+def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, causal_offset, block_sizes, mask=None, dropout=None,
+                   stream=0):
     """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
 
     mask: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
@@ -172,8 +177,8 @@ def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, block_sizes, mask=No
     kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal), mask is not None,
                                  dropout is not None)
     launch(kernel, q.shape[0], block_rows,
-           (q, k, v, o, l, m, lse, scale, no_mask_layout() if mask is None else mask)
+           (q, k, v, o, l, m, lse, scale, causal_offset, placeholder(np.uint8, 3) if mask is None else mask)
            + (NO_DROPOUT if dropout is None else dropout), stream=stream)
 
 
-__all__ = ["flash1_forward", "make_flash1_forward", "shared_bytes"]
+__all__ = ["flash1_forward", "make_flash1_forward"]

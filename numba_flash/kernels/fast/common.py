@@ -1,0 +1,344 @@
+"""What flash2's forward and backward kernels share: where a block works, how tiles move, masks, dropout, NaN.
+
+Everything here is a small device function (inlined) or a factory of them
+for compile-time constants; ``forward.py`` and ``backward.py`` read as a
+sequence of these steps.
+
+Operands in device memory
+-------------------------
+q, k, v, o (and dO, dQ, dK, dV) reach the kernels as flat arrays of 32-bit
+words (float32 elements, or 16-bit elements as packed pairs when rows are
+16-byte aligned: ``VEC``) or of single 16-bit words (``uint16``, any head
+dim), plus element strides for batch, head and row: the last dimension must
+be contiguous, the others may be anything (a (B, N, H, d) tensor viewed as
+(B, H, N, d) needs no copy).  Row ``r`` of head ``h`` of batch ``b`` starts at
+element ``b * s_b + h * s_h + r * s_n``.  With grouped-query attention, query
+head h reads key/value head ``h // group``.
+
+A 16-byte "chunk" is four words: 4 float32, or 8 16-bit elements.  Tiles move
+chunk by chunk, every thread of the block taking every THREADS-th chunk.
+
+NaN
+---
+IEEE arithmetic already gives NaN to every output row that sees a NaN
+through a logit (q, k) or through an *allowed* weight times a value.  The
+one leak is a masked weight: it is exactly 0, and the tensor cores compute
+0 * NaN = NaN, so a NaN value row would reach rows that may not attend to it
+whenever they share a partly masked tile (the diagonal of a causal mask, a
+block mask's partial tiles).  In such tiles only, ``sanitize_rows`` /
+``sanitize_pairs`` replace NaN elements of the streamed operand by 0 in
+shared memory and flag their rows, and the mask step turns the allowed
+entries of flagged rows into NaN: exactly the rows allowed to see a NaN get
+one.  Fully visible tiles need none of this.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from ...dropout import NO_DROPOUT, kernel_args, philox_device
+from ...runtime.arrays import c_strides, extent, placeholder, view_strides
+from ...runtime.launch import inlined_device_function
+from ...sparsity.tile_lists import mask_arguments
+from ...tiling import ROWS_PER_WARP, cdiv, pair_stride, row_stride
+from .fragments import split_tf32
+from .primitives import load_vec4, load_word, store_vec4, store_word
+
+NEG_INF = -math.inf
+LOG2_E = 1.4426950408889634
+
+
+#: ``tiling.cdiv`` compiled for the device: one ceiling division for host and kernels.
+ceil_div = inlined_device_function(cdiv)
+
+
+def words_per_chunk_row(d_pad, sixteen_bit):
+    """16-byte chunks per row of a tile."""
+    return d_pad // (8 if sixteen_bit else 4)
+
+
+def chunk_iterations(rows, d_pad, sixteen_bit, threads, pairs=False):
+    """How many chunks (row-major) or chunk pairs (row pairs) each thread moves for a tile of ``rows``."""
+    units = (rows // 2 if pairs else rows) * words_per_chunk_row(d_pad, sixteen_bit)
+    return cdiv(units, threads)
+
+
+# ---------------------------------------------------------------- host side: a call's fixed arguments
+
+def contiguous_strides(shape):
+    """``Strides`` of a C-contiguous result of ``shape`` (the kernels' outputs)."""
+    return view_strides("result", shape, c_strides(shape))
+
+
+def operand_extent(shape, strides, pairs=False):
+    """Elements a kernel may touch of an operand (..., H, N, d) with ``Strides`` (32-bit words with ``pairs``)."""
+    batch = int(np.prod(shape[:-3], dtype=np.int64))
+    heads = shape[-3] if len(shape) > 2 else 1
+    elements = extent((batch, heads, shape[-2], shape[-1]), (strides.batch, strides.head, strides.row, 1))
+    return -(-elements // 2) if pairs else elements
+
+
+def word_extent(call):
+    """extent(shape, strides) for the call's operands: 16-bit data moves as pairs with VEC."""
+    pairs = call.precision != "tf32x3" and call.vec
+    return lambda shape, strides: operand_extent(shape, strides, pairs)
+
+
+def dropout_arguments(call):
+    """The dropout parameters that stay fixed (the seed changes per call)."""
+    keep_threshold, keep_scale, _, _ = kernel_args(call.dropout_p, 0) if call.dropout_p > 0 else NO_DROPOUT
+    return dict(keep_threshold=keep_threshold, keep_scale=keep_scale)
+
+
+def block_mask_arguments(call, tiles, role):
+    """A call's block mask as a fast kernel's arguments for ``role`` (``sparsity/tile_lists.py``), or placeholders."""
+    if call.block_mask is None:
+        return dict(tile_offsets=placeholder(np.int32), tile_entries=placeholder(np.int32), M=placeholder(np.uint8),
+                    mask_rows=1, mask_cols=1, mask_t_r=1, mask_t_c=1)
+    lists = mask_arguments(call.block_mask, call.q_shape[:-2], call.n_q, call.n_k, tiles,
+                           call.causal_offset if call.causal else None, role)
+    return dict(tile_offsets=lists.tile_offsets, tile_entries=lists.tile_entries, M=lists.layout,
+                mask_rows=lists.mask_rows, mask_cols=lists.mask_cols, mask_t_r=lists.mask_t_r, mask_t_c=lists.mask_t_c)
+
+
+def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropout):
+    """A readable name for one specialisation (what profilers show)."""
+    return (f"{base}_{blocks[0]}x{blocks[1]}_d{d_pad}_{precision}" + ("_causal" if causal else "")
+            + ("" if vec else "_scalar") + ("_sparse" if has_mask else "") + ("_dropout" if has_dropout else ""))
+
+
+@inlined_device_function
+def tile_coordinates(block_id, tiles, heads):
+    """A 1-D grid decoded: (tile, head, batch, batch*heads index), tiles of one head fastest.
+
+    Neighbouring blocks work on one head and share its K and V in L2, and
+    the grid is limited only by gridDim.x (2^31 - 1), not by gridDim.y's 65535.
+    """
+    tile = block_id % tiles
+    bh = block_id // tiles
+    return tile, bh % heads, bh // heads, bh
+
+
+@inlined_device_function
+def allowed(row, key, n_q, n_k, causal, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
+            mask_t_c):
+    """Whether query ``row`` may attend to ``key``: inside both sequences, causal (key <= row + causal_offset),
+    and the block mask's element (i, j) where the tile is only partly covered by it."""
+    if row >= n_q or key >= n_k:
+        return False
+    if causal and key > row + causal_offset:
+        return False
+    if partly_masked:
+        return load_word(M, (bh * mask_t_r + row // mask_rows) * mask_t_c + key // mask_cols) != 0
+    return True
+
+
+@inlined_device_function
+def dropout_words(row, first_key, bh, seed0, seed1, t):
+    """The generator words deciding keys first_key and first_key + 1 (first_key even) of ``row``.
+
+    One Philox call covers four keys; a lane's two columns 2t, 2t + 1 are its
+    words 2 (t & 1) and 2 (t & 1) + 1 (see ``numba_flash/dropout.py``).
+    """
+    w0, w1, w2, w3 = philox_device(uint32(first_key // 4), uint32(row), uint32(bh), uint32(0), uint32(seed0),
+                                   uint32(seed1))
+    return (w2, w3) if t & 1 else (w0, w1)
+
+
+@lru_cache(maxsize=None)
+def lane_flags(COLUMN_TILES):
+    """flags(smem, FLAGS, t): the NaN flags of a lane's fragment columns (2t and 2t + 1 of each 8-wide tile),
+    as bit 2 tile + e of one word: read once per tile, so that the masking loops index no shared memory."""
+
+    @inlined_device_function
+    def flags(smem, FLAGS, t):
+        bits = uint64(0)
+        for tile in range(COLUMN_TILES):
+            for e in range(2):
+                if load_word(smem, FLAGS + tile * 8 + 2 * t + e) != uint32(0):
+                    bits |= uint64(1) << uint64(2 * tile + e)
+        return bits
+
+    return flags
+
+
+@inlined_device_function
+def is_nan_f32_bits(bits):
+    return (bits & uint32(0x7F800000)) == uint32(0x7F800000) and (bits & uint32(0x007FFFFF)) != uint32(0)
+
+
+@lru_cache(maxsize=None)
+def nan_tests(PRECISION):
+    """(low-half NaN?, high-half NaN?) for a packed 16-bit pair, or the float32/tf32 word test twice."""
+    if PRECISION == "tf32x3":
+        return is_nan_f32_bits, is_nan_f32_bits
+    EXPONENT, MANTISSA = (0x7C00, 0x03FF) if PRECISION == "f16" else (0x7F80, 0x007F)
+
+    @inlined_device_function
+    def low_is_nan(word):
+        return (word & uint32(EXPONENT)) == uint32(EXPONENT) and (word & uint32(MANTISSA)) != uint32(0)
+
+    @inlined_device_function
+    def high_is_nan(word):
+        return low_is_nan(word >> uint32(16))
+
+    return low_is_nan, high_is_nan
+
+
+@lru_cache(maxsize=None)
+def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
+    """Device functions that move a tile of ROWS rows between device and shared memory (see the module docstring).
+
+    * ``fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid)``: each thread's chunks of rows
+      base, base + stride, ... (zeros past ``rows_valid`` and past ``head_dim``) into ``regs``
+      ((ROW_ITERS, 4) words): global loads that can be in flight while the block computes;
+    * ``commit_rows(smem, regs, HI, LO, tid)``: those chunks into a row-major tile (tf32: split into
+      hi and lo halves at HI and LO; 16-bit: pairs along d at HI);
+    * ``fetch_pairs`` / ``commit_pairs``: the same for a 16-bit tile stored as interleaved row pairs
+      (word (pair r, column c) = X[2r, c] low, X[2r + 1, c] high: m16n8k16's B layout), (PAIR_ITERS, 8) words;
+    * ``sanitize_rows`` / ``sanitize_pairs``: NaN elements of a tile in shared memory to 0; they return
+      whether the thread's row (pair) had any, for the caller's flags (the module docstring says why).
+    """
+    SIXTEEN = PRECISION != "tf32x3"
+    RS = row_stride(D_PAD, SIXTEEN)
+    PS = pair_stride(D_PAD)
+    ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
+    ROW_WORDS = 4 * ROW_CHUNKS                  # data words of a row-major tile's row
+    CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
+    ROW_UNITS = ROWS * ROW_CHUNKS
+    PAIR_UNITS = (ROWS // 2) * ROW_CHUNKS
+    ROW_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS)
+    PAIR_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS, pairs=True)
+    low_is_nan, high_is_nan = nan_tests(PRECISION)
+
+    @inlined_device_function
+    def load_chunk(X, row_start, c, head_dim, row_ok):
+        """Words c/CHUNK .. + 3 of a row starting at element row_start (columns c..), zeros outside."""
+        if SIXTEEN:
+            if VEC:  # X holds pairs (uint32); d is a multiple of 8 and rows are 16-byte aligned
+                if row_ok and c < head_dim:
+                    return load_vec4(X, (row_start + c) // 2)
+                return uint32(0), uint32(0), uint32(0), uint32(0)
+            w = cuda.local.array(4, uint32)  # X holds single 16-bit words (uint16): pack them here
+            for i in range(4):
+                lo = uint32(load_word(X, row_start + c + 2 * i)) if row_ok and c + 2 * i < head_dim else uint32(0)
+                hi = (uint32(load_word(X, row_start + c + 2 * i + 1))
+                      if row_ok and c + 2 * i + 1 < head_dim else uint32(0))
+                w[i] = lo | (hi << uint32(16))
+            return w[0], w[1], w[2], w[3]
+        if VEC:  # d is a multiple of 4: a chunk is wholly inside the row or wholly padding
+            if row_ok and c < head_dim:
+                return load_vec4(X, row_start + c)
+            return float32(0), float32(0), float32(0), float32(0)
+        x = cuda.local.array(4, float32)
+        for i in range(4):
+            x[i] = load_word(X, row_start + c + i) if row_ok and c + i < head_dim else float32(0)
+        return x[0], x[1], x[2], x[3]
+
+    @inlined_device_function
+    def fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid):
+        for i in range(ROW_ITERS):
+            e = tid + i * THREADS
+            r = e // ROW_CHUNKS
+            w0, w1, w2, w3 = load_chunk(X, base + r * stride, (e % ROW_CHUNKS) * CHUNK, head_dim,
+                                        e < ROW_UNITS and r < rows_valid)
+            regs[i, 0], regs[i, 1], regs[i, 2], regs[i, 3] = w0, w1, w2, w3
+
+    @inlined_device_function
+    def commit_rows(smem, regs, HI, LO, tid):
+        for i in range(ROW_ITERS):
+            e = tid + i * THREADS
+            if e < ROW_UNITS:
+                at = (e // ROW_CHUNKS) * RS + 4 * (e % ROW_CHUNKS)
+                if SIXTEEN:
+                    store_vec4(smem, HI + at, regs[i, 0], regs[i, 1], regs[i, 2], regs[i, 3])
+                else:
+                    h0, l0 = split_tf32(regs[i, 0])
+                    h1, l1 = split_tf32(regs[i, 1])
+                    h2, l2 = split_tf32(regs[i, 2])
+                    h3, l3 = split_tf32(regs[i, 3])
+                    store_vec4(smem, HI + at, h0, h1, h2, h3)
+                    store_vec4(smem, LO + at, l0, l1, l2, l3)
+
+    @inlined_device_function
+    def fetch_pairs(regs, X, base, stride, rows_valid, head_dim, tid):
+        for i in range(PAIR_ITERS):
+            e = tid + i * THREADS
+            r = 2 * (e // ROW_CHUNKS)
+            c = (e % ROW_CHUNKS) * CHUNK
+            w0, w1, w2, w3 = load_chunk(X, base + r * stride, c, head_dim, e < PAIR_UNITS and r < rows_valid)
+            regs[i, 0], regs[i, 1], regs[i, 2], regs[i, 3] = w0, w1, w2, w3
+            w0, w1, w2, w3 = load_chunk(X, base + (r + 1) * stride, c, head_dim,
+                                        e < PAIR_UNITS and r + 1 < rows_valid)
+            regs[i, 4], regs[i, 5], regs[i, 6], regs[i, 7] = w0, w1, w2, w3
+
+    @inlined_device_function
+    def commit_pairs(smem, regs, AT, tid):
+        for i in range(PAIR_ITERS):
+            e = tid + i * THREADS
+            if e < PAIR_UNITS:
+                at = AT + (e // ROW_CHUNKS) * PS + 8 * (e % ROW_CHUNKS)
+                # a_w = regs[i, w] holds columns 2w (low) and 2w + 1 (high) of row 2r; b_w = regs[i, 4 + w] of 2r + 1.
+                for w in range(4):
+                    a = regs[i, w]
+                    b = regs[i, 4 + w]
+                    regs[i, w] = (a & uint32(0xFFFF)) | (b << uint32(16))                 # column 2w
+                    regs[i, 4 + w] = (a >> uint32(16)) | (b & uint32(0xFFFF0000))         # column 2w + 1
+                store_vec4(smem, at, regs[i, 0], regs[i, 4], regs[i, 1], regs[i, 5])
+                store_vec4(smem, at + 4, regs[i, 2], regs[i, 6], regs[i, 3], regs[i, 7])
+
+    @inlined_device_function
+    def sanitize_rows(smem, HI, tid):
+        """Thread r < ROWS: NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
+
+        For 3xTF32 only the hi half needs it: a NaN's lo half is 0 (``split_tf32``).
+        """
+        found = uint32(0)
+        if tid < ROWS:
+            for w in range(ROW_WORDS):  # the data words of the row, not its bank padding
+                word = load_word(smem, HI + tid * RS + w)
+                if SIXTEEN:
+                    if low_is_nan(word):
+                        word &= uint32(0xFFFF0000)
+                        found = uint32(1)
+                    if high_is_nan(word):
+                        word &= uint32(0xFFFF)
+                        found = uint32(1)
+                elif low_is_nan(word):
+                    word = uint32(0)
+                    found = uint32(1)
+                store_word(smem, HI + tid * RS + w, word)
+        return found
+
+    @inlined_device_function
+    def sanitize_pairs(smem, AT, tid):
+        """Thread p < ROWS / 2: NaN elements of row pair p of the pairs tile at AT to 0; returns whether
+        rows 2p (low halves) and 2p + 1 (high halves) had any."""
+        found_low = uint32(0)
+        found_high = uint32(0)
+        if tid < ROWS // 2:
+            for w in range(D_PAD):  # one word per column of the pair, not the bank padding
+                word = load_word(smem, AT + tid * PS + w)
+                if low_is_nan(word):
+                    word &= uint32(0xFFFF0000)
+                    found_low = uint32(1)
+                if high_is_nan(word):
+                    word &= uint32(0xFFFF)
+                    found_high = uint32(1)
+                store_word(smem, AT + tid * PS + w, word)
+        return found_low, found_high
+
+    return ROW_ITERS, PAIR_ITERS, fetch_rows, commit_rows, fetch_pairs, commit_pairs, sanitize_rows, sanitize_pairs
+
+
+@inlined_device_function
+def warp_lane(tid):
+    """(warp, g, t) of a thread: its warp, and its lane as 4 g + t (the fragment layouts' names)."""
+    lane = tid % 32
+    return tid // 32, lane >> 2, lane & 3
+
+
+__all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "contiguous_strides",
+           "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
+           "tile_coordinates", "tile_movers", "warp_lane", "words_per_chunk_row"]
