@@ -102,11 +102,16 @@ def main(argv=None):
     p = commands.add_parser("bench", help="time our kernels against torch's attention backends (GPU only)")
     p.add_argument("--shape", type=int, nargs=4, action="append", metavar=("B", "H", "N", "D"),
                    help="a problem shape; repeat for several (default: the four shapes of issue #3)")
-    p.add_argument("--dtypes", default="float32,float16", help="comma-separated: float32,float16")
+    p.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated: float32,float16,bfloat16")
     p.add_argument("--algorithms", default="flash2", help="ours to time, comma-separated (flash2,flash1,standard)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median reported)")
     p.add_argument("--backward", action="store_true",
                    help="time the backward and forward + backward through autograd (default shapes: issue #5's)")
+    p.add_argument("--host", action="store_true",
+                   help="time what a call costs the host: a loop of --calls calls, one synchronisation")
+    p.add_argument("--calls", type=int, default=1000, help="calls in the --host loop")
+    p.add_argument("--baseline", default=None, metavar="PACKAGE_DIR",
+                   help="also time another copy of numba-flash (its package folder), in the same process")
     p.add_argument("--out", default=None, help="folder for the CSV and markdown results")
     p.add_argument("--tag", default="bench", help="file name stem of the results")
     p.add_argument("--command", default=None, help="the command line to record in the results")

@@ -31,8 +31,6 @@ the same code path for tests.
 
 torch is an optional dependency: ``pip install torch``.
 """
-import weakref
-
 import numpy as np
 import torch
 
@@ -101,60 +99,55 @@ class FlashAttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- the custom operator (torch.compile)
 #
 # A custom operator's arguments are tensors and plain values.  A BlockMask
-# travels as its layout tensor, kept on the mask (and mapped back to it), so
-# that the mask's device forms are built once, as in eager mode; the seed
-# travels as two 32-bit words.
+# travels as an integer key into ``_MASKS``, where the call registers it (a
+# mask is immutable, and its device forms are built once, as in eager mode);
+# the seed travels as two 32-bit words.
 
-_MASKS_BY_LAYOUT = weakref.WeakValueDictionary()
-
-
-def _mask_layout(block_mask):
-    """The mask's layout as a CPU tensor (made once per mask); the operator maps it back to the mask."""
-    layout = getattr(block_mask, "_torch_layout", None)
-    if layout is None:
-        layout = block_mask._torch_layout = torch.from_numpy(block_mask.layout.copy())
-        _MASKS_BY_LAYOUT[layout.data_ptr()] = block_mask
-    return layout
+#: Block masks that reached the operator, by id (kept alive here: the key must stay theirs).
+_MASKS = {}
 
 
-def _options(causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm, block_sizes):
-    block_mask = None
-    if mask_layout is not None:
-        block_mask = _MASKS_BY_LAYOUT.get(mask_layout.data_ptr())
-        if block_mask is None:  # a layout tensor from elsewhere (a traced graph's constant)
-            block_mask = BlockMask(mask_layout.numpy(), tuple(mask_block))
+def _mask_key(block_mask):
+    if block_mask is None:
+        return -1
+    key = id(block_mask)
+    _MASKS[key] = block_mask
+    return key
+
+
+def _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes):
     causal = {"false": False, "true": True}.get(causal, causal)
-    return dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p,
+    return dict(causal=causal, scale=scale, block_mask=_MASKS.get(mask_key), dropout_p=dropout_p,
                 seed=seed_low | (seed_high << 32), algorithm=algorithm,
                 block_sizes=None if block_sizes is None else tuple(block_sizes))
 
 
 @torch.library.custom_op("numba_flash::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None,
-                  mask_layout: torch.Tensor | None, mask_block: list[int] | None, dropout_p: float, seed_low: int,
-                  seed_high: int, algorithm: str, block_sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _forward(q, k, v, _options(causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high,
-                                          algorithm, block_sizes))
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None, mask_key: int,
+                  dropout_p: float, seed_low: int, seed_high: int, algorithm: str,
+                  block_sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward(q, k, v, _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm,
+                                          block_sizes))
     return out, lse
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm, block_sizes):
+def _(q, k, v, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("numba_flash::attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                           grad_out: torch.Tensor, causal: str, scale: float | None, mask_layout: torch.Tensor | None,
-                           mask_block: list[int] | None, dropout_p: float, seed_low: int, seed_high: int,
+                           grad_out: torch.Tensor, causal: str, scale: float | None, mask_key: int, dropout_p: float,
+                           seed_low: int, seed_high: int,
                            algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _options(causal, scale, mask_layout, mask_block, dropout_p,
-                                                                 seed_low, seed_high, algorithm, None))
+    dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _options(causal, scale, mask_key, dropout_p, seed_low,
+                                                                 seed_high, algorithm, None))
     return dq, dk, dv
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, lse, grad_out, causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm):
+def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
@@ -166,10 +159,10 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    causal, scale, mask_layout, mask_block, dropout_p, seed_low, seed_high, algorithm, _ = ctx.options
-    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out.contiguous(), causal, scale, mask_layout,
-                                        mask_block, dropout_p, seed_low, seed_high, algorithm)
-    return (dq, dk, dv) + (None,) * 9
+    causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _ = ctx.options
+    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out.contiguous(), causal, scale, mask_key, dropout_p,
+                                        seed_low, seed_high, algorithm)
+    return (dq, dk, dv) + (None,) * 8
 
 
 _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -206,9 +199,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     if torch.compiler.is_compiling():
         if block_mask is not None and not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
-        mask_layout = None if block_mask is None else _mask_layout(block_mask)
-        mask_block = None if block_mask is None else list(block_mask.block_size)
-        out, _ = _attention_op(q, k, v, str(causal).lower(), scale, mask_layout, mask_block, float(dropout_p),
+        out, _ = _attention_op(q, k, v, str(causal).lower(), scale, _mask_key(block_mask), float(dropout_p),
                                seed & 0xFFFFFFFF, seed >> 32, algorithm,
                                None if block_sizes is None else list(block_sizes))
         return out

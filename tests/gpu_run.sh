@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
-#   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize bench experiments (default: all)
+#   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize bench host accuracy experiments (default: all)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
 # run is JIT compilation (seconds per kernel specialisation, in every pytest worker), hence the
-# short Hypothesis profile for the tests.  Clocks are never touched.
+# short Hypothesis profile for the tests.  With BASELINE set to a package folder (an earlier commit,
+# e.g. .baseline/numba_flash_a449d24), the benchmarks and the accuracy experiment measure it beside
+# this tree in the same process.  GPU=i puts the steps on GPU i.  Clocks are never touched.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-LOGS=${OUT:-.}/run
+export CUDA_VISIBLE_DEVICES=${GPU:-0}
+LOGS=${OUT:-.}/run${GPU:-}
 mkdir -p "$LOGS" experiments/results
-STEPS=${*:-tests sanitize bench experiments}
+STEPS=${*:-tests sanitize bench host accuracy experiments}
+BASE=${BASELINE:+--baseline $BASELINE}
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=$2 start=$SECONDS
@@ -23,25 +27,33 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 for s in $STEPS; do
     case $s in
     tests)
-        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} step pytest 300 \
-            python3 -m pytest -q -n 16 -p no:cacheprovider -p no:benchmark --durations=15 tests/
-        grep -E "passed|failed|^FAILED|^ERROR" "$LOGS/pytest.log" | tail -5 ;;
+        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} step pytest ${TEST_LIMIT:-420} \
+            python3 -m pytest -q -n ${WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 tests/
+        grep -E "passed|failed|^FAILED|^ERROR" "$LOGS/pytest.log" | tail -12 ;;
     sanitize)
-        step memcheck 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+        step memcheck 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
             python3 tests/gpu_sanitize.py quick
-        step racecheck 150 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
+        step racecheck 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
             python3 tests/gpu_sanitize.py quick
-        grep -hE "SUMMARY" "$LOGS/memcheck.log" "$LOGS/racecheck.log" ;;
+        grep -hE "SUMMARY|Error|error" "$LOGS/memcheck.log" "$LOGS/racecheck.log" | tail -6 ;;
     bench)
-        step bench_forward 150 python3 -m numba_flash bench --repeats 20 --out experiments/results --tag bench_h200 \
-            --command "python3 -m numba_flash bench --repeats 20"
-        step bench_backward 150 python3 -m numba_flash bench --backward --repeats 10 --out experiments/results \
-            --tag bench_backward_h200 --command "python3 -m numba_flash bench --backward --repeats 10" ;;
+        step bench_forward 300 python3 -m numba_flash bench --repeats 20 $BASE --out experiments/results \
+            --tag bench_h200 --command "python3 -m numba_flash bench --repeats 20 $BASE"
+        tail -4 "$LOGS/bench_forward.log" ;;
+    host)
+        step bench_host 150 python3 -m numba_flash bench --host $BASE --dtypes float16,float32 \
+            --out experiments/results --tag host_h200 --command "python3 -m numba_flash bench --host $BASE"
+        tail -16 "$LOGS/bench_host.log" ;;
+    backward)
+        step bench_backward 300 python3 -m numba_flash bench --backward --repeats 10 $BASE --out experiments/results \
+            --tag bench_backward_h200 --command "python3 -m numba_flash bench --backward --repeats 10 $BASE"
+        tail -4 "$LOGS/bench_backward.log" ;;
+    accuracy)
+        step float32_accuracy 200 python3 experiments/float32_accuracy.py $BASE
+        tail -30 "$LOGS/float32_accuracy.log" ;;
     experiments)
-        step block_sparse 90 python3 experiments/block_sparse.py
-        step dram_traffic 200 python3 experiments/dram_traffic.py
-        step io_traffic 150 python3 experiments/io_traffic.py --parts gpt2 block_size
-        step block_size_choice 300 python3 experiments/block_size_choice.py ;;
-    *) echo "unknown step $s (tests, sanitize, bench, experiments)"; exit 2 ;;
+        step block_sparse 150 python3 experiments/block_sparse.py
+        tail -3 "$LOGS/block_sparse.log" ;;
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments)"; exit 2 ;;
     esac
 done

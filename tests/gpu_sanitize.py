@@ -8,55 +8,60 @@ Not a pytest module: run it under the sanitizer on a GPU, e.g.
 Arguments select runs by name (any word of "forward flash2 float32 sparse
 ...", all given words must match); none runs everything.  The word "quick"
 runs only the last (smallest) case: each run compiles its kernels, which
-dominates the time.  Shapes are small
-(the sanitizer slows kernels down a lot) and chosen to be ragged: N_q and N_k
-not multiples of any block size, N_q != N_k, odd d.  Every result is checked
-against the float64 reference too, so a run that the sanitizer passes but that
-computes garbage still fails.
+dominates the time.  Shapes are small (the sanitizer slows kernels down a
+lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
+N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
+empty row of blocks), dropout, both, gqa (two query heads per key/value
+head, bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
+views), nan (NaN in a value row and a query row: the masked-tile sanitising
+path).  Every result is checked against the float64 reference too, so a run
+that the sanitizer passes but that computes garbage still fails.
 """
 import sys
 
+import ml_dtypes
 import numpy as np
+import torch
 
 import numba_flash
 import reference
 from numba_flash import masks
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
 CASES = [
-    # (batch*heads, N_q, N_k, d, causal)
-    (2, 37, 29, 24, False),
-    (1, 61, 75, 64, True),
-    (1, 19, 33, 7, True),
+    # (batch, heads, N_q, N_k, d, causal)
+    (1, 2, 37, 29, 24, False),
+    (1, 2, 61, 75, 64, True),
+    (1, 2, 19, 33, 8, True),
 ]
-#: (direction, algorithm, dtype, block sizes, variant): variant is "dense", "sparse" (a random
-#: block mask with an empty row of blocks), "dropout" or "sparse_dropout" (both at once).
+#: (direction, algorithm, dtype, block sizes, variant).
 RUNS = [
     ("forward", "standard", np.float32, None, "dense"),
     ("forward", "flash1", np.float32, (16, 24), "dense"),
+    ("forward", "standard", np.float32, None, "sparse"),
+    ("forward", "flash1", np.float32, (16, 16), "sparse"),
     ("forward", "flash2", np.float32, (64, 32), "dense"),
     ("forward", "flash2", np.float32, (16, 16), "dense"),
     ("forward", "flash2", np.float16, (64, 64), "dense"),
-    ("forward", "flash2", np.float16, (32, 16), "dense"),
-    ("forward", "standard", np.float32, None, "sparse"),
-    ("forward", "flash1", np.float32, (16, 16), "sparse"),
-    ("forward", "flash2", np.float32, (32, 16), "sparse"),
-    ("forward", "flash2", np.float16, (32, 32), "sparse"),
-    ("forward", "flash2", np.float32, (32, 16), "dropout"),
-    ("forward", "flash2", np.float16, (32, 32), "dropout"),
+    ("forward", "flash2", BF16, (32, 16), "dense"),
     ("forward", "flash2", np.float32, (32, 16), "sparse_dropout"),
     ("forward", "flash2", np.float16, (32, 32), "sparse_dropout"),
-    ("backward", "flash1", np.float32, (16, 16), "dense"),
-    ("backward", "flash1", np.float32, (16, 16), "sparse"),
-    ("backward", "flash1", np.float32, (16, 16), "dropout"),
-    ("backward", "flash2", np.float32, (32, 32), "dense"),
-    ("backward", "flash2", np.float32, (32, 32), "sparse"),
-    ("backward", "flash2", np.float32, (32, 32), "dropout"),
-    ("backward", "flash2", np.float16, (32, 32), "dense"),
-    ("backward", "flash2", np.float32, (128, 64), "dense"),  # the default tiles at d <= 64 (float16 to d = 128)
-    ("backward", "flash2", np.float16, (128, 64), "dense"),
+    ("forward", "flash2", BF16, (32, 32), "sparse_dropout"),
+    ("forward", "flash2", np.float32, (32, 16), "gqa"),
+    ("forward", "flash2", np.float16, (64, 64), "strided"),
+    ("forward", "flash2", np.float32, (32, 16), "nan"),
+    ("forward", "flash2", np.float16, (32, 32), "nan"),
     ("backward", "flash1", np.float32, (16, 16), "sparse_dropout"),
+    ("backward", "flash1", np.float32, (16, 16), "nan"),
+    ("backward", "flash2", np.float32, (32, 32), "dense"),
+    ("backward", "flash2", np.float32, (128, 64), "dense"),  # the default tiles at d <= 64 (16-bit to d = 128)
+    ("backward", "flash2", np.float16, (128, 64), "dense"),
+    ("backward", "flash2", BF16, (32, 32), "sparse_dropout"),
     ("backward", "flash2", np.float32, (32, 32), "sparse_dropout"),
-    ("backward", "flash2", np.float16, (32, 32), "sparse_dropout"),
+    ("backward", "flash2", np.float16, (32, 32), "gqa"),
+    ("backward", "flash2", np.float32, (32, 16), "strided"),
+    ("backward", "flash2", np.float32, (32, 32), "nan"),
+    ("backward", "flash2", np.float16, (32, 32), "nan"),
 ]
 MASK_BLOCK = 16
 DROPOUT_P = 0.25
@@ -67,9 +72,22 @@ def run_name(run):
     return f"{direction} {algorithm} {np.dtype(dtype).name} {variant}"
 
 
-def options(variant, bh, n_q, n_k, rng):
-    """Keyword arguments for one call, and the (mask, keep) the reference needs."""
-    kwargs, ref_kwargs = {}, {}
+def inputs(variant, dtype, case, rng):
+    """q, k, v (torch CUDA tensors: strided views for "strided"), their float64 copies, the call's options."""
+    batch, heads, n_q, n_k, d, causal = case
+    kv_heads = heads // 2 if variant == "gqa" else heads
+    q = rng.standard_normal((batch, heads, n_q, d))
+    k, v = (rng.standard_normal((batch, kv_heads, n_k, d)) for _ in range(2))
+    if variant == "nan":
+        v[0, 0, n_k // 2, 1] = np.nan
+        q[0, -1, 3, 0] = np.nan
+    host = [x.astype(dtype) for x in (q, k, v)]
+    device = [torch.as_tensor(x.view(np.int16) if dtype == BF16 else x, device="cuda") for x in host]
+    if dtype == BF16:
+        device = [x.view(torch.bfloat16) for x in device]
+    if variant == "strided":
+        device = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in device]
+    kwargs, ref_kwargs = dict(causal="bottom_right" if variant == "gqa" else causal), {}
     if "sparse" in variant:
         bm = masks.random(n_q, n_k, (MASK_BLOCK, MASK_BLOCK), 0.6, seed=int(rng.integers(1 << 30)))
         layout = bm.layout.copy()
@@ -78,15 +96,24 @@ def options(variant, bh, n_q, n_k, rng):
         kwargs.update(block_mask=bm)
         ref_kwargs.update(mask=bm.to_dense(n_q, n_k))
     if "dropout" in variant:
-        keep = numba_flash.dropout_mask((bh, n_q, n_k), DROPOUT_P, seed=7)
+        keep = numba_flash.dropout_mask((batch, heads, n_q, n_k), DROPOUT_P, seed=7)
         kwargs.update(dropout_p=DROPOUT_P, seed=7)
         ref_kwargs.update(dropout_keep=keep, dropout_p=DROPOUT_P)
-    return kwargs, ref_kwargs
+    ref_kwargs["causal"] = kwargs["causal"]
+    return device, [x.astype(np.float64) for x in host], kwargs, ref_kwargs
+
+
+def to_host(x):
+    x = x.detach()
+    return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy().astype(np.float64)
 
 
 def check(name, got, want, dtype):
-    err = float(np.abs(np.asarray(got, np.float64) - want).max() / max(1.0, np.abs(want).max()))
-    limit = 4e-3 if dtype == np.float16 else 2e-5
+    got = to_host(got)
+    finite = ~np.isnan(want)
+    assert np.array_equal(np.isnan(got), ~finite), f"{name}: NaN where the reference has none, or missing"
+    err = float(np.abs(got[finite] - want[finite]).max(initial=0) / max(1.0, np.abs(want[finite]).max(initial=0)))
+    limit = {np.dtype(np.float16): 4e-3, BF16: 3e-2}.get(np.dtype(dtype), 2e-5)
     print(f"  {name}: max err {err:.2e}", flush=True)
     assert err < limit, f"{name}: error {err} above {limit}"
     return err
@@ -101,26 +128,42 @@ def main(selected=()):
         if not all(word in run_name(run).split() for word in selected):
             continue
         direction, algorithm, dtype, blocks, variant = run
-        for bh, n_q, n_k, d, causal in cases:
-            q = rng.standard_normal((bh, n_q, d)).astype(dtype)
-            k, v = (rng.standard_normal((bh, n_k, d)).astype(dtype) for _ in range(2))
-            kwargs, ref_kwargs = options(variant, bh, n_q, n_k, rng)
-            print(f"{run_name(run)} blocks={blocks} shape=({bh},{n_q},{n_k},{d}) causal={causal}", flush=True)
-            ref, _ = reference.attention(q, k, v, causal=causal, **ref_kwargs)
+        for case in cases:
+            (q, k, v), (q64, k64, v64), kwargs, ref_kwargs = inputs(variant, dtype, case, rng)
+            print(f"{run_name(run)} blocks={blocks} case={case}", flush=True)
+            # NaN runs: the rows that never see a NaN equal the reference without it; the others are NaN.
+            ref, _ = reference.attention(*(np.nan_to_num(x) for x in (q64, k64, v64)), **ref_kwargs)
+            if variant == "nan":
+                ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
-                out = numba_flash.attention(q, k, v, causal=causal, algorithm=algorithm, block_sizes=blocks,
-                                            **kwargs)
+                out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype))
                 continue
             # The backward starts from the forward's O and lse (flash2 forward; same arguments).
-            o, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
-            do = rng.standard_normal(o.shape).astype(dtype)
-            grads = numba_flash.attention_backward(q, k, v, o, lse, do, causal=causal, algorithm=algorithm,
-                                                   block_sizes=blocks, **kwargs)
-            want = reference.attention_backward(q, k, v, do, causal=causal, **ref_kwargs)
+            o, lse = numba_flash.attention(q, k, v, return_lse=True, **kwargs)
+            do_host = rng.standard_normal(q.shape).astype(dtype)
+            do = torch.as_tensor(do_host.view(np.int16) if dtype == BF16 else do_host, device="cuda")
+            do = do.view(torch.bfloat16) if dtype == BF16 else do
+            grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm, block_sizes=blocks,
+                                                   **kwargs)
+            if variant == "nan":
+                for label, got in zip(("dq", "dk", "dv"), grads):
+                    print(f"  {label}: NaN rows {int(torch.isnan(got).any(-1).sum())}", flush=True)
+                continue
+            want = reference.attention_backward(q64, k64, v64, do_host.astype(np.float64), **ref_kwargs)
             for label, got, expected in zip(("dq", "dk", "dv"), grads, want):
                 worst = max(worst, check(label, got, expected, dtype))
     print("all kernels ran; worst relative error", worst)
+
+
+def nan_rows(ref, q64, v64, causal):
+    """``ref`` with NaN in the rows allowed to see a NaN value row, or holding a NaN query (tests/test_nan.py)."""
+    n_q, n_k = ref.shape[-2], v64.shape[-2]
+    allowed = reference.allowed_mask(n_q, n_k, causal=causal)
+    group = q64.shape[1] // v64.shape[1]
+    bad_v = np.repeat(np.isnan(v64).any(-1), group, axis=1)             # (B, H, N_k)
+    bad = (allowed[None, None] & bad_v[:, :, None, :]).any(-1) | (np.isnan(q64).any(-1) & allowed.any(-1))
+    return np.where(bad[..., None], np.nan, ref)
 
 
 if __name__ == "__main__":

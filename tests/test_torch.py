@@ -159,3 +159,143 @@ def test_kernels_run_on_torchs_current_stream():
         out = nft.attention(q2, k, v)
     torch.cuda.current_stream().wait_stream(stream)
     assert torch.equal(out, expected)
+
+
+class GroupedBlock(torch.nn.Module):
+    """Attention as models hold it: projections to (B, N, H, d), grouped key/value heads, no copies."""
+
+    def __init__(self, width, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q = torch.nn.Linear(width, width)
+        self.kv = torch.nn.Linear(width, 2 * kv_heads * self.head_dim)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x, attention):
+        batch, n, _ = x.shape
+        q = self.q(x).view(batch, n, self.heads, self.head_dim).transpose(1, 2)       # strided views
+        k, v = self.kv(x).view(batch, n, 2, self.kv_heads, self.head_dim).unbind(2)
+        y = attention(q, k.transpose(1, 2), v.transpose(1, 2))
+        return self.proj(y.transpose(1, 2).reshape(batch, n, -1))
+
+
+def sdpa_gqa(q, k, v):
+    """torch's math attention with enable_gqa semantics (its reference)."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_grouped_strided_heads_and_16_bit_types_through_autograd(dtype):
+    torch.manual_seed(1)
+    width, heads, kv_heads, n = (32, 4, 2, 12) if numba_flash.in_simulator() else (256, 8, 2, 300)
+    block = GroupedBlock(width, heads, kv_heads).to(DEVICE, dtype)
+    x = torch.randn(2, n, width, device=DEVICE, dtype=dtype)
+
+    def output_and_grads(attention):
+        block.zero_grad()
+        y = block(x, attention)
+        y.float().square().mean().backward()
+        return y.detach().double(), {name: p.grad.double() for name, p in block.named_parameters()}
+
+    out, grads = output_and_grads(lambda q, k, v: nft.attention(q, k, v, causal=True))
+    block64 = GroupedBlock(width, heads, kv_heads).to(DEVICE, torch.float64)
+    block64.load_state_dict(block.state_dict())
+    block, x = block64, x.double()
+    ref_out, ref_grads = output_and_grads(sdpa_gqa)
+    # The model's own rounding in dtype dominates: a few of its ulps of each result's largest entry.
+    u = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    assert float((out - ref_out).abs().max()) <= 64 * u * float(ref_out.abs().max())
+    for name, ref in ref_grads.items():
+        err = float((grads[name] - ref).abs().max())
+        assert err <= 256 * u * float(ref.abs().max()), f"{name}: {err:.3g}"
+
+
+@pytest.mark.gpu_only
+def test_strided_inputs_are_read_in_place():
+    # A (B, N, H, d) tensor viewed as (B, H, N, d) reaches the kernel with no copy: torch records no
+    # allocation for it (the only new memory is O and lse).
+    x = torch.randn(2, 256, 4, 64, device="cuda")
+    q = x.transpose(1, 2)
+    nft.attention(q, q, q)  # plan and compile
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out = nft.attention(q, q, q)
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    assert allocations == 2, f"{allocations} allocations (O and lse expected)"
+    torch.testing.assert_close(out, nft.attention(q.contiguous(), q.contiguous(), q.contiguous()), rtol=0, atol=0)
+
+
+def test_torch_compile_compiles_a_model_that_calls_it():
+    # numba_flash::attention is a custom operator: Dynamo traces through it (fullgraph: no graph break),
+    # and the compiled model gives eager's results.
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    width, heads, n = (16, 2, 12) if numba_flash.in_simulator() else (128, 4, 200)
+    block = Block(width, heads).to(DEVICE)
+    x = torch.randn(2, n, width, device=DEVICE, requires_grad=True)
+    bm = BlockMask(np.tril(np.ones((-(-n // 8), -(-n // 8)), bool)), (8, 8))
+
+    def attention(q, k, v):
+        return nft.attention(q, k, v, causal=True, block_mask=bm, dropout_p=0.1, seed=7)
+
+    def run(model):
+        out = model(x, attention)
+        grads = torch.autograd.grad(out.square().sum(), [x] + list(block.parameters()))
+        return out, grads
+
+    eager_out, eager_grads = run(block)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if numba_flash.in_simulator() else "inductor")
+    out, grads = run(compiled)
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_custom_operator_passes_torchs_own_checks():
+    # torch.library.opcheck: schema, fake (meta) implementation, autograd registration.
+    q, k, v = (torch.randn(1, 2, 16, 8, device=DEVICE, requires_grad=True) for _ in range(3))
+    args = (q, k, v, "true", None, -1, 0.0, 0, 0, "flash2", None)
+    torch.library.opcheck(torch.ops.numba_flash.attention.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.gpu_only
+def test_cuda_graph_replays_a_block_bit_for_bit():
+    # Forward and backward of a transformer block captured with torch.cuda.graph and replayed equal
+    # the eager step bit for bit (the same dropout seed: the same mask).
+    torch.manual_seed(3)
+    block = Block(128, 4).cuda()
+    static_x = torch.randn(2, 256, 128, device="cuda", requires_grad=True)
+
+    def step():
+        out = block(static_x, lambda q, k, v: nft.attention(q, k, v, causal=True, dropout_p=0.1, seed=11))
+        out.square().mean().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream: plans, compilation, allocator
+        for _ in range(3):
+            block.zero_grad(set_to_none=True)
+            static_x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    block.zero_grad(set_to_none=True)
+    static_x.grad = None
+    eager_out = step().detach().clone()
+    eager_grads = [p.grad.clone() for p in block.parameters()] + [static_x.grad.clone()]
+
+    block.zero_grad(set_to_none=True)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    for p in block.parameters():
+        p.grad.zero_()
+    static_x.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, eager_out)
+    for got, want in zip([p.grad for p in block.parameters()] + [static_x.grad], eager_grads):
+        assert torch.equal(got, want)

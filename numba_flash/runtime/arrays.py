@@ -232,10 +232,7 @@ def current_torch_stream(device):
 
 def stream_handle(stream):
     """The raw handle of a Numba stream (0 for Numba's default stream)."""
-    if not stream:
-        return 0
-    handle = getattr(stream, "handle", stream)
-    return int(getattr(handle, "value", handle) or 0)
+    return int(stream) if stream else 0
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,4 +1,4 @@
-"""``numba-flash bench``: our kernels against torch's attention backends.
+"""``numba-flash bench``: our kernels against torch's attention backends, and the host time of a call.
 
 Everything runs in one process on one GPU.  Each (shape, dtype, causal)
 case draws three sets of random inputs on the device and rotates through
@@ -12,7 +12,13 @@ skipped).  ``--backward`` times the backward instead (through autograd, ours
 via ``numba_flash.torch``), and forward + backward, counting the usual 2.5x
 the forward's FLOPs for the backward's five products and 3.5x for both
 (FlashAttention-2's convention; our deterministic backward does seven).  The peak for "% of peak" is the H200's: 67 TFLOP/s for float32
-FMA and 989 TFLOP/s for dense float16 tensor-core math (datasheet).
+FMA and 989 TFLOP/s for dense 16-bit tensor-core math (datasheet).
+
+``--baseline DIR`` also times another copy of the package (a source tree
+whose package folder is DIR, e.g. an earlier commit unpacked by ``git
+archive``) in the same process: before/after numbers of one run.
+``--host`` measures what a call costs the host instead: a loop of
+``--calls`` calls with one synchronisation at the end (``run_host``).
 """
 import csv
 import datetime
@@ -28,7 +34,7 @@ from .timing import time_ms
 
 #: (batch, heads, N, d): the shapes issue #3 asks for.
 DEFAULT_SHAPES = [(8, 16, 1024, 64), (4, 16, 4096, 64), (2, 16, 8192, 128), (1, 16, 16384, 64)]
-PEAK_TFLOPS = {"float32": 67.0, "float16": 989.0}
+PEAK_TFLOPS = {"float32": 67.0, "float16": 989.0, "bfloat16": 989.0}
 TORCH_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION")
 SHORT_NAMES = {"MATH": "torch-math", "EFFICIENT_ATTENTION": "torch-efficient",
                "FLASH_ATTENTION": "torch-flash", "CUDNN_ATTENTION": "torch-cudnn"}
@@ -65,8 +71,7 @@ def _inputs(shape, dtype, sets, torch):
     triples = []
     for _ in range(sets):
         if torch is not None:
-            tdtype = torch.float16 if dtype == "float16" else torch.float32
-            triples.append(tuple(torch.randn(shape, device="cuda", dtype=tdtype) for _ in range(3)))
+            triples.append(tuple(torch.randn(shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(3)))
         else:
             from numba import cuda
             triples.append(tuple(cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(3)))
@@ -82,13 +87,20 @@ def _time_rotating(fn, triples, repeats):
     return time_ms(lambda: fn(*triples[state["i"]]), repeats=repeats, warmup=3, setup=setup)
 
 
-def run_case(shape, dtype, causal, algorithms, repeats, torch):
+def run_case(shape, dtype, causal, algorithms, repeats, torch, baseline=None):
     triples = _inputs(shape, dtype, 3, torch)
     rows = []
     for algorithm in algorithms:
         ms = _time_rotating(lambda q, k, v: attention(q, k, v, causal=causal, algorithm=algorithm),
                             triples, repeats)
         rows.append(Row(shape, dtype, causal, algorithm, ms))
+    if baseline is not None:
+        name = f"flash2@{baseline.label}"
+        try:
+            ms = _time_rotating(lambda q, k, v: baseline.attention(q, k, v, causal=causal), triples, repeats)
+            rows.append(Row(shape, dtype, causal, name, ms))
+        except (TypeError, ValueError) as exc:  # e.g. a dtype the baseline does not take
+            rows.append(Row(shape, dtype, causal, name, float("nan"), str(exc).splitlines()[0][:60]))
     if torch is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -111,17 +123,19 @@ BACKWARD_TARGETS = (("torch-math", 1.5), ("torch-efficient", 1.0))
 BACKWARD_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION")
 
 
-def run_backward_case(shape, dtype, causal, repeats, torch):
+def run_backward_case(shape, dtype, causal, repeats, torch, baseline=None):
     """Backward and forward + backward through autograd: flash2 (numba_flash.torch) and torch's backends."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from .. import torch as nft
 
-    tdtype = torch.float16 if dtype == "float16" else torch.float32
+    tdtype = getattr(torch, dtype)
     q, k, v = (torch.randn(shape, device="cuda", dtype=tdtype, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device="cuda", dtype=tdtype)
     implementations = [("flash2", lambda: nft.attention(q, k, v, causal=causal))]
+    if baseline is not None:
+        implementations.append((f"flash2@{baseline.label}", lambda: baseline.torch.attention(q, k, v, causal=causal)))
     for backend in BACKWARD_BACKENDS:
         def call(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
@@ -135,11 +149,99 @@ def run_backward_case(shape, dtype, causal, repeats, torch):
             both_ms = time_ms(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out), repeats=repeats, warmup=3)
             rows.append(Row(shape, dtype, causal, f"{name} bwd", backward_ms, flop_factor=2.5))
             rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", both_ms, flop_factor=3.5))
-        except (RuntimeError, torch.OutOfMemoryError) as exc:  # backend unavailable for this case
+        except (RuntimeError, TypeError, ValueError, torch.OutOfMemoryError) as exc:  # unavailable for this case
             note = str(exc).splitlines()[0][:60]
             rows.append(Row(shape, dtype, causal, f"{name} bwd", float("nan"), note, 2.5))
             rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", float("nan"), note, 3.5))
     return rows
+
+
+#: Shapes of the host-time loop: the smallest call (all host), and one that models train at.
+HOST_SHAPES = [(1, 1, 128, 64), (8, 16, 1024, 64)]
+
+
+@dataclass
+class HostRow:
+    shape: tuple
+    dtype: str
+    implementation: str
+    host_us: float       # per call, the loop's host time (nothing waits for the GPU)
+    total_us: float      # per call, until the GPU has finished too
+
+
+def run_host(shape, dtype, calls, torch, baseline=None):
+    """Host time per call: ``calls`` calls back to back, one synchronisation at the end.
+
+    numba-flash's forward on torch tensors and on Numba arrays, forward and
+    backward through ``numba_flash.torch``, and torch's flash backend the same
+    ways (its fastest path); the baseline's where given.
+    """
+    import time
+
+    from numba import cuda
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from .. import torch as nft
+
+    tdtype = getattr(torch, dtype)
+    q, k, v, grad = (torch.randn(shape, device="cuda", dtype=tdtype) for _ in range(4))
+    trained = tuple(x.clone().requires_grad_() for x in (q, k, v))
+    views = tuple(cuda.as_cuda_array(x) for x in (q, k, v))
+
+    def flash_backend(fn):
+        def call():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return fn()
+        return call
+
+    cases = [
+        ("numba-flash forward, torch tensors", lambda: attention(q, k, v)),
+        ("numba-flash forward, Numba arrays", lambda: attention(*views)),
+        ("numba-flash forward+backward", lambda: torch.autograd.grad(nft.attention(*trained), trained, grad)),
+        ("torch-flash forward", flash_backend(lambda: sdpa(q, k, v))),
+        ("torch-flash forward+backward", flash_backend(lambda: torch.autograd.grad(sdpa(*trained), trained, grad))),
+    ]
+    if baseline is not None:
+        cases += [(f"flash2@{baseline.label} forward, torch tensors", lambda: baseline.attention(q, k, v)),
+                  (f"flash2@{baseline.label} forward+backward",
+                   lambda: torch.autograd.grad(baseline.torch.attention(*trained), trained, grad))]
+    rows = []
+    for name, call in cases:
+        try:
+            for _ in range(10):  # compile, plan, warm the allocators
+                call()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            rows.append(HostRow(shape, dtype, f"{name} ({str(exc).splitlines()[0][:50]})", float("nan"), float("nan")))
+            continue
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        rows.append(HostRow(shape, dtype, name, 1e6 * host / calls, 1e6 * total / calls))
+    return rows
+
+
+def format_host_table(rows):
+    lines = ["| shape (B,H,N,d) | dtype | call | host us per call | us per call with the GPU |", "|---|---|---|---|---|"]
+    lines += [f"| {r.shape} | {r.dtype} | {r.implementation} | {r.host_us:.1f} | {r.total_us:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def load_baseline(path):
+    """Another copy of numba-flash (a package folder, e.g. an earlier commit's) imported beside this one."""
+    import importlib
+    import sys
+
+    folder, name = os.path.split(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    module = importlib.import_module(name)
+    module.torch = importlib.import_module(name + ".torch")
+    module.label = name.rsplit("_", 1)[-1]
+    return module
 
 
 def backward_target_summary(rows):
@@ -233,6 +335,23 @@ def main(args):
     if args.backward and torch is None:
         print("The backward benchmark runs through autograd: it needs torch with CUDA.")
         return 2
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    if args.host:
+        rows = []
+        for shape in [tuple(s) for s in args.shape] if args.shape else HOST_SHAPES:
+            for dtype in args.dtypes.split(","):
+                rows.extend(run_host(shape, dtype, args.calls, torch, baseline))
+                print(format_host_table(rows[-1:]).split("\n", 2)[2], flush=True)
+        table = format_host_table(rows)
+        print(table)
+        if args.out:
+            path = os.path.join(args.out, f"{args.tag}.md")
+            with open(path, "w") as f:
+                f.write(f"# Host time per call\n\nCommand: `{args.command or 'numba-flash bench --host'}`  \n"
+                        f"Device: {device_limits().name}  \nDate: {datetime.date.today().isoformat()}  \n"
+                        f"{args.calls} calls back to back, one synchronisation at the end.\n\n{table}\n")
+            print("wrote", path)
+        return 0
     shapes = [tuple(s) for s in args.shape] if args.shape else (BACKWARD_SHAPES if args.backward else DEFAULT_SHAPES)
     algorithms = args.algorithms.split(",")
     rows = []
@@ -240,9 +359,9 @@ def main(args):
         for shape in shapes:
             for causal in (False, True):
                 if args.backward:
-                    rows.extend(run_backward_case(shape, dtype, causal, args.repeats, torch))
+                    rows.extend(run_backward_case(shape, dtype, causal, args.repeats, torch, baseline))
                 else:
-                    rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch))
+                    rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch, baseline))
                 print(format_table([r for r in rows if r.shape == shape and r.dtype == dtype
                                     and r.causal == causal]).split("\n", 2)[2], flush=True)
     table = format_table(rows)

@@ -436,7 +436,8 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     """
     own, streamed = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
-    vec = call.vec and do_aligned and all(s % 8 == 0 for s in (do_strides.batch, do_strides.head, do_strides.row))
+    vector = 4 if call.precision == "tf32x3" else 8   # elements of one 16-byte load
+    vec = call.vec and do_aligned and all(s % vector == 0 for s in (do_strides.batch, do_strides.head, do_strides.row))
     flags = (d_pad, call.precision, vec, call.causal, call.block_mask is not None, call.dropout_p > 0)
     qs, ks, vs = call.strides
     dq_s, dkv_s = contiguous_strides(call.q_shape), contiguous_strides(call.kv_shape)
