@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
-#   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize bench host accuracy experiments (default: all)
+#   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
+#                                        # experiments (default: all but backward)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -30,12 +31,13 @@ for s in $STEPS; do
         HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} step pytest ${TEST_LIMIT:-420} \
             python3 -m pytest -q -n ${WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 tests/
         grep -E "passed|failed|^FAILED|^ERROR" "$LOGS/pytest.log" | tail -12 ;;
-    sanitize)
-        step memcheck 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-            python3 tests/gpu_sanitize.py quick
-        step racecheck 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
-            python3 tests/gpu_sanitize.py quick
-        grep -hE "SUMMARY|Error|error" "$LOGS/memcheck.log" "$LOGS/racecheck.log" | tail -6 ;;
+    sanitize|memcheck|racecheck)
+        for tool in memcheck racecheck; do
+            [ "$s" = sanitize ] || [ "$s" = $tool ] || continue
+            step $tool ${SANITIZE_LIMIT:-200} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
+                python3 tests/gpu_sanitize.py quick
+            grep -hE "SUMMARY|rror" "$LOGS/$tool.log" | tail -4
+        done ;;
     bench)
         step bench_forward 300 python3 -m numba_flash bench --repeats 20 $BASE --out experiments/results \
             --tag bench_h200 --command "python3 -m numba_flash bench --repeats 20 $BASE"
