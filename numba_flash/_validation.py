@@ -100,6 +100,9 @@ def check_operands(q, k, v, algorithm):
             raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype == "bfloat16" and q.kind == "cuda":
+        raise TypeError("q, k, v are bfloat16 Numba/CUDA-interface arrays, which numba-cuda cannot copy or type: "
+                        "pass torch tensors (or host arrays, through ml_dtypes)")
     if q.dtype not in DTYPES[algorithm]:
         supported = ", ".join(DTYPES[algorithm])
         hint = " (16-bit inputs need algorithm='flash2')" if q.dtype in DTYPES["flash2"] else ""

@@ -184,8 +184,10 @@ class _Plan:
     def empty(self, shape, dtype, stream):
         return _arrays.empty(self.result_kind, shape, dtype, stream, self.device)
 
-    def deliver(self, results):
-        return tuple(_arrays.to_host(x) for x in results) if self.call.kind == "host" else results
+    def deliver(self, results, dtypes):
+        if self.call.kind != "host":
+            return results
+        return tuple(_arrays.to_host(x, dtype) for x, dtype in zip(results, dtypes))
 
 
 class _ForwardPlan(_Plan):
@@ -207,7 +209,7 @@ class _ForwardPlan(_Plan):
             self.launch(stream, q, k, v, o, lse, *seed_words(seed))
         else:
             self._literal(q, k, v, o, lse, seed, stream)
-        o, lse = self.deliver((o, lse))
+        o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o
 
     def _literal(self, q, k, v, o, lse, seed, stream):
@@ -268,7 +270,7 @@ class _BackwardPlan(_Plan):
                             causal_offset=call.causal_offset, block_sizes=call.block_sizes, mask=layout,
                             dropout=dropout_kernel_args(call.dropout_p, seed) if call.dropout_p > 0 else None,
                             stream=_arrays.numba_stream(stream))
-        return self.deliver((dq, dk, dv))
+        return self.deliver((dq, dk, dv), (call.dtype,) * 3)
 
 
 def _heads(x, n, d=None):

@@ -317,7 +317,7 @@ class _OutputPool:
     GRANULE = 512
 
     def __init__(self):
-        self._free = defaultdict(list)     # (stream, bytes) -> [MemoryPointer]
+        self._free = defaultdict(list)     # (stream, bytes) -> [Numba's owned device memory]
         self._cached = 0
         self._lock = threading.Lock()
         self._templates = {}
@@ -340,67 +340,72 @@ class _OutputPool:
     def empty(self, shape, dtype, stream):
         """A C-contiguous Numba device array of ``shape`` and ``dtype``, ordered on ``stream``."""
         from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        from numba.cuda.cudadrv.driver import MemoryPointer
 
         dtype = np.dtype(dtype)
         block, nbytes = self._take(stream, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        loan = object.__new__(_Loan)
-        loan.__dict__.update(block.__dict__)
-        loan._numba_flash_return = (self, block, stream, nbytes)
+        # The array's memory is a plain pointer owned by a lease: when the array and every view
+        # of it are gone, the lease returns the block here.
+        memory = MemoryPointer(block.context, block.device_pointer, nbytes, owner=_Lease(self, block, stream, nbytes))
         key = (tuple(shape), dtype.str)
         template = self._templates.get(key)
-        if template is None:
+        if template is None:  # one full construction per shape; later arrays copy its fields
             strides = tuple(s * dtype.itemsize for s in c_strides(shape))
-            template = self._templates[key] = DeviceNDArray(shape, strides, dtype, gpu_data=block)
+            template = self._templates[key] = DeviceNDArray(shape, strides, dtype, gpu_data=memory).__dict__.copy()
+            del template["gpu_data"]
         array = object.__new__(DeviceNDArray)
-        array.__dict__.update(template.__dict__)
-        array.gpu_data = loan
+        array.__dict__.update(template)
+        array.gpu_data = memory
         array.stream = numba_stream(stream)
         array._numba_flash_pointer = int(block.device_pointer)
         return array
 
 
-try:
-    from numba.cuda.cudadrv.driver import MemoryPointer as _MemoryPointer
-except ImportError:  # pragma: no cover
-    _MemoryPointer = object
-
-
-class _Loan(_MemoryPointer):
+class _Lease:
     """A pooled block lent to one result; it goes back to the pool when the result is garbage."""
 
-    def __del__(self):
-        pool, block, stream, nbytes = self._numba_flash_return
-        pool.give_back(block, stream, nbytes)
+    __slots__ = ("pool", "block", "stream", "nbytes")
 
-    def free(self):  # the block belongs to the pool
-        pass
+    def __init__(self, pool, block, stream, nbytes):
+        self.pool, self.block, self.stream, self.nbytes = pool, block, stream, nbytes
+
+    def __del__(self):
+        self.pool.give_back(self.block, self.stream, self.nbytes)
 
 
 _POOL = _OutputPool()
 
 
 def empty(kind, shape, dtype, stream, device=0):
-    """A new C-contiguous result of ``kind`` ("torch" or "cuda"; "host" computes on Numba arrays too)."""
+    """A new C-contiguous result of ``kind`` ("torch" or "cuda"; host calls compute on "cuda" arrays).
+
+    bfloat16 outside torch is held as its 16-bit words (uint16): Numba's
+    copies go through the buffer protocol, which has no bfloat16.
+    """
     dtype = str(dtype) if not isinstance(dtype, np.dtype) else _dtype_name(dtype)
     if kind == "torch":
-        return _torch.empty(shape, dtype=_TORCH_BY_NAME[dtype], device=f"cuda:{device}")
-    np_dtype = _bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
-    if np_dtype is None:
-        np_dtype = np.dtype(np.uint16)  # bfloat16 bits when ml_dtypes is absent (never seen by users)
+        return _torch.empty(shape, dtype=_TORCH_BY_NAME[dtype], device=_torch_device(device))
+    np_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
     if in_simulator():
         return cuda.device_array(shape, dtype=np_dtype)
     return _POOL.empty(shape, np_dtype, stream)
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_device(index):
+    return _torch.device("cuda", index)
+
+
 def to_device(x):
-    """A host array on the GPU (C-contiguous copy)."""
+    """A host array on the GPU (a C-contiguous copy; bfloat16 as its 16-bit words)."""
     array = np.ascontiguousarray(as_host_array(x))
-    return cuda.to_device(array)
+    return cuda.to_device(array.view(np.uint16) if _dtype_name(array.dtype) == "bfloat16" else array)
 
 
-def to_host(x):
-    """A device result back on the host as NumPy (bfloat16 as ml_dtypes' bfloat16)."""
-    return x.copy_to_host()
+def to_host(x, dtype):
+    """A device result of ``dtype`` (a name) back on the host as NumPy (bfloat16 as ml_dtypes' bfloat16)."""
+    host = x.copy_to_host()
+    return host.view(_bfloat16()) if dtype == "bfloat16" else host
 
 
 @functools.lru_cache(maxsize=None)

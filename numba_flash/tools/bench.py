@@ -20,6 +20,7 @@ archive``) in the same process: before/after numbers of one run.
 ``--host`` measures what a call costs the host instead: a loop of
 ``--calls`` calls with one synchronisation at the end (``run_host``).
 """
+import contextlib
 import csv
 import datetime
 import os
@@ -156,7 +157,8 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baseline=None):
     return rows
 
 
-#: Shapes of the host-time loop: the smallest call (all host), and one that models train at.
+#: Shapes of the host-time loop: the smallest call (all host), and one that models train at (where the
+#: GPU sets the pace once the launch queue is full: the host column then shows the GPU's time).
 HOST_SHAPES = [(1, 1, 128, 64), (8, 16, 1024, 64)]
 
 
@@ -189,39 +191,43 @@ def run_host(shape, dtype, calls, torch, baseline=None):
     trained = tuple(x.clone().requires_grad_() for x in (q, k, v))
     views = tuple(cuda.as_cuda_array(x) for x in (q, k, v))
 
-    def flash_backend(fn):
+    def step(attention_function):
+        """A training step's attention: forward, then backward into q.grad, k.grad, v.grad."""
         def call():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return fn()
+            attention_function(*trained).backward(grad)
         return call
 
+    # (name, call, torch's backend to select around the whole loop, or None)
     cases = [
-        ("numba-flash forward, torch tensors", lambda: attention(q, k, v)),
-        ("numba-flash forward, Numba arrays", lambda: attention(*views)),
-        ("numba-flash forward+backward", lambda: torch.autograd.grad(nft.attention(*trained), trained, grad)),
-        ("torch-flash forward", flash_backend(lambda: sdpa(q, k, v))),
-        ("torch-flash forward+backward", flash_backend(lambda: torch.autograd.grad(sdpa(*trained), trained, grad))),
+        ("numba-flash forward, torch tensors", lambda: attention(q, k, v), None),
+        ("numba-flash forward, Numba arrays", lambda: attention(*views), None),
+        ("numba-flash forward+backward", step(nft.attention), None),
+        ("torch-flash forward", lambda: sdpa(q, k, v), SDPBackend.FLASH_ATTENTION),
+        ("torch-flash forward+backward", step(sdpa), SDPBackend.FLASH_ATTENTION),
     ]
     if baseline is not None:
-        cases += [(f"flash2@{baseline.label} forward, torch tensors", lambda: baseline.attention(q, k, v)),
-                  (f"flash2@{baseline.label} forward+backward",
-                   lambda: torch.autograd.grad(baseline.torch.attention(*trained), trained, grad))]
+        cases += [(f"flash2@{baseline.label} forward, torch tensors", lambda: baseline.attention(q, k, v), None),
+                  (f"flash2@{baseline.label} forward+backward", step(baseline.torch.attention), None)]
     rows = []
-    for name, call in cases:
-        try:
-            for _ in range(10):  # compile, plan, warm the allocators
+    for name, call, backend in cases:
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            try:
+                for _ in range(10):  # compile, plan, warm the allocators
+                    call()
+            except (RuntimeError, TypeError, ValueError) as exc:
+                note = str(exc).splitlines()[0][:50]
+                rows.append(HostRow(shape, dtype, f"{name} ({note})", float("nan"), float("nan")))
+                continue
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
                 call()
-        except (RuntimeError, TypeError, ValueError) as exc:
-            rows.append(HostRow(shape, dtype, f"{name} ({str(exc).splitlines()[0][:50]})", float("nan"), float("nan")))
-            continue
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host = time.perf_counter() - start
-        torch.cuda.synchronize()
-        total = time.perf_counter() - start
+            host = time.perf_counter() - start
+            torch.cuda.synchronize()
+            total = time.perf_counter() - start
         rows.append(HostRow(shape, dtype, name, 1e6 * host / calls, 1e6 * total / calls))
+    for x in trained:
+        x.grad = None
     return rows
 
 
