@@ -166,6 +166,7 @@ class _Plan:
         self.call = call
         self.device = q.device
         self.result_kind = "torch" if call.kind == "torch" else "cuda"
+        self.rows_shape = (call.batch_heads, call.n_q)  # lse and the backward's D, one float32 per query row
 
     def stream(self, arrays):
         """The stream to launch on: torch's current one, or the one the inputs name (ordered after the others)."""
@@ -255,7 +256,7 @@ class _BackwardPlan(_Plan):
         dv = self.empty(call.kv_shape, call.dtype, stream)
         if self.launches is not None:
             preprocess, dkdv, dq_pass = self.launches
-            dsum = self.empty((call.batch_heads, call.n_q), "float32", stream)
+            dsum = self.empty(self.rows_shape, "float32", stream)
             seeds = seed_words(seed)
             preprocess(stream, o, do, dsum)
             dkdv(stream, q, k, v, do, lse, dsum, dk, dv, *seeds)

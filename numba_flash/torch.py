@@ -92,6 +92,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): every stride 0
+            grad_out = grad_out.contiguous()
         dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options)
         return dq, dk, dv, None
 
@@ -160,7 +162,8 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _ = ctx.options
-    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out.contiguous(), causal, scale, mask_key, dropout_p,
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p,
                                         seed_low, seed_high, algorithm)
     return (dq, dk, dv) + (None,) * 8
 

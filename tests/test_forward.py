@@ -130,7 +130,8 @@ def test_causal_alignment_when_lengths_differ(algorithm, dtype, n_q, n_k, alignm
     np.testing.assert_array_equal(out[:, tail], full[:, tail])
 
 
-@forward_variants
+# bfloat16 reaches the device through torch (tests/test_interop.py): Numba's arrays cannot hold it on a GPU.
+@variants([(a, t) for a, t in FORWARD_VARIANTS if t != BFLOAT16])
 def test_cuda_arrays_stay_on_the_device(algorithm, dtype):
     rng = np.random.default_rng(8)
     q, k, v = rng.standard_normal((3, 2, 10, 8)).astype(dtype)

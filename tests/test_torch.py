@@ -199,16 +199,22 @@ def test_grouped_strided_heads_and_16_bit_types_through_autograd(dtype):
         return y.detach().double(), {name: p.grad.double() for name, p in block.named_parameters()}
 
     out, grads = output_and_grads(lambda q, k, v: nft.attention(q, k, v, causal=True))
+    torch_out, torch_grads = output_and_grads(sdpa_gqa)  # torch's own attention in the same dtype
     block64 = GroupedBlock(width, heads, kv_heads).to(DEVICE, torch.float64)
     block64.load_state_dict(block.state_dict())
     block, x = block64, x.double()
     ref_out, ref_grads = output_and_grads(sdpa_gqa)
-    # The model's own rounding in dtype dominates: a few of its ulps of each result's largest entry.
+    # The model's own rounding in dtype dominates both: ours must be as close to float64 as torch's
+    # attention in the same dtype is, within a factor of 4 (and one ulp of the largest entry).
     u = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
-    assert float((out - ref_out).abs().max()) <= 64 * u * float(ref_out.abs().max())
+
+    def close_as_torch(got, theirs, ref, name):
+        err, torch_err = float((got - ref).abs().max()), float((theirs - ref).abs().max())
+        assert err <= 4 * torch_err + u * float(ref.abs().max()), f"{name}: {err:.3g} (torch: {torch_err:.3g})"
+
+    close_as_torch(out, torch_out, ref_out, "output")
     for name, ref in ref_grads.items():
-        err = float((grads[name] - ref).abs().max())
-        assert err <= 256 * u * float(ref.abs().max()), f"{name}: {err:.3g}"
+        close_as_torch(grads[name], torch_grads[name], ref, name)
 
 
 @pytest.mark.gpu_only
@@ -245,11 +251,16 @@ def test_torch_compile_compiles_a_model_that_calls_it():
         return out, grads
 
     eager_out, eager_grads = run(block)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if numba_flash.in_simulator() else "inductor")
-    out, grads = run(compiled)
-    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
-    for got, want in zip(grads, eager_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    # aot_eager runs the traced graph with eager kernels: the same bits.  Inductor (GPU) also generates
+    # its own kernels for the rest of the block, whose float32 sums round differently.
+    for backend in ("aot_eager",) if numba_flash.in_simulator() else ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        out, grads = run(torch.compile(block, fullgraph=True, backend=backend))
+        for got, want in zip((out,) + grads, (eager_out,) + eager_grads):
+            if backend == "aot_eager":
+                assert torch.equal(got, want)
+            else:
+                assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
 def test_the_custom_operator_passes_torchs_own_checks():

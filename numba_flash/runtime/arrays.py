@@ -22,6 +22,7 @@ simulator) or raw device pointers (``device_pointer`` for the direct launch
 of ``launch.py``).
 """
 import functools
+import math
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -197,16 +198,20 @@ def as_host_array(x):
     return np.asarray(x)
 
 
-def is_numba_device_array(x):
-    """A (real) Numba device array; the simulator's have no device memory."""
-    return not in_simulator() and isinstance(x, _device_ndarray())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_ndarray():
+def _device_ndarray_type():
+    if in_simulator():
+        return ()  # the simulator's arrays have no device memory: isinstance(x, ()) is False
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
     return DeviceNDArray
+
+
+_DEVICE_NDARRAY = _device_ndarray_type()
+
+
+def is_numba_device_array(x):
+    """A (real) Numba device array; the simulator's have no device memory."""
+    return isinstance(x, _DEVICE_NDARRAY)
 
 
 def stream_of(x):
@@ -307,46 +312,59 @@ class _OutputPool:
 
     ``cuda.device_array`` costs about 55 us per call on the H200 (a driver
     allocation and Numba's bookkeeping); a call of numba-flash returns two or
-    three arrays.  Blocks come back here when the array (and every view of it)
-    is garbage, and go out again only for work on the same stream, which runs
+    three arrays.  Blocks come straight from the driver, lent to one result at
+    a time, and come back here when the result (and every view of it) is
+    garbage; they go out again only for work on the same stream, which runs
     after everything queued there before: the rule torch's caching allocator
-    follows.  At most ``CACHE_BYTES`` of dropped blocks are kept.
+    follows.  At most ``CACHE_BYTES`` of dropped blocks are kept; the rest are
+    freed.
     """
 
     CACHE_BYTES = 1 << 30
     GRANULE = 512
 
     def __init__(self):
-        self._free = defaultdict(list)     # (stream, bytes) -> [Numba's owned device memory]
+        self._free = defaultdict(list)     # (stream, bytes) -> [device addresses]
         self._cached = 0
         self._lock = threading.Lock()
         self._templates = {}
 
     def _take(self, stream, nbytes):
+        from cuda.bindings import driver as cuda_driver
+
         nbytes = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
         with self._lock:
             free = self._free.get((stream, nbytes))
             if free:
                 self._cached -= nbytes
                 return free.pop(), nbytes
-        return cuda.current_context().memalloc(nbytes), nbytes
+        cuda.current_context()  # the primary context, current on this thread
+        err, pointer = cuda_driver.cuMemAlloc(nbytes)
+        if err != cuda_driver.CUresult.CUDA_SUCCESS:
+            raise MemoryError(f"numba-flash: cuMemAlloc of {nbytes} bytes failed: {err!r}")
+        return int(pointer), nbytes
 
-    def give_back(self, block, stream, nbytes):
+    def give_back(self, address, stream, nbytes):
         with self._lock:
             if self._cached + nbytes <= self.CACHE_BYTES:
-                self._free[stream, nbytes].append(block)
+                self._free[stream, nbytes].append(address)
                 self._cached += nbytes
+                return
+        from cuda.bindings import driver as cuda_driver
+
+        cuda_driver.cuMemFree(address)  # waits for the work queued on it
 
     def empty(self, shape, dtype, stream):
         """A C-contiguous Numba device array of ``shape`` and ``dtype``, ordered on ``stream``."""
         from numba.cuda.cudadrv.devicearray import DeviceNDArray
-        from numba.cuda.cudadrv.driver import MemoryPointer
+        from numba.cuda.cudadrv.driver import MemoryPointer, binding
 
         dtype = np.dtype(dtype)
-        block, nbytes = self._take(stream, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        address, nbytes = self._take(stream, math.prod(shape) * dtype.itemsize)
         # The array's memory is a plain pointer owned by a lease: when the array and every view
         # of it are gone, the lease returns the block here.
-        memory = MemoryPointer(block.context, block.device_pointer, nbytes, owner=_Lease(self, block, stream, nbytes))
+        memory = MemoryPointer(cuda.current_context(), binding.CUdeviceptr(address), nbytes,
+                               owner=_Lease(self, address, stream, nbytes))
         key = (tuple(shape), dtype.str)
         template = self._templates.get(key)
         if template is None:  # one full construction per shape; later arrays copy its fields
@@ -357,20 +375,20 @@ class _OutputPool:
         array.__dict__.update(template)
         array.gpu_data = memory
         array.stream = numba_stream(stream)
-        array._numba_flash_pointer = int(block.device_pointer)
+        array._numba_flash_pointer = address
         return array
 
 
 class _Lease:
     """A pooled block lent to one result; it goes back to the pool when the result is garbage."""
 
-    __slots__ = ("pool", "block", "stream", "nbytes")
+    __slots__ = ("pool", "address", "stream", "nbytes")
 
-    def __init__(self, pool, block, stream, nbytes):
-        self.pool, self.block, self.stream, self.nbytes = pool, block, stream, nbytes
+    def __init__(self, pool, address, stream, nbytes):
+        self.pool, self.address, self.stream, self.nbytes = pool, address, stream, nbytes
 
     def __del__(self):
-        self.pool.give_back(self.block, self.stream, self.nbytes)
+        self.pool.give_back(self.address, self.stream, self.nbytes)
 
 
 _POOL = _OutputPool()
