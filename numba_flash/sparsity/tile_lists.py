@@ -121,8 +121,8 @@ def mask_arguments(block_mask, leading_shape, n_q, n_k, tiles, causal_offset, ro
                                                        causal_offset))
         forms[key] = MaskArguments(cuda.to_device(offsets.reshape(-1)),
                                    cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
-                                   device_layout(block_mask, leading_shape, n_q, n_k).reshape(-1),
-                                   *block_mask.block_size, *layout.shape[1:])
+                                   cuda.to_device(layout.view(np.uint8).reshape(-1)),  # flat on the host: Numba
+                                   *block_mask.block_size, *layout.shape[1:])      # reshapes few device arrays
     return forms[key]
 
 

@@ -346,8 +346,9 @@ def main(args):
         rows = []
         for shape in [tuple(s) for s in args.shape] if args.shape else HOST_SHAPES:
             for dtype in args.dtypes.split(","):
-                rows.extend(run_host(shape, dtype, args.calls, torch, baseline))
-                print(format_host_table(rows[-1:]).split("\n", 2)[2], flush=True)
+                new = run_host(shape, dtype, args.calls, torch, baseline)
+                rows.extend(new)
+                print(format_host_table(new).split("\n", 2)[2], flush=True)
         table = format_host_table(rows)
         print(table)
         if args.out:
