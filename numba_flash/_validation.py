@@ -19,7 +19,7 @@ from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
 from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, flash1_backward_block_sizes, flash1_backward_shared_bytes,
                      flash1_shared_bytes, flash2_backward_shared_bytes, flash2_default_block_sizes,
-                     flash2_forward_layout, flash2_threads, k_step, line1_block_sizes, padded_head_dim)
+                     flash2_forward_smem, flash2_threads, k_step, line1_block_sizes, padded_head_dim)
 
 ALGORITHMS = ("standard", "flash1", "flash2")
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
@@ -188,7 +188,7 @@ def _check_flash2_blocks(block_rows, block_cols, head_dim, dtype, backward):
                          f"the limit is {limits.max_threads_per_block}")
     d_pad = padded_head_dim(head_dim, precision)
     needed = (flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision) if backward
-              else flash2_forward_layout(block_rows, block_cols, d_pad, precision).bytes)
+              else flash2_forward_smem(block_rows, block_cols, d_pad, precision).bytes)
     if needed > limits.shared_bytes_per_block_optin:
         raise ValueError(f"block_sizes {(block_rows, block_cols)} need {needed} bytes of shared memory"
                          f"{' in the flash2 backward' if backward else ''} at d={head_dim} ({dtype}); the limit is "

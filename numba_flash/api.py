@@ -227,12 +227,12 @@ class _ForwardPlan(_Plan):
         options = dict(scale=call.scale, causal=call.causal, causal_offset=call.causal_offset, dropout=dropout,
                        stream=numba_stream)
         if call.algorithm == "standard":
-            mask = None if layout is None else (layout, call.block_mask.block_size)
-            standard_attention(q3, k3, v3, o3, lse2, scratch((bh, n_q, n_k)), scratch((bh, n_q, n_k)), mask=mask,
-                               **options)
+            blocks = None if layout is None else (layout, call.block_mask.block_size)
+            standard_attention(q3, k3, v3, o3, lse2, scratch((bh, n_q, n_k)), scratch((bh, n_q, n_k)),
+                               block_layout=blocks, **options)
         else:
             flash1_forward(q3, k3, v3, o3, scratch((bh, n_q)), scratch((bh, n_q)), lse2,
-                           block_sizes=call.block_sizes, mask=layout, **options)
+                           block_sizes=call.block_sizes, block_layout=layout, **options)
 
 
 class _BackwardPlan(_Plan):
@@ -256,11 +256,11 @@ class _BackwardPlan(_Plan):
         dv = self.empty(call.kv_shape, call.dtype, stream)
         if self.launches is not None:
             preprocess, dkdv, dq_pass = self.launches
-            dsum = self.empty(self.rows_shape, "float32", stream)
+            d_i = self.empty(self.rows_shape, "float32", stream)  # D_i = rowsum(dO o O)
             seeds = seed_words(seed)
-            preprocess(stream, o, do, dsum)
-            dkdv(stream, q, k, v, do, lse, dsum, dk, dv, *seeds)
-            dq_pass(stream, q, k, v, do, lse, dsum, dq, *seeds)
+            preprocess(stream, o, do, d_i)
+            dkdv(stream, q, k, v, do, lse, d_i, dk, dv, *seeds)
+            dq_pass(stream, q, k, v, do, lse, d_i, dq, *seeds)
         else:
             n_q, n_k, d = call.n_q, call.n_k, call.head_dim
             layout = (None if call.block_mask is None
@@ -268,7 +268,7 @@ class _BackwardPlan(_Plan):
             flash1_backward(_heads(q, n_q, d), _heads(k, n_k, d), _heads(v, n_k, d),
                             _heads(o, n_q, d), _heads(do, n_q, d), _heads(lse, n_q), _heads(dq, n_q, d),
                             _heads(dk, n_k, d), _heads(dv, n_k, d), scale=call.scale, causal=call.causal,
-                            causal_offset=call.causal_offset, block_sizes=call.block_sizes, mask=layout,
+                            causal_offset=call.causal_offset, block_sizes=call.block_sizes, block_layout=layout,
                             dropout=dropout_kernel_args(call.dropout_p, seed) if call.dropout_p > 0 else None,
                             stream=_arrays.numba_stream(stream))
         return self.deliver((dq, dk, dv), (call.dtype,) * 3)

@@ -23,7 +23,7 @@ Hardware and problem limits then clamp the result, each for a stated reason:
 The fast kernels' shared memory
 -------------------------------
 flash2's kernels keep their tiles in one dynamic shared-memory buffer of
-32-bit words.  ``SharedLayout`` names each tile and its size; a kernel takes
+32-bit words.  ``SharedTiles`` names each tile and its size; a kernel takes
 its offsets from the same object that the host uses to size the launch.
 Rows are padded so that the 32 lanes of a fragment load hit 32 different
 banks (``row_stride``, ``pair_stride``).
@@ -165,7 +165,7 @@ def flash2_threads(block_rows):
 
 
 @dataclass(frozen=True)
-class SharedLayout:
+class SharedTiles:
     """Named tiles of a block's dynamic shared memory, in 32-bit words, in order."""
 
     tiles: Tuple[Tuple[str, int], ...]
@@ -206,39 +206,39 @@ def _words(count):
     return cdiv(count, 4) * 4
 
 
-def flash2_forward_layout(block_m, block_n, d_pad, precision):
+def flash2_forward_smem(block_m, block_n, d_pad, precision):
     """Q_i (block_m rows), K_j (block_n rows), V_j (rows for 3xTF32, row pairs for 16-bit), and one
     NaN flag per key of V_j (set in masked tiles only; see forward.py)."""
     v = _rows("V", block_n, d_pad, precision) if precision == "tf32x3" else _pairs("V", block_n, d_pad)
-    return SharedLayout(_rows("Q", block_m, d_pad, precision) + _rows("K", block_n, d_pad, precision) + v
+    return SharedTiles(_rows("Q", block_m, d_pad, precision) + _rows("K", block_n, d_pad, precision) + v
                         + (("V_NAN", _words(block_n)),))
 
 
-def flash2_dkdv_layout(block_keys, block_queries, d_pad, precision):
+def flash2_dkdv_smem(block_keys, block_queries, d_pad, precision):
     """K_j, V_j (the block's keys); Q_i, dO_i (the streamed queries; 16-bit ones also as row pairs);
     lse and D of the streamed queries; a NaN flag per streamed query (masked tiles only)."""
     tiles = (_rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision)
              + _rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision))
     if precision != "tf32x3":
         tiles += _pairs("Q_PAIRS", block_queries, d_pad) + _pairs("DO_PAIRS", block_queries, d_pad)
-    return SharedLayout(tiles + (("LSE2", _words(block_queries)), ("DSUM", _words(block_queries)),
+    return SharedTiles(tiles + (("LSE2", _words(block_queries)), ("D_I", _words(block_queries)),
                                  ("Q_NAN", _words(block_queries))))
 
 
-def flash2_dq_layout(block_queries, block_keys, d_pad, precision):
+def flash2_dq_smem(block_queries, block_keys, d_pad, precision):
     """Q_i, dO_i (the block's queries); K_j, V_j (the streamed keys; 16-bit K also as row pairs);
     a NaN flag per streamed key (masked tiles only)."""
     tiles = (_rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision)
              + _rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision))
     if precision != "tf32x3":
         tiles += _pairs("K_PAIRS", block_keys, d_pad)
-    return SharedLayout(tiles + (("K_NAN", _words(block_keys)),))
+    return SharedTiles(tiles + (("K_NAN", _words(block_keys)),))
 
 
 def flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision):
     """The larger of the two backward kernels' shared memory (both launch with the same tiles)."""
-    return max(flash2_dkdv_layout(block_rows, block_cols, d_pad, precision).bytes,
-               flash2_dq_layout(block_rows, block_cols, d_pad, precision).bytes)
+    return max(flash2_dkdv_smem(block_rows, block_cols, d_pad, precision).bytes,
+               flash2_dq_smem(block_rows, block_cols, d_pad, precision).bytes)
 
 
 # ---------------------------------------------------------------- flash2's default tiles

@@ -136,10 +136,10 @@ FLASH1_BACKWARD_BUFFERS = [{"Q": "q", "K": "k", "V": "v", "O": "o", "dO": "do", 
                             "dV": "dv", "M": "layout"}]
 #: The flash2 backward's launches: preprocess, dK/dV, dQ.
 BACKWARD_BUFFERS = [
-    {"O": "o", "dO": "do", "Dsum": "dsum"},
-    {"Q": "q", "K": "k", "V": "v", "dO": "do", "LSE": "lse", "Dsum": "dsum", "dK": "dk", "dV": "dv", "M": "layout",
+    {"O": "o", "dO": "do", "D": "d"},
+    {"Q": "q", "K": "k", "V": "v", "dO": "do", "LSE": "lse", "D": "d", "dK": "dk", "dV": "dv", "M": "layout",
      "tile_offsets": "tile_offsets", "tile_entries": "tile_entries"},
-    {"Q": "q", "K": "k", "V": "v", "dO": "do", "LSE": "lse", "Dsum": "dsum", "dQ": "dq", "M": "layout",
+    {"Q": "q", "K": "k", "V": "v", "dO": "do", "LSE": "lse", "D": "d", "dQ": "dq", "M": "layout",
      "tile_offsets": "tile_offsets", "tile_entries": "tile_entries"},
 ]
 BACKWARD_CASES = [

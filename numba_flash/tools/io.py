@@ -369,7 +369,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
     rows_q, rows_k = batch_heads * n_q, batch_heads * n_k
     preprocess = KernelTraffic("flash2_backward_preprocess", _bytes({"o": element * rows_q * head_dim,
                                                                        "do": element * rows_q * head_dim}),
-                               _bytes({"dsum": FLOAT32 * rows_q}))
+                               _bytes({"d": FLOAT32 * rows_q}))
 
     def visits(tile, transpose):
         """(own tile, other tile, partly, heads each stands for) of every visit of one pass.
@@ -406,7 +406,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
     reads = {"k": element * rows_k * head_dim, "v": element * rows_k * head_dim,
              "q": twice * element * head_dim * queries.sum() * heads_each,
              "do": twice * element * head_dim * queries.sum() * heads_each,
-             "lse": FLOAT32 * queries.sum() * heads_each, "dsum": FLOAT32 * queries.sum() * heads_each}
+             "lse": FLOAT32 * queries.sum() * heads_each, "d": FLOAT32 * queries.sum() * heads_each}
     if mask is not None:
         reads["layout"] = layout_reads(q0, q0 + queries, k0, np.minimum(k0 + own, n_k), partly)
         reads["tile_offsets"] = INT32 * 2 * threads * _cdiv(n_k, own) * batch_heads
@@ -420,7 +420,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
     q0, k0 = own * q_tile, other * k_tile
     keys = np.minimum(k0 + other, n_k) - k0
     reads = {"q": element * rows_q * head_dim, "do": element * rows_q * head_dim,
-             "lse": 4 * FLOAT32 * rows_q, "dsum": 4 * FLOAT32 * rows_q,
+             "lse": 4 * FLOAT32 * rows_q, "d": 4 * FLOAT32 * rows_q,
              "k": twice * element * head_dim * keys.sum() * heads_each,
              "v": element * head_dim * keys.sum() * heads_each}
     if mask is not None:

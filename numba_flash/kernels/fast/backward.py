@@ -55,7 +55,7 @@ from numba import cuda, float32, uint32, uint64
 from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
-from ...tiling import ROWS_PER_WARP, cdiv, flash2_dkdv_layout, flash2_dq_layout, flash2_threads, padded_head_dim
+from ...tiling import ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_threads, padded_head_dim
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, contiguous_strides, dropout_arguments,
                      dropout_words, kernel_name, lane_flags, operand_extent, tile_coordinates, tile_movers, warp_lane,
                      word_extent)
@@ -68,7 +68,7 @@ PREPROCESS_ROWS = 128
 
 @lru_cache(maxsize=None)
 def make_preprocess(PRECISION):
-    """D[bh, i] = sum_x O[bh, i, x] dO[bh, i, x] in float32 (O, dO: float32 or 16-bit words)."""
+    """D[bh * n_q + i] = D_i = sum_x O[bh, i, x] dO[bh, i, x] in float32 (O, dO: float32 or 16-bit words)."""
 
     @inlined_device_function
     def widen(word):
@@ -78,7 +78,7 @@ def make_preprocess(PRECISION):
             return bf16_to_f32(uint32(word))
         return word
 
-    def kernel(O, dO, Dsum, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn, heads, n_q, head_dim, row_blocks):
+    def kernel(O, dO, D, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn, heads, n_q, head_dim, row_blocks):
         block, h, b, bh = tile_coordinates(cuda.blockIdx.x, row_blocks, heads)
         i = block * PREPROCESS_ROWS + cuda.threadIdx.x
         if i < n_q:
@@ -87,10 +87,10 @@ def make_preprocess(PRECISION):
             total = float32(0)
             for x in range(head_dim):
                 total += widen(load_word(O, o_row + x)) * widen(load_word(dO, do_row + x))
-            Dsum[bh * n_q + i] = total
+            D[bh * n_q + i] = total
 
     data = np.float32 if PRECISION == "tf32x3" else np.uint16
-    return Kernel(kernel, f"flash2_backward_preprocess_{PRECISION}", arrays=dict(O=data, dO=data, Dsum=np.float32))
+    return Kernel(kernel, f"flash2_backward_preprocess_{PRECISION}", arrays=dict(O=data, dO=data, D=np.float32))
 
 
 @inlined_device_function
@@ -106,11 +106,11 @@ def log2_lse(lse):
     return lse * float32(LOG2_E) if lse != float32(-math.inf) else float32(math.inf)
 
 
-def _tile_offsets(layout, name, sixteen):
+def _tile_offsets(tiles, name, sixteen):
     """(HI, LO) word offsets of a row-major tile (16-bit tiles have one copy: LO = HI, never read)."""
     if sixteen:
-        return layout.offset(name), layout.offset(name)
-    return layout.offset(name + "_HI"), layout.offset(name + "_LO")
+        return tiles.offset(name), tiles.offset(name)
+    return tiles.offset(name + "_HI"), tiles.offset(name + "_LO")
 
 
 @lru_cache(maxsize=None)
@@ -119,15 +119,15 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_KEYS)
     WORD = uint32 if SIXTEEN else float32
-    layout = flash2_dkdv_layout(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION)
-    K_HI, K_LO = _tile_offsets(layout, "K", SIXTEEN)
-    V_HI, V_LO = _tile_offsets(layout, "V", SIXTEEN)
-    Q_HI, Q_LO = _tile_offsets(layout, "Q", SIXTEEN)
-    DO_HI, DO_LO = _tile_offsets(layout, "DO", SIXTEEN)
+    tiles = flash2_dkdv_smem(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION)
+    K_HI, K_LO = _tile_offsets(tiles, "K", SIXTEEN)
+    V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
+    Q_HI, Q_LO = _tile_offsets(tiles, "Q", SIXTEEN)
+    DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
     # accumulate_product reads B from the pairs copy for 16-bit operands, from the row-major tile for tf32.
-    Q_B = layout.offset("Q_PAIRS") if SIXTEEN else Q_HI
-    DO_B = layout.offset("DO_PAIRS") if SIXTEEN else DO_HI
-    LSE2, DSUM, Q_NAN = layout.offset("LSE2"), layout.offset("DSUM"), layout.offset("Q_NAN")
+    Q_B = tiles.offset("Q_PAIRS") if SIXTEEN else Q_HI
+    DO_B = tiles.offset("DO_PAIRS") if SIXTEEN else DO_HI
+    LSE2, D_I, Q_NAN = tiles.offset("LSE2"), tiles.offset("D_I"), tiles.offset("Q_NAN")
     Q_TILES = BLOCK_QUERIES // 8
     D_TILES = D_PAD // 8
     OWN_ITERS, _, fetch_own, commit_own, _, _, _, _ = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
@@ -138,7 +138,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     query_flags = lane_flags(Q_TILES)
 
     @inlined_device_function
-    def load_query_tile(smem, rows, pairs, Q, dO, LSE, Dsum, q_row, do_row, q_sn, do_sn, lse_row, q0, n_q, head_dim,
+    def load_query_tile(smem, rows, pairs, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_row, q0, n_q, head_dim,
                         tid):
         """Q_i and dO_i (row-major; 16-bit also as row pairs), their log2 lse and D, into shared memory."""
         fetch_rows(rows, Q, q_row, q_sn, n_q - q0, head_dim, tid)
@@ -154,7 +154,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
             # Queries past N_q get lse = +inf (P = 0) and D = 0: they add nothing.
             valid = q0 + r < n_q
             store_word(smem, LSE2 + r, f32_as_u32(log2_lse(LSE[lse_row + q0 + r]) if valid else float32(math.inf)))
-            store_word(smem, DSUM + r, f32_as_u32(Dsum[lse_row + q0 + r] if valid else float32(0)))
+            store_word(smem, D_I + r, f32_as_u32(D[lse_row + q0 + r] if valid else float32(0)))
 
     @inlined_device_function
     def sanitize_queries(smem, tid):
@@ -191,10 +191,10 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                     z = (dropout_weight(bh, q, key, keep_threshold, keep_scale, seed0, seed1) if HAS_DROPOUT
                          else float32(1))
                     st[mt, 2 * half + e] = p * z
-                    ds = p * (dp * z - u32_as_f32(load_word(smem, DSUM + r)))
+                    ds = p * (dp * z - u32_as_f32(load_word(smem, D_I + r)))
                     dpt[mt, 2 * half + e] = ds if visible else float32(0)
 
-    def kernel(Q, K, V, dO, LSE, Dsum, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
+    def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, heads, group, n_q, n_k, head_dim, k_tiles,
                q_tiles, causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
                mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1):
@@ -239,7 +239,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 else:
                     q0, partly_masked = (first + j) * BLOCK_QUERIES, False
                 cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i (and K_j, V_j are stored)
-                load_query_tile(smem, rows, pairs, Q, dO, LSE, Dsum, b * q_sb + h * q_sh + q0 * q_sn,
+                load_query_tile(smem, rows, pairs, Q, dO, LSE, D, b * q_sb + h * q_sh + q0 * q_sn,
                                 b * do_sb + h * do_sh + q0 * do_sn, q_sn, do_sn, bh * n_q, q0, n_q, head_dim, tid)
                 cuda.syncthreads()  # Q_i, dO_i, lse and D complete
                 mixed = partly_masked or (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset)
@@ -269,7 +269,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dkdv", (BLOCK_KEYS, BLOCK_QUERIES), D_PAD, PRECISION, VEC,
                                       CAUSAL, HAS_MASK, HAS_DROPOUT),
-                  arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, Dsum=np.float32, dK=data, dV=data,
+                  arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dK=data, dV=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8),
                   floats=("scale", "scale_log2", "keep_scale"))
 
@@ -280,13 +280,13 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_QUERIES)
     WORD = uint32 if SIXTEEN else float32
-    layout = flash2_dq_layout(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION)
-    Q_HI, Q_LO = _tile_offsets(layout, "Q", SIXTEEN)
-    DO_HI, DO_LO = _tile_offsets(layout, "DO", SIXTEEN)
-    K_HI, K_LO = _tile_offsets(layout, "K", SIXTEEN)
-    V_HI, V_LO = _tile_offsets(layout, "V", SIXTEEN)
-    K_B = layout.offset("K_PAIRS") if SIXTEEN else K_HI
-    K_NAN = layout.offset("K_NAN")
+    tiles = flash2_dq_smem(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION)
+    Q_HI, Q_LO = _tile_offsets(tiles, "Q", SIXTEEN)
+    DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
+    K_HI, K_LO = _tile_offsets(tiles, "K", SIXTEEN)
+    V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
+    K_B = tiles.offset("K_PAIRS") if SIXTEEN else K_HI
+    K_NAN = tiles.offset("K_NAN")
     K_TILES = BLOCK_KEYS // 8
     D_TILES = D_PAD // 8
     OWN_ITERS, _, fetch_own, commit_own, _, _, _, _ = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
@@ -318,7 +318,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             sanitize_pairs(smem, K_B, tid)
 
     @inlined_device_function
-    def gradient_terms(s, dp, masked, k_nan, c_log2, lse2, dsum, q0, row0, k0, t, n_q, n_k, causal_offset,
+    def gradient_terms(s, dp, masked, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q, n_k, causal_offset,
                        partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale,
                        seed0, seed1):
         """s: S -> dS = P o (dP o Z - D) with P = exp2(S c - lse), 0 where the query may not see the key; NaN
@@ -343,10 +343,10 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                     if HAS_DROPOUT:
                         word = second if e else first
                         d *= float32(keep_scale) if word >= keep_threshold else float32(0)
-                    ds = p * (d - dsum[half])
+                    ds = p * (d - d_i[half])
                     s[nt, 2 * half + e] = ds if visible else float32(0)
 
-    def kernel(Q, K, V, dO, LSE, Dsum, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
+    def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, head_dim, q_tiles, causal_offset, scale,
                scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold,
                keep_scale, seed0, seed1):
@@ -369,11 +369,11 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         fetch_own(own, dO, b * do_sb + h * do_sh + q0 * do_sn, do_sn, n_q - q0, head_dim, tid)
         commit_own(smem, own, DO_HI, DO_LO, tid)
         lse2 = cuda.local.array(2, float32)
-        dsum = cuda.local.array(2, float32)
+        d_i = cuda.local.array(2, float32)
         for half in range(2):
             row = q0 + row0 + 8 * half
             lse2[half] = log2_lse(LSE[bh * n_q + row]) if row < n_q else float32(math.inf)
-            dsum[half] = Dsum[bh * n_q + row] if row < n_q else float32(0)
+            d_i[half] = D[bh * n_q + row] if row < n_q else float32(0)
 
         dq_acc = cuda.local.array((D_TILES, 4), float32)
         s = cuda.local.array((K_TILES, 4), float32)     # S, then dS
@@ -409,7 +409,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             rows_by_rows_t(dp, smem, DO_HI, DO_LO, V_HI, V_LO, warp * ROWS_PER_WARP, g, t)
             # Keys past N_k must be masked here (they would add to dQ).
             k_nan = key_flags(smem, K_NAN, t) if mixed else uint64(0)
-            gradient_terms(s, dp, mixed or k0 + BLOCK_KEYS > n_k, k_nan, c_log2, lse2, dsum, q0, row0, k0, t, n_q,
+            gradient_terms(s, dp, mixed or k0 + BLOCK_KEYS > n_k, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q,
                            n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c,
                            keep_threshold, keep_scale, seed0, seed1)
             accumulate_product(dq_acc, float32(1), float32(1), s, smem, K_B, K_LO, g, t)   # dQ_i += dS K_j
@@ -422,7 +422,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
                                       HAS_MASK, HAS_DROPOUT),
-                  arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, Dsum=np.float32, dQ=data,
+                  arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8),
                   floats=("scale", "scale_log2", "keep_scale"))
 
@@ -430,8 +430,8 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
 def backward_launches(call, o_strides, do_strides, do_aligned):
     """flash2's backward for a validated ``AttentionCall`` as three ``Launch``es (preprocess, dK/dV, dQ).
 
-    Per call: preprocess takes (O, dO, Dsum); dK/dV (Q, K, V, dO, LSE, Dsum, dK, dV, seed0, seed1); dQ
-    (Q, K, V, dO, LSE, Dsum, dQ, seed0, seed1).  Dsum is float32 scratch of (batch*heads, N_q); the
+    Per call: preprocess takes (O, dO, D); dK/dV (Q, K, V, dO, LSE, D, dK, dV, seed0, seed1); dQ
+    (Q, K, V, dO, LSE, D, dQ, seed0, seed1).  D is float32 scratch of (batch*heads, N_q); the
     results are new C-contiguous arrays of q's, k's and v's shapes.
     """
     own, streamed = call.block_sizes
@@ -452,33 +452,33 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
         preprocess, row_blocks * call.batch_heads, PREPROCESS_ROWS, 0,
         dict(o_sb=o_strides.batch, o_sh=o_strides.head, o_sn=o_strides.row, do_sb=do_strides.batch,
              do_sh=do_strides.head, do_sn=do_strides.row, row_blocks=row_blocks, **sizes),
-        ("O", "dO", "Dsum"), dict(elements, Dsum=rows))
+        ("O", "dO", "D"), dict(elements, D=rows))
 
     operands = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
                     do_sn=do_strides.row, group=call.group, n_k=call.n_k, causal_offset=call.causal_offset,
                     scale=call.scale, scale_log2=call.scale * LOG2_E, **sizes, **dropout_arguments(call))
     extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
-                   dO=words(call.q_shape, do_strides), LSE=rows, Dsum=rows)
+                   dO=words(call.q_shape, do_strides), LSE=rows, D=rows)
     threads = flash2_threads(own)
 
     k_tiles = cdiv(call.n_k, own)
     dkdv = make_dkdv(own, streamed, *flags)
     dkdv_launch = Launch(
-        dkdv, k_tiles * call.batch * call.kv_heads, threads, flash2_dkdv_layout(own, streamed, d_pad,
+        dkdv, k_tiles * call.batch * call.kv_heads, threads, flash2_dkdv_smem(own, streamed, d_pad,
                                                                                 call.precision).bytes,
         dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch, dv_sh=dkv_s.head,
              dv_sn=dkv_s.row, k_tiles=k_tiles, q_tiles=cdiv(call.n_q, streamed),
              **block_mask_arguments(call, (own, streamed), "dkdv")),
-        ("Q", "K", "V", "dO", "LSE", "Dsum", "dK", "dV", "seed0", "seed1"),
+        ("Q", "K", "V", "dO", "LSE", "D", "dK", "dV", "seed0", "seed1"),
         dict(extents, dK=words(call.kv_shape, dkv_s), dV=words(call.kv_shape, dkv_s)))
 
     q_tiles = cdiv(call.n_q, own)
     dq = make_dq(own, streamed, *flags)
     dq_launch = Launch(
-        dq, q_tiles * call.batch_heads, threads, flash2_dq_layout(own, streamed, d_pad, call.precision).bytes,
+        dq, q_tiles * call.batch_heads, threads, flash2_dq_smem(own, streamed, d_pad, call.precision).bytes,
         dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, q_tiles=q_tiles,
              **block_mask_arguments(call, (own, streamed), "dq")),
-        ("Q", "K", "V", "dO", "LSE", "Dsum", "dQ", "seed0", "seed1"), dict(extents, dQ=words(call.q_shape, dq_s)))
+        ("Q", "K", "V", "dO", "LSE", "D", "dQ", "seed0", "seed1"), dict(extents, dQ=words(call.q_shape, dq_s)))
     return preprocess_launch, dkdv_launch, dq_launch
 

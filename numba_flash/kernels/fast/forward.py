@@ -73,7 +73,7 @@ from numba import cuda, float32, uint32, uint64
 
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
-from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_layout, flash2_threads, padded_head_dim
+from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_threads, padded_head_dim
 from .common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, contiguous_strides, dropout_arguments,
                      dropout_words, kernel_name, lane_flags, tile_coordinates, tile_movers, warp_lane,
                      word_extent)
@@ -97,15 +97,15 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     POISON_WORDS = -(-N_TILES // 16)  # a bit per entry of a lane's S fragment
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
     WORD = uint32 if SIXTEEN else float32
-    layout = flash2_forward_layout(BLOCK_M, BLOCK_N, D_PAD, PRECISION)
+    tiles = flash2_forward_smem(BLOCK_M, BLOCK_N, D_PAD, PRECISION)
     # Where the tiles sit in shared memory (16-bit tiles have no lo half: LO = HI is never read).
-    Q_HI = layout.offset("Q" if SIXTEEN else "Q_HI")
-    Q_LO = Q_HI if SIXTEEN else layout.offset("Q_LO")
-    K_HI = layout.offset("K" if SIXTEEN else "K_HI")
-    K_LO = K_HI if SIXTEEN else layout.offset("K_LO")
-    V_HI = layout.offset("V" if SIXTEEN else "V_HI")
-    V_LO = V_HI if SIXTEEN else layout.offset("V_LO")
-    V_NAN = layout.offset("V_NAN")
+    Q_HI = tiles.offset("Q" if SIXTEEN else "Q_HI")
+    Q_LO = Q_HI if SIXTEEN else tiles.offset("Q_LO")
+    K_HI = tiles.offset("K" if SIXTEEN else "K_HI")
+    K_LO = K_HI if SIXTEEN else tiles.offset("K_LO")
+    V_HI = tiles.offset("V" if SIXTEEN else "V_HI")
+    V_LO = V_HI if SIXTEEN else tiles.offset("V_LO")
+    V_NAN = tiles.offset("V_NAN")
     Q_ITERS, _, fetch_q, commit_q, _, _, _, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
     (K_ITERS, PAIR_ITERS, fetch_key_rows, commit_key_rows, fetch_key_pairs, commit_key_pairs, sanitize_key_rows,
      sanitize_key_pairs) = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
@@ -343,5 +343,5 @@ def forward_launch(call):
     extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
                    O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
     return Launch(kernel, q_tiles * call.batch_heads, flash2_threads(block_m),
-                  flash2_forward_layout(block_m, block_n, d_pad, call.precision).bytes, fixed,
+                  flash2_forward_smem(block_m, block_n, d_pad, call.precision).bytes, fixed,
                   ("Q", "K", "V", "O", "LSE", "seed0", "seed1"), extents)

@@ -47,7 +47,7 @@ from .primitives import (load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pa
 PRODUCT_CHUNK = 2
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def split_tf32(x):
     """x = hi + lo, both as tf32 bit patterns (3xTF32).
 
@@ -59,7 +59,7 @@ def split_tf32(x):
     return hi, tf32_round(rest) if rest == rest else uint32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def mma_3xtf32(a_hi0, a_hi1, a_hi2, a_hi3, a_lo0, a_lo1, a_lo2, a_lo3,
                b_hi0, b_hi1, b_lo0, b_lo1, c0, c1, c2, c3):
     """C + A B in float32 accuracy from three tf32 mma: lo*hi + hi*lo + hi*hi."""
@@ -85,7 +85,7 @@ def tile_products(OTHER, D_PAD, PRECISION):
     CHUNK = min(D_TILES, PRODUCT_CHUNK)
     mma16, pack = sixteen_bit_ops(PRECISION) if SIXTEEN else (None, None)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
         """acc[ot] = A[a_row0 + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B)."""
         for ot in range(O_TILES):

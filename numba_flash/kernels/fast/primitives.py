@@ -30,6 +30,8 @@ import threading
 import numpy as np
 from numba import config, cuda, uint32
 
+from ...runtime.launch import inlined_device_function
+
 __all__ = [
     "WARP_SIZE",
     "f32_as_u32",
@@ -242,17 +244,17 @@ if not config.ENABLE_CUDASIM:
 
         return types.void(arr, index, a, b, c, d), codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def tf32_round(x):
         """``x`` rounded to tf32 (nearest, ties away, as ``cvt.rna.tf32.f32``): the bits ``mma_tf32`` takes."""
         return uint32((f32_as_u32(x) + uint32(0x1000)) & uint32(0xFFFFE000))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined_device_function
     def bf16_to_f32(bits):
         """The bfloat16 whose bits are the low 16 bits of ``bits``, as float32 (a shift: exact)."""
         return u32_as_f32(uint32(bits) << uint32(16))

@@ -164,17 +164,17 @@ def make_flash1_backward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, causal_offset, block_sizes, mask=None,
+def flash1_backward(q, k, v, o, do, lse, dq, dk, dv, *, scale, causal, causal_offset, block_sizes, block_layout=None,
                     dropout=None, stream=0):
     """Launch Algorithm 4 on device arrays ((BH, N, d) and lse (BH, N_q)).
 
-    mask: None or a (BH, T_r, T_c) uint8 device array in blocks of ``block_sizes``;
+    block_layout: None or a (BH, T_r, T_c) uint8 device array in blocks of ``block_sizes``;
     dropout: None or (keep_threshold, keep_scale, seed0, seed1) from ``numba_flash.dropout``.
     """
     block_rows, block_cols = int(block_sizes[0]), int(block_sizes[1])
-    kernel = make_flash1_backward(block_rows, block_cols, int(q.shape[2]), bool(causal), mask is not None,
+    kernel = make_flash1_backward(block_rows, block_cols, int(q.shape[2]), bool(causal), block_layout is not None,
                                   dropout is not None)
     keep_threshold, keep_scale, seed0, seed1 = NO_DROPOUT if dropout is None else dropout
     launch(kernel, q.shape[0], block_rows,
-           (q, k, v, o, do, lse, dq, dk, dv, scale, causal_offset, placeholder(np.uint8, 3) if mask is None else mask,
+           (q, k, v, o, do, lse, dq, dk, dv, scale, causal_offset, placeholder(np.uint8, 3) if block_layout is None else block_layout,
             keep_threshold, keep_scale, seed0, seed1), stream=stream)

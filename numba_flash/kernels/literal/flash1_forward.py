@@ -164,20 +164,20 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, causal_offset, block_sizes, mask=None, dropout=None,
+def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, causal_offset, block_sizes, block_layout=None, dropout=None,
                    stream=0):
     """Launch Algorithm 1 on device arrays q, o (BH, N_q, d), k, v (BH, N_k, d).
 
-    mask: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
+    block_layout: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
     ``block_sizes`` (Algorithm 5); dropout: None or ``numba_flash.dropout.kernel_args``.
     """
     block_rows, block_cols = block_sizes
     # Plain ints: a NumPy integer would reach the kernel as a run-time value,
     # not the compile-time constant the shared-array shapes need.
-    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal), mask is not None,
+    kernel = make_flash1_forward(int(block_rows), int(block_cols), int(q.shape[2]), bool(causal), block_layout is not None,
                                  dropout is not None)
     launch(kernel, q.shape[0], block_rows,
-           (q, k, v, o, l, m, lse, scale, causal_offset, placeholder(np.uint8, 3) if mask is None else mask)
+           (q, k, v, o, l, m, lse, scale, causal_offset, placeholder(np.uint8, 3) if block_layout is None else block_layout)
            + (NO_DROPOUT if dropout is None else dropout), stream=stream)
 
 

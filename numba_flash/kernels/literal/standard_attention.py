@@ -31,7 +31,7 @@ from numba import cuda, float32
 from ...dropout import NO_DROPOUT, dropout_weight
 from ...runtime.arrays import placeholder
 from ...runtime.device import in_simulator
-from ...runtime.launch import cuda_kernel, launch
+from ...runtime.launch import cuda_kernel, inlined_device_function, launch
 from ...tiling import cdiv
 
 # Launch shapes.  The simulator runs every CUDA thread as a Python thread, so
@@ -82,7 +82,7 @@ def make_batched_matmul(TILE, TRANSPOSE_B):
     return cuda_kernel(kernel, f"standard_matmul_{'abt' if TRANSPOSE_B else 'ab'}_tile{TILE}")
 
 
-@cuda.jit(device=True, inline=True)
+@inlined_device_function
 def block_allowed(layout, b, row, col, block_rows, block_cols):
     """Whether the block mask allows element (row, col) of head b."""
     return layout[b, row // block_rows, col // block_cols] != 0
@@ -151,10 +151,10 @@ def make_row_softmax(SOFTMAX_THREADS, CAUSAL, HAS_MASK, HAS_DROPOUT):
     return cuda_kernel(kernel, name)
 
 
-def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, causal_offset, mask=None, dropout=None, stream=0):
+def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, causal_offset, block_layout=None, dropout=None, stream=0):
     """Algorithm 0 on device arrays; s and p are the (BH, N_q, N_k) HBM buffers.
 
-    mask: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) uint8 device array;
+    block_layout: None, or (layout, (B_r, B_c)) with layout a (BH, T_r, T_c) uint8 device array;
     dropout: None or ``numba_flash.dropout.kernel_args``.
     """
     bh, n_q, d = q.shape
@@ -164,8 +164,8 @@ def standard_attention(q, k, v, o, lse, s, p, *, scale, causal, causal_offset, m
     launch(make_batched_matmul(MATMUL_TILE, True), cdiv(n_k, MATMUL_TILE) * cdiv(n_q, MATMUL_TILE) * bh, tile,
            (q, k, s, scale), stream=stream)
     # Alg. 0, line 2: read S, P = softmax(S), write P to HBM.
-    layout, (block_rows, block_cols) = mask if mask is not None else (placeholder(np.uint8, 3), (1, 1))
-    launch(make_row_softmax(ROW_THREADS, bool(causal), mask is not None, dropout is not None), n_q * bh, ROW_THREADS,
+    layout, (block_rows, block_cols) = block_layout if block_layout is not None else (placeholder(np.uint8, 3), (1, 1))
+    launch(make_row_softmax(ROW_THREADS, bool(causal), block_layout is not None, dropout is not None), n_q * bh, ROW_THREADS,
            (s, p, lse, causal_offset, layout, block_rows, block_cols) + (NO_DROPOUT if dropout is None else dropout),
            stream=stream)
     # Alg. 0, line 3: read P and V, O = P V, write O.
