@@ -2,6 +2,7 @@
 import re
 
 from numba_flash import cli
+from tolerances import DEMO_MAX_ERROR
 
 
 def test_demo_reports_small_errors_for_every_algorithm(capsys):
@@ -10,7 +11,7 @@ def test_demo_reports_small_errors_for_every_algorithm(capsys):
     for algorithm in cli.ALGORITHMS_IN_DEMO:
         line = next(l for l in out.splitlines() if l.startswith(algorithm))
         error = float(re.split(r"\s+", line)[1])
-        assert error < 1e-5
+        assert error < DEMO_MAX_ERROR
 
 
 def test_experiment_command_runs_a_quick_experiment(tmp_path, capsys):

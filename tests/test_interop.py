@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from numba import cuda
 
 import numba_flash
+import reference
 from strategies import BFLOAT16
+from tolerances import forward_tolerance
 
 
 def _libraries():
@@ -140,8 +142,6 @@ def test_a_call_returns_before_the_work_it_queues_behind_finishes():
     numba_flash.attention(q, q, q)   # plan and compile first
     torch.cuda.synchronize()
     big = torch.randn(8192, 8192, device="cuda")
-    start = torch.cuda.Event(enable_timing=True)
-    start.record()
     for _ in range(20):
         big = big @ big / 8192 ** 0.5   # tens of milliseconds queued on the current stream
     out = numba_flash.attention(q, q, q)
@@ -151,5 +151,7 @@ def test_a_call_returns_before_the_work_it_queues_behind_finishes():
     finished = time.perf_counter()
     assert busy, "the stream had already drained: numba_flash.attention waited for it"
     assert finished - returned > 1e-3
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float())
-    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
+    q64 = q.double().cpu().numpy()
+    expected, _ = reference.attention(q64, q64, q64)
+    tol, _ = forward_tolerance(q64, q64, q64, q64.shape[-1] ** -0.5, np.float16)
+    np.testing.assert_allclose(out.double().cpu().numpy(), expected, rtol=0, atol=tol)

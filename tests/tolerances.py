@@ -37,6 +37,9 @@ UBF16 = 2.0 ** -8
 #: scale = 1e-150, which itself rounds to 0 in float32), so every bound
 #: allows that much absolutely.
 TINY32 = float(np.finfo(np.float32).smallest_subnormal)
+#: 3xTF32 (A_big B_big + A_big B_small + A_small B_big, the small parts rounded
+#: to tf32 too): ~2^-21 relative per product, 16 u with the scaling's rounding.
+SPLIT_TF32_EXTRA = 16 * U32
 
 
 def unit_roundoff(dtype):
@@ -65,7 +68,7 @@ def logit_error(q, k, scale):
     k = np.abs(np.asarray(k, dtype=np.float64))
     d = q.shape[-1]
     magnitude = abs(scale) * (q @ np.swapaxes(k, -1, -2))
-    return (2 * d + 16) * U32 * float(magnitude.max())
+    return (2 * d * U32 + SPLIT_TF32_EXTRA) * float(magnitude.max())
 
 
 def forward_tolerance(q, k, v, scale, dtype=np.float32, weight_scale=1.0):
@@ -101,6 +104,55 @@ def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=
         err_lse = np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0.0)
         assert err_lse <= tol_lse, f"max |lse - lse_ref| = {err_lse:.3g} > tolerance {tol_lse:.3g}"
     return err_o
+
+
+def constant_rows_tolerance(n_k, dtype, value_max):
+    """Bound on |O - c| when every value row is the same vector c.
+
+    sum_j P_ij c / l = c exactly because the weights sum to l, so only rounding
+    remains: the weighted sum and l are each sums of N_k float32 terms ((N_k + 4) u
+    each); 3xTF32 products add ~8 u each; 16-bit inputs also round every weight
+    and the output (one u16 each).
+    """
+    rel = (2 * n_k + 24) * U32
+    if np.dtype(dtype) != np.float32:
+        rel += 2 * unit_roundoff(dtype)
+    return rel * value_max
+
+
+#: Two float64 evaluations of the same formula in different orders (the
+#: reference against SciPy, the tiled Algorithm 1 against the whole-matrix one):
+#: the test shapes sum at most a few hundred terms, a few hundred u64 = 2^-53
+#: each, far below this; a wrong formula misses it by many orders of magnitude.
+FLOAT64_AGREEMENT = 1e-12
+
+
+def central_difference_tolerance(eps, loss_scale):
+    """(rtol, atol) for a float64 gradient against (f(x + eps) - f(x - eps)) / (2 eps).
+
+    Truncation is O(eps^2) relative; cancellation adds u64 |f| / eps absolutely
+    (u64 = 2^-53), with |f| <= loss_scale.
+    """
+    return 100 * eps ** 2 + 1e-9, 10 * 2.0 ** -53 * loss_scale / eps
+
+
+#: ex2.approx.ftz.f32 (the fast kernels' exp): at most 2 ulp, 2^-22 relative
+#: (PTX ISA); subnormal results flush to 0, so the smallest normal is allowed absolutely.
+EX2_APPROX_RTOL = 4 * U32
+EX2_APPROX_ATOL = float(np.finfo(np.float32).tiny)
+
+#: A float32 model run twice, once with our attention and once with torch's math
+#: attention: the attentions differ by summation order (~1e-6 relative, the
+#: bound of forward_tolerance at these sizes); the layers around them carry that
+#: through a few products, which stays two orders of magnitude under these.
+#: A wrong mask or gradient changes the loss and gradients at order 1.
+MODEL_LOSS_RTOL = 1e-5
+MODEL_GRADIENT_RTOL = 1e-4
+
+#: ``numba-flash demo``'s shape (N = 20, d = 8, standard normal) in float32:
+#: forward_tolerance gives ~1e-6 there; 1e-5 leaves room for the algorithms'
+#: different orders and still fails any real bug (errors of order 1).
+DEMO_MAX_ERROR = 1e-5
 
 
 #: The longest sequence the float32 accuracy of flash2 is held to (tests/test_scale.py).
