@@ -92,6 +92,7 @@ def inputs(variant, dtype, case, rng):
         bm = masks.random(n_q, n_k, (MASK_BLOCK, MASK_BLOCK), 0.6, seed=int(rng.integers(1 << 30)))
         layout = bm.layout.copy()
         layout[0] = False  # an empty row of blocks: those rows must come out 0
+        layout[-1, 0] = True  # and never an empty mask (every gradient 0 checks nothing)
         bm = numba_flash.BlockMask(layout, bm.block_size)
         kwargs.update(block_mask=bm)
         ref_kwargs.update(mask=bm.to_dense(n_q, n_k))
@@ -112,6 +113,7 @@ def check(name, got, want, dtype):
     got = to_host(got)
     finite = ~np.isnan(want)
     assert np.array_equal(np.isnan(got), ~finite), f"{name}: NaN where the reference has none, or missing"
+    assert np.any(want[finite] != 0), f"{name}: the reference is all zeros, so this case checks nothing"
     err = float(np.abs(got[finite] - want[finite]).max(initial=0) / max(1.0, np.abs(want[finite]).max(initial=0)))
     limit = {np.dtype(np.float16): 4e-3, BF16: 3e-2}.get(np.dtype(dtype), 2e-5)
     print(f"  {name}: max err {err:.2e}", flush=True)

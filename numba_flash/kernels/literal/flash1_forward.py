@@ -10,7 +10,7 @@ blocks i.  O, l and m live in device memory (HBM); every inner iteration
 loads them (line 8) and writes them back (lines 12-13), which is exactly the
 traffic Theorem 2 counts.  Thread r of the block plays row r of the current
 query block; all threads share the work of loading tiles.  Clarity over
-speed: see ``flash2_forward.py`` for the fast kernel.
+speed: ``kernels/fast/forward.py`` is the fast kernel.
 
 Names follow the paper: Q_i, K_j, V_j, S_ij (shared-memory tiles), m_i, l_i,
 mt_ij (m tilde), lt_ij (l tilde), m_new, l_new.  Departures, each marked
@@ -28,9 +28,14 @@ where it happens:
 * line 12's product Pt_ij V_j runs over the allowed keys only: a masked
   weight is 0, but 0 * NaN is NaN, and a NaN value row must reach only the
   rows allowed to see it (NaN in q or k reaches them through S_ij);
-* with dropout (Algorithm 2, lines 14-15), Pt_ij is dropped and rescaled
-  after lt_ij is summed, so l and m see the undropped values; the mask comes
-  from the counter-based generator of ``numba_flash.dropout`` (nothing stored).
+* with dropout (Algorithm 2, line 14), Pt_ij is dropped and rescaled after
+  line 11, so l and m see the undropped values; the mask comes from the
+  counter-based generator of ``numba_flash.dropout`` (nothing stored: Algorithm
+  2's line 1, the generator state R, is the seed pair passed in);
+* line 8 loads Q_i into shared memory and l_i, m_i into registers; O_i is read
+  from device memory element by element at line 12, where it is used (the same
+  bytes Theorem 2 counts, without a B_r x d tile of SRAM for them);
+* one barrier per outer step is more than the paper's loop needs (see line 8).
 """
 import math
 from functools import lru_cache
@@ -51,15 +56,22 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
     def kernel(Q, K, V, O, l, m, lse, scale, causal_offset, M, keep_threshold, keep_scale, seed0, seed1):
         # Q, O: (BH, N_q, D); K, V: (BH, N_k, D); l, m, lse: (BH, N_q), float32;
         # M: (BH, T_r, T_c) uint8 block mask (Algorithm 5), read only if HAS_MASK;
-        # dropout keeps an entry iff its generator word >= keep_threshold.
+        # dropout keeps an entry iff its generator word >= keep_threshold
+        # (Alg. 2, line 1: the generator state R is (seed0, seed1)).
         bh = cuda.blockIdx.x
         r = cuda.threadIdx.x
         n_q = Q.shape[1]
         n_k = K.shape[1]
-        T_r = (n_q + BR - 1) // BR
-        T_c = (n_k + BC - 1) // BC
         NEG_INF = float32(-math.inf)
         tau = float32(scale)
+        # Alg. 1, line 1: B_r = BR, B_c = BC, compile-time constants chosen on
+        # the host (tiling.line1_block_sizes is the paper's choice, the default).
+
+        # Alg. 1, lines 3-4: Q, O, l, m split into T_r blocks of B_r rows, K, V
+        # into T_c blocks of B_c rows.  Nothing is copied: block i of Q is rows
+        # i * BR ... i * BR + BR - 1 of Q[bh], reached by index arithmetic below.
+        T_r = (n_q + BR - 1) // BR
+        T_c = (n_k + BC - 1) // BC
 
         Q_i = cuda.shared.array((BR, D), float32)
         K_j = cuda.shared.array((BC, D), float32)
@@ -79,20 +91,27 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
         # Alg. 1, line 5: outer loop over key/value blocks.
         for j in range(T_c):
             # Alg. 1, line 6: load K_j, V_j from HBM to SRAM (zeros past N_k).
-            cuda.syncthreads()  # nobody still reads the previous K_j, V_j
+            # Barrier: no thread may still be reading the previous K_j, V_j (line 9, 12).
+            cuda.syncthreads()
             load_rows(K_j, K, bh, j * BC, n_k, r, BR)
             load_rows(V_j, V, bh, j * BC, n_k, r, BR)
 
             # Alg. 1, line 7: inner loop over query blocks.
             for i in range(T_r):
-                # Alg. 5, line 8: if M_ij != 0 (the same for every thread of the
-                # block, so the barriers below are reached by all or none).
+                # Alg. 5, line 9: if M_ij != 0, around the rest of the inner loop's
+                # body (the same for every thread of the block, so the barriers
+                # below are reached by all threads or none).
                 if HAS_MASK and M[bh, i, j] == 0:
                     continue
                 # Alg. 1, line 8: load Q_i (all threads) ...
-                cuda.syncthreads()  # nobody still reads the previous Q_i
+                # Barrier: every thread loads elements of every row of Q_i, so no
+                # thread may still be reading the previous Q_i (on the first i of
+                # each j this repeats the barrier above: one extra per outer step).
+                cuda.syncthreads()
                 load_rows(Q_i, Q, bh, i * BR, n_q, r, BR)
-                cuda.syncthreads()  # Q_i (and K_j, V_j) complete before use
+                # Barrier: Q_i (and K_j, V_j) complete before any thread uses them.
+                # S_ij needs none: thread r alone writes and reads its row r.
+                cuda.syncthreads()
 
                 row = i * BR + r
                 if row < n_q:
@@ -126,16 +145,17 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
 
                     # Alg. 1, line 11: m_new = max(m_i, mt_ij),
                     # l_new = exp(m_i - m_new) l_i + exp(mt_ij - m_new) lt_ij.
-                    # Alg. 2, lines 14-15: Pt_ij^dropped = dropout(Pt_ij), after lt_ij.
-                    if HAS_DROPOUT:
-                        for c in range(BC):
-                            S_ij[r, c] *= dropout_weight(bh, row, j * BC + c, keep_threshold, keep_scale,
-                                                         seed0, seed1)
-
                     m_new = max(m_i, mt_ij)
                     alpha = math.exp(m_i - m_new) if m_i != NEG_INF else float32(0)
                     beta = math.exp(mt_ij - m_new) if mt_ij != NEG_INF else float32(0)
                     l_new = alpha * l_i + beta * lt_ij
+
+                    # Alg. 2, line 14: Pt_ij^dropped = dropout(Pt_ij).  lt_ij and l_new
+                    # above saw the undropped weights; only line 12's product sees these.
+                    if HAS_DROPOUT:
+                        for c in range(BC):
+                            S_ij[r, c] *= dropout_weight(bh, row, j * BC + c, keep_threshold, keep_scale,
+                                                         seed0, seed1)
 
                     # Alg. 1, line 12: O_i <- diag(l_new)^-1 (diag(l_i) exp(m_i - m_new) O_i
                     #                                        + exp(mt_ij - m_new) Pt_ij V_j).
@@ -153,7 +173,7 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     l[bh, row] = l_new
                     m[bh, row] = m_new
 
-        # After line 15: the log-sum-exp of each row, -inf where nothing was allowed.
+        # Alg. 1, lines 14-15 end the loops.  Before line 16's return: the log-sum-exp of each row, -inf where nothing was allowed.
         for i in range(T_r):
             row = i * BR + r
             if row < n_q:
@@ -171,6 +191,8 @@ def flash1_forward(q, k, v, o, l, m, lse, *, scale, causal, causal_offset, block
     block_layout: None, or a (BH, T_r, T_c) uint8 device array of blocks of exactly
     ``block_sizes`` (Algorithm 5); dropout: None or ``numba_flash.dropout.kernel_args``.
     """
+    # Alg. 1, line 1 happens here: B_r, B_c are the caller's (the API's default is
+    # tiling.line1_block_sizes, the paper's formula clamped to what fits).
     block_rows, block_cols = block_sizes
     # Plain ints: a NumPy integer would reach the kernel as a run-time value,
     # not the compile-time constant the shared-array shapes need.
