@@ -371,7 +371,7 @@ def write(out_dir, part, quick, command, rows, title, notes, plot):
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"io_{part}" + ("_quick" if quick else ""))
     if part in MODEL_ONLY:
-        device = "none: the traffic and allocation model of numba_flash/io.py (checked in tests/test_io.py)"
+        device = "none: the traffic and allocation model of numba_flash/tools/io.py (checked in tests/test_io.py)"
         timer = "none (no kernel runs)"
     else:
         device = numba_flash.device_limits().name
