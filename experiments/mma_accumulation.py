@@ -29,75 +29,71 @@ from numba import cuda, float32, uint32
 
 import numba_flash
 from numba_flash.kernels.fast.primitives import mma_f16, mma_tf32, tf32_round
+from numba_flash.runtime.launch import inlined_device_function
 
 STEPS = (16, 128, 1024, 8192, 32768)
 MODES = ("chain", "per step", "every 4")
 
 
-@cuda.jit
-def accumulate_tf32(b, out):
-    """out[mode, lane, 4]: the three sums of A B_l over l, A all ones (lane = 4 g + t)."""
-    lane = cuda.threadIdx.x
-    g, t = lane >> 2, lane & 3
-    one = tf32_round(float32(1))
-    chain = cuda.local.array(4, float32)
-    step = cuda.local.array(4, float32)
-    four = cuda.local.array(4, float32)
-    part = cuda.local.array(4, float32)
-    for e in range(4):
-        chain[e] = step[e] = four[e] = part[e] = float32(0)
-    for l in range(b.shape[0]):
-        b0 = tf32_round(b[l, t, g])
-        b1 = tf32_round(b[l, t + 4, g])
-        chain[0], chain[1], chain[2], chain[3] = mma_tf32(one, one, one, one, b0, b1,
-                                                          chain[0], chain[1], chain[2], chain[3])
-        s0, s1, s2, s3 = mma_tf32(one, one, one, one, b0, b1, float32(0), float32(0), float32(0), float32(0))
-        step[0] += s0
-        step[1] += s1
-        step[2] += s2
-        step[3] += s3
-        part[0], part[1], part[2], part[3] = mma_tf32(one, one, one, one, b0, b1, part[0], part[1], part[2], part[3])
-        if l % 4 == 3:
-            for e in range(4):
-                four[e] += part[e]
-                part[e] = float32(0)
-    for e in range(4):
-        out[0, lane, e] = chain[e]
-        out[1, lane, e] = step[e]
-        out[2, lane, e] = four[e] + part[e]
+@inlined_device_function
+def as_stored(word):
+    """float16 operands arrive packed two to a word, ready for m16n8k16."""
+    return word
 
 
-@cuda.jit
-def accumulate_f16(b_pairs, out):
-    """As accumulate_tf32 for m16n8k16: b_pairs[l, pair, col] holds rows 2 pair and 2 pair + 1 packed."""
-    lane = cuda.threadIdx.x
-    g, t = lane >> 2, lane & 3
-    one = uint32(0x3C003C00)  # two float16 ones
-    chain = cuda.local.array(4, float32)
-    step = cuda.local.array(4, float32)
-    four = cuda.local.array(4, float32)
-    part = cuda.local.array(4, float32)
-    for e in range(4):
-        chain[e] = step[e] = four[e] = part[e] = float32(0)
-    for l in range(b_pairs.shape[0]):
-        b0 = b_pairs[l, t, g]
-        b1 = b_pairs[l, t + 4, g]
-        chain[0], chain[1], chain[2], chain[3] = mma_f16(one, one, one, one, b0, b1,
+def make_accumulation_kernel(mma, load_operand, one_word):
+    """A one-warp kernel: out[mode, lane, 4] holds the three sums of A B_l over l (A all ones, lane = 4 g + t).
+
+    ``b[l, row, col]`` holds the B operand words of step l in mma's layout: for
+    tf32 float32 values (rounded by ``load_operand``), for float16 packed row pairs.
+    """
+
+    @cuda.jit
+    def accumulate(b, out):
+        lane = cuda.threadIdx.x
+        g, t = lane >> 2, lane & 3
+        one = one_word()
+        chain = cuda.local.array(4, float32)
+        step = cuda.local.array(4, float32)
+        four = cuda.local.array(4, float32)
+        part = cuda.local.array(4, float32)
+        for e in range(4):
+            chain[e] = step[e] = four[e] = part[e] = float32(0)
+        for l in range(b.shape[0]):
+            b0 = load_operand(b[l, t, g])
+            b1 = load_operand(b[l, t + 4, g])
+            chain[0], chain[1], chain[2], chain[3] = mma(one, one, one, one, b0, b1,
                                                          chain[0], chain[1], chain[2], chain[3])
-        s0, s1, s2, s3 = mma_f16(one, one, one, one, b0, b1, float32(0), float32(0), float32(0), float32(0))
-        step[0] += s0
-        step[1] += s1
-        step[2] += s2
-        step[3] += s3
-        part[0], part[1], part[2], part[3] = mma_f16(one, one, one, one, b0, b1, part[0], part[1], part[2], part[3])
-        if l % 4 == 3:
-            for e in range(4):
-                four[e] += part[e]
-                part[e] = float32(0)
-    for e in range(4):
-        out[0, lane, e] = chain[e]
-        out[1, lane, e] = step[e]
-        out[2, lane, e] = four[e] + part[e]
+            s0, s1, s2, s3 = mma(one, one, one, one, b0, b1, float32(0), float32(0), float32(0), float32(0))
+            step[0] += s0
+            step[1] += s1
+            step[2] += s2
+            step[3] += s3
+            part[0], part[1], part[2], part[3] = mma(one, one, one, one, b0, b1, part[0], part[1], part[2], part[3])
+            if l % 4 == 3:
+                for e in range(4):
+                    four[e] += part[e]
+                    part[e] = float32(0)
+        for e in range(4):
+            out[0, lane, e] = chain[e]
+            out[1, lane, e] = step[e]
+            out[2, lane, e] = four[e] + part[e]
+
+    return accumulate
+
+
+@inlined_device_function
+def tf32_one():
+    return tf32_round(float32(1))
+
+
+@inlined_device_function
+def f16_ones():
+    return uint32(0x3C003C00)  # two float16 ones
+
+
+accumulate_tf32 = make_accumulation_kernel(mma_tf32, tf32_round, tf32_one)
+accumulate_f16 = make_accumulation_kernel(mma_f16, as_stored, f16_ones)
 
 
 def fragment_columns():
