@@ -29,6 +29,17 @@ CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclass(frozen=True)
+class Varlen:
+    """Packed sequences of different lengths, flash-attn's layout: q (total_q, H, d), k and v (total_k, H_kv, d),
+    sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1."""
+
+    batch: int
+    longest_q: int
+    longest_k: int
+    bottom_right: bool          # causal aligned bottom-right in each sequence (else top-left)
+
+
+@dataclass(frozen=True)
 class AttentionCall:
     """A validated call: shapes, dtype and options the kernels can rely on.
 
@@ -56,10 +67,36 @@ class AttentionCall:
     vec: bool                   # every row of q, k, v starts on a 16-byte boundary
     block_mask: Optional[BlockMask] = None
     dropout_p: float = 0.0
+    #: Variable-length calls: batch_shape is (sequences,), n_q and n_k the packed totals, the strides'
+    #: batch entry 0 (the kernels find each sequence's rows from cu_seqlens).
+    varlen: Optional[Varlen] = None
 
     @property
     def batch(self):
         return int(np.prod(self.batch_shape, dtype=np.int64))
+
+    @property
+    def longest_q(self):
+        """The most queries one (batch, head) has: the grid's query tiles cover it."""
+        return self.n_q if self.varlen is None else self.varlen.longest_q
+
+    @property
+    def longest_k(self):
+        return self.n_k if self.varlen is None else self.varlen.longest_k
+
+    @property
+    def kernel_shapes(self):
+        """q's and k's shapes as the kernels' (batch, heads, rows, d) views see them (what their extents span)."""
+        if self.varlen is None:
+            return self.q_shape, self.kv_shape
+        return (1, self.heads, self.n_q, self.head_dim), (1, self.kv_heads, self.n_k, self.head_dim)
+
+    def result_strides(self, operand):
+        """``Strides`` of a new C-contiguous result shaped like q (``operand="q"``: O, dQ) or k ("kv": dK, dV)."""
+        heads, shape = (self.heads, self.q_shape) if operand == "q" else (self.kv_heads, self.kv_shape)
+        if self.varlen is not None:  # (total, heads, d): rows heads * d apart, heads d apart
+            return Strides(0, self.head_dim if heads > 1 else 0, heads * self.head_dim)
+        return view_strides("result", shape, c_strides(shape))
 
     @property
     def batch_heads(self):
@@ -83,8 +120,8 @@ def check_algorithm(algorithm, algorithms=ALGORITHMS):
         raise ValueError(f"algorithm must be one of {algorithms}, got {algorithm!r}")
 
 
-def check_operands(q, k, v, algorithm):
-    """Kinds, dtypes and shapes of q, k, v (``Operand``s); returns (batch_shape, heads, kv_heads, n_q, n_k, d)."""
+def check_kinds_and_dtypes(q, k, v, algorithm):
+    """q, k, v (``Operand``s) of one kind, library, device and dtype, a dtype ``algorithm`` takes."""
     if not q.on_device == k.on_device == v.on_device:
         raise TypeError("q, k and v must all be host arrays (NumPy) or all CUDA arrays, not a mix")
     if len({x.kind for x in (q, k, v)}) > 1:
@@ -93,11 +130,6 @@ def check_operands(q, k, v, algorithm):
     if q.kind == "torch" and not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one CUDA device, got cuda:{q.device}, cuda:{k.device}, "
                          f"cuda:{v.device}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape {x.shape}")
-        if 0 in x.shape:
-            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype == "bfloat16" and q.kind == "cuda":
@@ -107,6 +139,16 @@ def check_operands(q, k, v, algorithm):
         supported = ", ".join(DTYPES[algorithm])
         hint = " (16-bit inputs need algorithm='flash2')" if q.dtype in DTYPES["flash2"] else ""
         raise TypeError(f"q, k, v have dtype {q.dtype}; algorithm={algorithm!r} supports {supported}{hint}")
+
+
+def check_operands(q, k, v, algorithm):
+    """Kinds, dtypes and shapes of q, k, v (``Operand``s); returns (batch_shape, heads, kv_heads, n_q, n_k, d)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+    check_kinds_and_dtypes(q, k, v, algorithm)
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         raise ValueError(f"q, k and v must have the same head dim d, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
     if k.shape != v.shape:
@@ -282,10 +324,87 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
                          block_mask, dropout_p)
 
 
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
+    """Host copies (int64 NumPy) of a packed batch's sequence bounds, checked against the packed totals.
+
+    Sequence b is rows cu[b] .. cu[b + 1] - 1: each array starts at 0, never decreases (empty sequences
+    are allowed) and ends at its total; both describe the same number of sequences.
+    """
+    bounds = []
+    for name, x, total, operand in (("cu_seqlens_q", cu_seqlens_q, total_q, "q"),
+                                    ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v")):
+        if x.ndim != 1 or x.size < 2:
+            raise ValueError(f"{name} must be 1-D with one entry per sequence plus one (batch + 1 >= 2), got shape "
+                             f"{x.shape}")
+        if not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers (int32, as flash-attn's), got {x.dtype}")
+        x = x.astype(np.int64)
+        if x[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {x[0]}")
+        steps = np.diff(x)
+        if np.any(steps < 0):
+            at = int(np.argmax(steps < 0))
+            raise ValueError(f"{name} must not decrease (sequence b is rows {name}[b] .. {name}[b + 1] - 1), but "
+                             f"{name}[{at}] = {x[at]} > {name}[{at + 1}] = {x[at + 1]}")
+        if x[-1] != total:
+            raise ValueError(f"{name} must end at the {total} rows of {operand} (total, heads, d), got {x[-1]}")
+        bounds.append(x)
+    if bounds[0].size != bounds[1].size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{bounds[0].size - 1} and {bounds[1].size - 1}")
+    return tuple(bounds)
+
+
+def check_causal_varlen(causal):
+    """(causal, bottom_right) for a packed batch: True aligns each sequence's mask bottom-right, as flash-attn."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal), bool(causal)
+    if isinstance(causal, str):
+        if causal not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
+        return True, causal == "bottom_right"
+    raise TypeError(f"causal must be a bool, 'top_left' or 'bottom_right', got {type(causal).__name__}")
+
+
+def check_varlen_args(q, k, v, lengths, *, causal, scale, dropout_p, seed, block_sizes, backward=False):
+    """Validate a packed (variable-length) call: q (total_q, H_q, d), k, v (total_k, H_kv, d) ``Operand``s;
+    ``lengths`` = (sequences, longest query sequence, longest key sequence), from ``check_cu_seqlens``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must be packed as (total, heads, d) for variable-length attention, got shape "
+                             f"{x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+    check_kinds_and_dtypes(q, k, v, "flash2")
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        raise ValueError(f"q, k and v must have the same head dim d, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (total_k, H_kv, d), got {k.shape} and {v.shape}")
+    (total_q, heads, head_dim), (total_k, kv_heads, _) = q.shape, k.shape
+    if heads % kv_heads:
+        raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: grouped-query attention needs the query "
+                         f"heads to be a multiple of the key/value heads")
+    strides = [_packed_strides(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
+    is_causal, bottom_right = check_causal_varlen(causal)
+    scale = check_scale(scale, head_dim)
+    dropout_p = check_dropout(dropout_p, seed)
+    batch, longest_q, longest_k = lengths
+    block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, longest_q, longest_k, q.dtype, backward,
+                                    is_causal)
+    vector_elements = 4 if q.dtype == "float32" else 8   # a 16-byte load
+    vec = head_dim % vector_elements == 0 and all(
+        x.aligned and st.head % vector_elements == 0 and st.row % vector_elements == 0
+        for x, st in zip((q, k, v), strides))
+    return AttentionCall("flash2", (batch,), heads, kv_heads, total_q, total_k, head_dim, q.dtype, scale, is_causal,
+                         0, block_sizes, q.kind, tuple(q.shape), tuple(k.shape), tuple(strides), vec, None, dropout_p,
+                         Varlen(batch, longest_q, longest_k, bottom_right))
+
+
 def check_backward_operands(call, o, lse, do):
     """o, lse, do (``Operand``s) against a validated backward call: kind, shape, dtype, strides."""
+    lse_shape = (call.heads, call.n_q) if call.varlen else call.q_shape[:-1]
     for name, x, shape, dtype in (("o", o, call.q_shape, call.dtype), ("do", do, call.q_shape, call.dtype),
-                                  ("lse", lse, call.q_shape[:-1], "float32")):
+                                  ("lse", lse, lse_shape, "float32")):
         if x.on_device != call.on_device or (x.on_device and x.kind != call.kind):
             raise TypeError(f"{name} must be a {call.kind} array like q, k and v")
         if tuple(x.shape) != tuple(shape):
@@ -294,8 +413,20 @@ def check_backward_operands(call, o, lse, do):
             raise TypeError(f"{name} must have dtype {dtype}, got {x.dtype}")
     if call.on_device and not is_c_contiguous(lse.shape, lse.strides):
         raise ValueError(f"lse must be C-contiguous (strides {lse.strides} for shape {lse.shape})")
+    if call.varlen:
+        return tuple(_packed_strides(name, x) for name, x in (("o", o), ("do", do)))
     return tuple(operand_strides(name, x, call.algorithm) for name, x in (("o", o), ("do", do)))
 
 
-__all__ = ["ALGORITHMS", "AttentionCall", "Operand", "PRECISION", "Strides", "check_attention_args",
-           "check_backward_operands", "check_block_sizes"]
+def _packed_strides(name, x):
+    """``Strides`` of a packed (total, heads, d) operand: no batch stride (cu_seqlens place the sequences)."""
+    rows, head, last = x.strides if x.on_device else c_strides(x.shape)
+    if last != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.strides}")
+    if rows < 0 or head < 0:
+        raise ValueError(f"{name} has negative strides {x.strides}; pass a copy")
+    return Strides(0, head if x.shape[1] > 1 else 0, rows)
+
+
+__all__ = ["ALGORITHMS", "AttentionCall", "Operand", "PRECISION", "Strides", "Varlen", "check_attention_args",
+           "check_backward_operands", "check_block_sizes", "check_cu_seqlens", "check_varlen_args"]

@@ -1,4 +1,5 @@
-"""The public API of numba-flash: ``attention`` and ``attention_backward``.
+"""The public API of numba-flash: ``attention`` and ``attention_backward``, and their packed
+variable-length forms ``attention_varlen`` and ``attention_varlen_backward``.
 
 A call is checked once per distinct set of shapes, strides, dtypes and
 options: the checked call becomes a *plan* (the validated ``AttentionCall``
@@ -10,7 +11,8 @@ argument typing, no host synchronisation (``README``: "Host time per call").
 import numpy as np
 from numba import cuda
 
-from ._validation import check_attention_args, check_backward_operands, check_dropout
+from ._validation import (check_attention_args, check_backward_operands, check_cu_seqlens, check_dropout,
+                          check_varlen_args)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
@@ -19,6 +21,7 @@ from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
+from .sparsity.block_mask import BlockMask
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -122,6 +125,59 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     return plan(q, k, v, o, lse, do, seed)
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
+                     block_sizes=None, return_lse=False):
+    """Attention over a batch of sequences of different lengths packed without padding (flash-attn's varlen).
+
+    Parameters
+    ----------
+    q : array (total_q, H_q, d);  k, v : arrays (total_k, H_kv, d)
+        The sequences one after the other; H_q a multiple of H_kv (grouped
+        heads as ``attention``).  Kinds and dtypes as ``attention`` (flash2:
+        float32, float16, bfloat16); any strides whose last dimension is
+        contiguous.
+    cu_seqlens_q, cu_seqlens_k : integer arrays (batch + 1,)
+        Sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and
+        cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of k and v: they start at 0,
+        never decrease (empty sequences are allowed: their rows give O = 0, lse =
+        -inf) and end at total_q, total_k.  They are checked on the host, so
+        device arrays are copied back first (a wait on their stream, so a
+        packed call cannot be captured in a CUDA graph); int32 device arrays of
+        the call's kind are then used in place.
+    causal : bool or {"top_left", "bottom_right"}
+        Per sequence.  True means "bottom_right", as flash-attn's varlen
+        function: query i of sequence b sees key j iff j <= i + N_k,b - N_q,b
+        (new queries at the end of a longer context).
+    scale, dropout_p, seed, block_sizes, return_lse
+        As ``attention``.  Dropout keeps entry (i, j) of sequence b and head h
+        exactly where ``attention`` on a (batch, H, N_q, N_k) batch would keep
+        entry [b, h, i, j]: ``numba_flash.dropout_mask((batch, H, N_q, N_k), p,
+        seed)[b, h, :N_q,b, :N_k,b]``.
+
+    Returns
+    -------
+    O (total_q, H_q, d) in q's dtype, or (O, lse) with ``return_lse=True``, lse
+    (H_q, total_q) float32 (flash-attn's varlen layout).
+    """
+    plan, sequences = _varlen_plan(_VarlenForwardPlan, (q, k, v), cu_seqlens_q, cu_seqlens_k,
+                                   (causal, scale, dropout_p, block_sizes))
+    _check_seed(seed, dropout_p)
+    return plan(q, k, v, seed, return_lse, sequences)
+
+
+def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                              dropout_p=0.0, seed=0, block_sizes=None):
+    """Gradients (dq, dk, dv) of sum(O * do) for O = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...).
+
+    ``o`` and ``lse`` are what ``attention_varlen(..., return_lse=True)`` returned for the same
+    arguments; the other arguments must be the forward's.  Results are shaped like q, k and v.
+    """
+    plan, sequences = _varlen_plan(_VarlenBackwardPlan, (q, k, v, o, lse, do), cu_seqlens_q, cu_seqlens_k,
+                                   (causal, scale, dropout_p, block_sizes))
+    _check_seed(seed, dropout_p)
+    return plan(q, k, v, o, lse, do, seed, sequences)
+
+
 # ---------------------------------------------------------------- plans
 
 def _signature(x):
@@ -135,13 +191,18 @@ def _signature(x):
     return None
 
 
+def _option_key(option):
+    """An option as part of a plan's key: a block mask by identity (it is immutable), lists as tuples."""
+    if isinstance(option, BlockMask):
+        return id(option)
+    return tuple(option) if isinstance(option, list) else option
+
+
 def _plan(build, arrays, options):
     """The cached plan for these arrays' summaries and options, built (and checked) on first use."""
     signatures = tuple(_signature(x) for x in arrays)
-    causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
     try:
-        key = (build, signatures, causal, scale, id(block_mask), dropout_p, algorithm,
-               tuple(block_sizes) if isinstance(block_sizes, list) else block_sizes)
+        key = (build, signatures) + tuple(_option_key(option) for option in options)
         plan = None if None in signatures else _PLANS.get(key)
     except TypeError:  # an option that cannot be hashed: the checks name it
         return build(arrays, options)
@@ -166,7 +227,8 @@ class _Plan:
         self.call = call
         self.device = q.device
         self.result_kind = "torch" if call.kind == "torch" else "cuda"
-        self.rows_shape = (call.batch_heads, call.n_q)  # lse and the backward's D, one float32 per query row
+        # lse and the backward's D, one float32 per query row: q's shape without d, or (H_q, total_q) packed.
+        self.lse_shape = (call.heads, call.n_q) if call.varlen else call.q_shape[:-1]
 
     def stream(self, arrays):
         """The stream to launch on: torch's current one, or the one the inputs name (ordered after the others)."""
@@ -200,14 +262,15 @@ class _ForwardPlan(_Plan):
                                                  block_sizes=block_sizes))
         self.launch = forward_launch(self.call) if algorithm == "flash2" else None
 
-    def __call__(self, q, k, v, seed, return_lse):
+    def __call__(self, q, k, v, seed, return_lse, sequences=()):
+        """The call; ``sequences``: a packed call's cu_seqlens as device arrays."""
         call = self.call
         q, k, v = self.to_device((q, k, v))
         stream = self.stream((q, k, v))
         o = self.empty(call.q_shape, call.dtype, stream)
-        lse = self.empty(call.q_shape[:-1], "float32", stream)
+        lse = self.empty(self.lse_shape, "float32", stream)
         if self.launch is not None:
-            self.launch(stream, q, k, v, o, lse, *seed_words(seed))
+            self.launch(stream, q, k, v, o, lse, *sequences, *seed_words(seed))
         else:
             self._literal(q, k, v, o, lse, seed, stream)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
@@ -247,7 +310,8 @@ class _BackwardPlan(_Plan):
         self.launches = (backward_launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
                          if algorithm == "flash2" else None)
 
-    def __call__(self, q, k, v, o, lse, do, seed):
+    def __call__(self, q, k, v, o, lse, do, seed, sequences=()):
+        """The call; ``sequences``: a packed call's cu_seqlens as device arrays."""
         call = self.call
         q, k, v, o, lse, do = self.to_device((q, k, v, o, lse, do))
         stream = self.stream((q, k, v, o, lse, do))
@@ -256,11 +320,11 @@ class _BackwardPlan(_Plan):
         dv = self.empty(call.kv_shape, call.dtype, stream)
         if self.launches is not None:
             preprocess, dkdv, dq_pass = self.launches
-            d_i = self.empty(self.rows_shape, "float32", stream)  # D_i = rowsum(dO o O)
+            d_i = self.empty(self.lse_shape, "float32", stream)  # D_i = rowsum(dO o O)
             seeds = seed_words(seed)
             preprocess(stream, o, do, d_i)
-            dkdv(stream, q, k, v, do, lse, d_i, dk, dv, *seeds)
-            dq_pass(stream, q, k, v, do, lse, d_i, dq, *seeds)
+            dkdv(stream, q, k, v, do, lse, d_i, dk, dv, *sequences, *seeds)
+            dq_pass(stream, q, k, v, do, lse, d_i, dq, *sequences, *seeds)
         else:
             n_q, n_k, d = call.n_q, call.n_k, call.head_dim
             layout = (None if call.block_mask is None
@@ -272,6 +336,47 @@ class _BackwardPlan(_Plan):
                             dropout=dropout_kernel_args(call.dropout_p, seed) if call.dropout_p > 0 else None,
                             stream=_arrays.numba_stream(stream))
         return self.deliver((dq, dk, dv), (call.dtype,) * 3)
+
+
+def _varlen_plan(build, arrays, cu_seqlens_q, cu_seqlens_k, options):
+    """A packed call's plan and its sequence bounds as device arrays.
+
+    The bounds are checked on every call (their values change from batch to batch); the plan is keyed by
+    the arrays' summaries, the options and the number and longest lengths of the sequences (the grid).
+    """
+    q, k = (_arrays.describe(name, x) for name, x in zip("qk", arrays[:2]))
+    total_q, total_k = (x.shape[0] if len(x.shape) == 3 else -1 for x in (q, k))
+    hosts = check_cu_seqlens(_arrays.integers_on_host(cu_seqlens_q), _arrays.integers_on_host(cu_seqlens_k),
+                             total_q, total_k)
+    lengths = (hosts[0].size - 1, int(np.diff(hosts[0]).max()), int(np.diff(hosts[1]).max()))
+    plan = _plan(build, arrays, options + (lengths,))
+    sequences = tuple(_arrays.int32_on_device(x, host, plan.call.kind, plan.device)
+                      for x, host in zip((cu_seqlens_q, cu_seqlens_k), hosts))
+    return plan, sequences
+
+
+class _VarlenForwardPlan(_ForwardPlan):
+    """A packed call's forward: its own checks, the batched plan's call."""
+
+    def __init__(self, arrays, options):
+        q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
+        causal, scale, dropout_p, block_sizes, lengths = options
+        _Plan.__init__(self, q, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale, dropout_p=dropout_p,
+                                                  seed=0, block_sizes=block_sizes))
+        self.launch = forward_launch(self.call)
+
+
+class _VarlenBackwardPlan(_BackwardPlan):
+    """A packed call's backward: its own checks, the batched plan's call."""
+
+    def __init__(self, arrays, options):
+        q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
+                                                                            arrays))
+        causal, scale, dropout_p, block_sizes, lengths = options
+        _Plan.__init__(self, q, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale, dropout_p=dropout_p,
+                                                  seed=0, block_sizes=block_sizes, backward=True))
+        o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
+        self.launches = backward_launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
 
 
 def _heads(x, n, d=None):

@@ -3,6 +3,7 @@
     import numba_flash.torch as nft
     out = nft.attention(q, k, v, causal=True)      # q: (..., H_q, N, d), k, v: (..., H_kv, N, d) CUDA tensors
     out.sum().backward()                            # gradients from the flash2 backward
+    out = nft.attention_varlen(q, k, v, cu_q, cu_k)  # packed sequences: q (total_q, H_q, d), cu_q int32 (B + 1,)
 
 ``attention`` is a drop-in for ``torch.nn.functional.scaled_dot_product_attention``
 without an attention-mask tensor (use ``causal`` and ``block_mask``;
@@ -38,7 +39,7 @@ from . import api
 from .runtime.device import in_simulator
 from .sparsity.block_mask import BlockMask
 
-__all__ = ["attention", "FlashAttentionFunction"]
+__all__ = ["attention", "attention_varlen", "FlashAttentionFunction"]
 
 _OPTIONS = ("causal", "scale", "block_mask", "dropout_p", "seed", "algorithm", "block_sizes")
 
@@ -70,32 +71,40 @@ def _from_numpy(x):
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def _forward(q, k, v, options):
-    return _run(api.attention, (q, k, v), return_lse=True, **options)
+#: (forward, backward) of the API, for dense calls and for packed variable-length ones.
+_API = {False: (api.attention, api.attention_backward), True: (api.attention_varlen, api.attention_varlen_backward)}
 
 
-def _backward(q, k, v, out, lse, grad_out, options):
+def _forward(q, k, v, options, sequences=()):
+    return _run(_API[bool(sequences)][0], (q, k, v) + tuple(sequences), return_lse=True, **options)
+
+
+def _backward(q, k, v, out, lse, grad_out, options, sequences=()):
     options = dict(options, block_sizes=None)  # the backward's own tiles
-    return _run(api.attention_backward, (q, k, v, out, lse, grad_out), **options)
+    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): every stride 0
+        grad_out = grad_out.contiguous()
+    return _run(_API[bool(sequences)][1], (q, k, v, out, lse, grad_out) + tuple(sequences), **options)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """O = softmax(scale q k^T) v with numba-flash's forward and backward kernels."""
+    """O = softmax(scale q k^T) v with numba-flash's forward and backward kernels.
+
+    ``apply(q, k, v, options)`` for ``attention``; ``apply(q, k, v, options, cu_seqlens_q, cu_seqlens_k)``
+    for ``attention_varlen`` (packed sequences).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, options):
-        out, lse = _forward(q, k, v, options)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, options, *sequences):
+        out, lse = _forward(q, k, v, options, sequences)
+        ctx.save_for_backward(q, k, v, out, lse, *sequences)
         ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): every stride 0
-            grad_out = grad_out.contiguous()
-        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options)
-        return dq, dk, dv, None
+        q, k, v, out, lse, *sequences = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options, sequences)
+        return (dq, dk, dv, None) + (None,) * len(sequences)
 
 
 # ---------------------------------------------------------------- the custom operator (torch.compile)
@@ -162,7 +171,6 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _ = ctx.options
-    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p,
                                         seed_low, seed_high, algorithm)
     return (dq, dk, dv) + (None,) * 8
@@ -171,7 +179,75 @@ def _op_backward(ctx, grad_out, grad_lse):
 _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+def _varlen_options(causal, scale, dropout_p, seed_low, seed_high, block_sizes):
+    causal = {"false": False, "true": True}.get(causal, causal)
+    return dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed_low | (seed_high << 32),
+                block_sizes=None if block_sizes is None else tuple(block_sizes))
+
+
+@torch.library.custom_op("numba_flash::attention_varlen", mutates_args=())
+def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, causal: str, scale: float | None, dropout_p: float,
+                         seed_low: int, seed_high: int,
+                         block_sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward(q, k, v, _varlen_options(causal, scale, dropout_p, seed_low, seed_high, block_sizes),
+                        (cu_seqlens_q, cu_seqlens_k))
+    return out, lse
+
+
+@_attention_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high, block_sizes):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("numba_flash::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                  lse: torch.Tensor, grad_out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                  cu_seqlens_k: torch.Tensor, causal: str, scale: float | None, dropout_p: float,
+                                  seed_low: int,
+                                  seed_high: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _varlen_options(causal, scale, dropout_p, seed_low,
+                                                                        seed_high, None),
+                           (cu_seqlens_q, cu_seqlens_k))
+    return dq, dk, dv
+
+
+@_attention_varlen_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+
+
+def _varlen_op_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    causal, scale, dropout_p, seed_low, seed_high, _ = ctx.options
+    dq, dk, dv = _attention_varlen_backward_op(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal,
+                                               scale, dropout_p, seed_low, seed_high)
+    return (dq, dk, dv) + (None,) * 8
+
+
+_attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
+
+
 # ---------------------------------------------------------------- the public function
+
+def _check_tensors(named):
+    """Torch tensors on the device numba-flash computes on (CPU ones in the simulator)."""
+    wanted = "cpu" if in_simulator() else "cuda"
+    for name, x in named:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != wanted:
+            raise TypeError(f"{name} must be a {wanted.upper()} tensor"
+                            + (" (numba-flash is running in the CUDA simulator)" if in_simulator() else "")
+                            + f", got one on {x.device}")
+
 
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
               block_sizes=None):
@@ -187,14 +263,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     with ``algorithm``'s backward (flash2: the fast, deterministic one;
     flash1: Algorithm 4, float32).
     """
-    wanted = "cpu" if in_simulator() else "cuda"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type != wanted:
-            raise TypeError(f"{name} must be a {wanted.upper()} tensor"
-                            + (" (numba-flash is running in the CUDA simulator)" if in_simulator() else "")
-                            + f", got one on {x.device}")
+    _check_tensors((("q", q), ("k", k), ("v", v)))
     if algorithm == "standard":
         raise ValueError("algorithm must be 'flash2' or 'flash1' (the algorithms with a backward), got 'standard'")
     if algorithm != "flash2" or in_simulator():
@@ -209,3 +278,25 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                    algorithm=algorithm, block_sizes=block_sizes)
     return FlashAttentionFunction.apply(q, k, v, options)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
+                     block_sizes=None):
+    """Differentiable ``numba_flash.attention_varlen`` on torch tensors: sequences of different lengths packed
+    without padding, q (total_q, H_q, d), k and v (total_k, H_kv, d), sequence b in rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 (and cu_seqlens_k for keys), as flash-attn's ``flash_attn_varlen_func``.
+
+    cu_seqlens_q, cu_seqlens_k: int32 tensors of batch + 1 entries on q's device; they are read on the host
+    to be checked (one small copy per call).  ``causal=True`` aligns each sequence's mask bottom-right, as
+    flash-attn does.  Returns O shaped like q; ``O.backward()`` gives q, k and v their gradients.
+    """
+    _check_tensors((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    if in_simulator():
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if torch.compiler.is_compiling():
+        out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
+                                      float(dropout_p), seed & 0xFFFFFFFF, seed >> 32,
+                                      None if block_sizes is None else list(block_sizes))
+        return out
+    options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, block_sizes=block_sizes)
+    return FlashAttentionFunction.apply(q, k, v, options, cu_seqlens_q, cu_seqlens_k)

@@ -4,7 +4,7 @@ Not a pytest module: it needs Numba's real CUDA target (NVVM; no GPU) and
 CUDA's ptxas on PATH.  It catches what the simulator cannot: kernels that do
 not type or compile on the GPU target, spills and stack frames.
 
-    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py             # every flag, default tiles
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py             # every flag (varlen too), default tiles
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py tiles I/N   # every tile the GPU tests draw, shard I of N
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
 
@@ -72,13 +72,13 @@ def fast(kernel):
           kernel.dispatcher.targetoptions.get("launch_bounds"))
 
 
-def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64):
+def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varlen=False):
     forward_tiles = tiles or tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"],
                                                 head_dim)
-    fast(make_forward(*forward_tiles, head_dim, precision, vec, causal, mask, dropout))
+    fast(make_forward(*forward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen))
     backward_tiles = tiles or (128, 64)
-    fast(make_dkdv(*backward_tiles, head_dim, precision, vec, causal, mask, dropout))
-    fast(make_dq(*backward_tiles, head_dim, precision, vec, causal, mask, dropout))
+    fast(make_dkdv(*backward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen))
+    fast(make_dq(*backward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen))
 
 
 def main(argv):
@@ -114,6 +114,8 @@ def main(argv):
         fast(make_preprocess(precision))
         for vec, c, m, d in itertools.product((True, False), (False, True), (False, True), (False, True)):
             flash2(precision, vec, c, m, d, head_dim=args.head_dim)
+        for vec, c, d in itertools.product((True, False), (False, True), (False, True)):  # packed: no block masks
+            flash2(precision, vec, c, False, d, head_dim=args.head_dim, varlen=True)
     return f"{len(failures)} failed: {failures}" if failures else 0
 
 

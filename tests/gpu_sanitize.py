@@ -14,7 +14,8 @@ N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
 empty row of blocks), dropout, both, gqa (two query heads per key/value
 head, bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
 views), nan (NaN in a value row and a query row: the masked-tile sanitising
-path).  Every result is checked against the float64 reference too, so a run
+path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
+bottom-right causal, dropout).  Every result is checked against the float64 reference too, so a run
 that the sanitizer passes but that computes garbage still fails.
 """
 import sys
@@ -58,6 +59,10 @@ RUNS = [
     ("backward", "flash2", np.float16, (128, 64), "dense"),
     ("backward", "flash2", BF16, (32, 32), "sparse_dropout"),
     ("backward", "flash2", np.float32, (32, 32), "sparse_dropout"),
+    ("forward", "flash2", np.float32, (32, 16), "varlen"),
+    ("forward", "flash2", BF16, (64, 64), "varlen"),
+    ("backward", "flash2", np.float32, (32, 32), "varlen"),
+    ("backward", "flash2", np.float16, (64, 32), "varlen"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -130,6 +135,10 @@ def main(selected=()):
         if not all(word in run_name(run).split() for word in selected):
             continue
         direction, algorithm, dtype, blocks, variant = run
+        if variant == "varlen":
+            print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
+            worst = max(worst, packed(direction, dtype, blocks, rng))
+            continue
         for case in cases:
             (q, k, v), (q64, k64, v64), kwargs, ref_kwargs = inputs(variant, dtype, case, rng)
             print(f"{run_name(run)} blocks={blocks} case={case}", flush=True)
@@ -156,6 +165,38 @@ def main(selected=()):
             for label, got, expected in zip(("dq", "dk", "dv"), grads, want):
                 worst = max(worst, check(label, got, expected, dtype))
     print("all kernels ran; worst relative error", worst)
+
+
+#: Packed sequences (query lengths, key lengths): empty, one-row and ragged ones, causal bottom-right.
+VARLEN_LENGTHS = ([5, 0, 37, 1], [9, 3, 33, 1])
+
+
+def packed(direction, dtype, blocks, rng):
+    """attention_varlen (or its backward) on torch tensors, grouped heads, dropout; the worst relative error."""
+    heads, kv_heads, d = 4, 2, 24
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in VARLEN_LENGTHS)
+    host = [rng.standard_normal((total, h, d)).astype(dtype)
+            for total, h in ((cu_q[-1], heads), (cu_k[-1], kv_heads), (cu_k[-1], kv_heads))]
+
+    def device(x):
+        t = torch.as_tensor(x.view(np.int16) if dtype == BF16 else x, device="cuda")
+        return t.view(torch.bfloat16) if dtype == BF16 else t
+
+    q, k, v = (device(x) for x in host)
+    longest = (max(VARLEN_LENGTHS[0]), max(VARLEN_LENGTHS[1]))
+    keep = numba_flash.dropout_mask((len(cu_q) - 1, heads) + longest, DROPOUT_P, seed=7)
+    options = dict(causal=True, dropout_p=DROPOUT_P, seed=7)
+    cu = (torch.as_tensor(cu_q, device="cuda"), torch.as_tensor(cu_k, device="cuda"))
+    o, lse = numba_flash.attention_varlen(q, k, v, *cu, return_lse=True, block_sizes=blocks, **options)
+    ref, _ = reference.attention_varlen(*host, cu_q, cu_k, causal=True, dropout_keep=keep, dropout_p=DROPOUT_P)
+    if direction == "forward":
+        return check("O", o, ref, dtype)
+    do_host = rng.standard_normal(host[0].shape).astype(dtype)
+    grads = numba_flash.attention_varlen_backward(q, k, v, o, lse, device(do_host), *cu, block_sizes=blocks,
+                                                  **options)
+    want = reference.attention_varlen_backward(*host, do_host, cu_q, cu_k, causal=True, dropout_keep=keep,
+                                               dropout_p=DROPOUT_P)
+    return max(check(label, got, expected, dtype) for label, got, expected in zip(("dq", "dk", "dv"), grads, want))
 
 
 def nan_rows(ref, q64, v64, causal):

@@ -213,3 +213,71 @@ def flash1_fits(block_size, head_dim, backward=False):
     except ValueError:
         return False
     return True
+
+
+#: The dtypes of the packed (variable-length) entry point: flash2's.
+VARLEN_DTYPES = [t for a, t in FORWARD_VARIANTS if a == "flash2"]
+VARLEN_CAUSAL_CHOICES = (False, True, "top_left")   # True: bottom-right per sequence, as flash-attn's varlen
+
+
+@dataclass
+class PackedProblem:
+    """A batch of sequences packed without padding: q (total_q, H_q, d), k and v (total_k, H_kv, d)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    cu_q: np.ndarray  # int32 (batch + 1,)
+    cu_k: np.ndarray
+    causal: object
+    scale: object
+    block_sizes: object
+
+    @property
+    def batch(self):
+        return self.cu_q.size - 1
+
+    @property
+    def longest(self):
+        return int(np.diff(self.cu_q).max()), int(np.diff(self.cu_k).max())
+
+    def sequence(self, b):
+        """(q, k, v) of sequence b as (heads, N, d) problems, the layout of ``attention``."""
+        rows, keys = slice(self.cu_q[b], self.cu_q[b + 1]), slice(self.cu_k[b], self.cu_k[b + 1])
+        return tuple(np.swapaxes(x, 0, 1) for x in (self.q[rows], self.k[keys], self.v[keys]))
+
+    def rows(self, b):
+        return slice(self.cu_q[b], self.cu_q[b + 1])
+
+    def keys(self, b):
+        return slice(self.cu_k[b], self.cu_k[b + 1])
+
+
+def cumulative(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@st.composite
+def packed_problems(draw, *, dtype=np.float32, backward=False, equal_lengths=False):
+    """A random packed batch: 1-4 sequences of 0 to max_n queries and keys each (never all empty), grouped
+    heads, drawn tiles, scale and causal alignment.  ``equal_lengths``: every sequence N_q queries, N_k keys."""
+    max_n = SIZES.max_n["flash2"]
+    batch = draw(st.integers(1, 4 if not in_simulator() else 3))
+    if equal_lengths:
+        lengths_q = [draw(st.integers(1, max_n))] * batch
+        lengths_k = [draw(st.integers(1, max_n))] * batch
+    else:
+        # Empty and one-row sequences are the edges a kernel gets wrong: draw them often.
+        length = st.one_of(st.sampled_from([0, 1]), st.integers(0, max_n))
+        lengths_q = draw(st.lists(length, min_size=batch, max_size=batch).filter(any))
+        lengths_k = draw(st.lists(length, min_size=batch, max_size=batch).filter(any))
+    heads = draw(st.integers(1, SIZES.max_batch_heads))
+    kv_heads = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
+    d = draw(st.integers(1, SIZES.max_d))
+    tiles = draw(st.one_of(st.none(), block_sizes("flash2", d, dtype, backward)))
+    scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))
+    causal = draw(st.sampled_from(VARLEN_CAUSAL_CHOICES))
+    q = arrays(draw, (sum(lengths_q), heads, d), dtype)
+    k = arrays(draw, (sum(lengths_k), kv_heads, d), dtype)
+    v = arrays(draw, (sum(lengths_k), kv_heads, d), dtype)
+    return PackedProblem(q, k, v, cumulative(lengths_q), cumulative(lengths_k), causal, scale, tiles)

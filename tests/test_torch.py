@@ -13,7 +13,7 @@ import numba_flash
 import numba_flash.torch as nft
 import reference
 from numba_flash import BlockMask, dropout_mask
-from strategies import SIZES
+from strategies import BFLOAT16, SIZES, VARLEN_DTYPES, dtype_name, packed_problems
 from tolerances import (FLOAT64_AGREEMENT, MODEL_GRADIENT_RTOL, MODEL_LOSS_RTOL, assert_close_to_reference,
                         backward_tolerance)
 
@@ -309,3 +309,46 @@ def test_cuda_graph_replays_a_block_bit_for_bit():
     assert torch.equal(graph_out, eager_out)
     for got, want in zip([p.grad for p in block.parameters()] + [static_x.grad], eager_grads):
         assert torch.equal(got, want)
+
+
+def _torch_tensor(x, requires_grad=False):
+    """A NumPy array (bfloat16 through ml_dtypes) as a tensor on DEVICE."""
+    if x.dtype == BFLOAT16:
+        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(DEVICE).requires_grad_(requires_grad)
+
+
+def _numpy(t):
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+@pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
+@settings(max_examples=max(3, settings.default.max_examples // 3))
+@given(data=st.data())
+def test_packed_sequences_through_autograd_and_torch_compile(dtype, data):
+    # The autograd function and the custom operator give the bits of numba_flash.attention_varlen and
+    # attention_varlen_backward (tested against float64 in test_varlen.py), with cu_seqlens on the device.
+    p = data.draw(packed_problems(dtype=dtype))
+    do = _torch_tensor(np.asarray(np.random.default_rng(0).standard_normal(p.q.shape), dtype=dtype))
+    cu_q, cu_k = _torch_tensor(p.cu_q), _torch_tensor(p.cu_k)
+    options = dict(causal=p.causal, scale=p.scale)
+    want_out, want_lse = numba_flash.attention_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, return_lse=True, **options)
+    want_grads = numba_flash.attention_varlen_backward(p.q, p.k, p.v, want_out, want_lse, _numpy(do), p.cu_q, p.cu_k,
+                                                       **options)
+
+    def run(attention):
+        q, k, v = (_torch_tensor(x, requires_grad=True) for x in (p.q, p.k, p.v))
+        out = attention(q, k, v)
+        out.backward(do)
+        return (out,) + tuple(x.grad for x in (q, k, v))
+
+    def varlen(q, k, v):
+        return nft.attention_varlen(q, k, v, cu_q, cu_k, **options)
+
+    torch._dynamo.reset()
+    for results in (run(varlen), run(torch.compile(varlen, fullgraph=True, backend="aot_eager"))):
+        for got, want in zip(results, (want_out,) + tuple(want_grads)):
+            np.testing.assert_array_equal(_numpy(got).view(np.uint8), np.asarray(want).view(np.uint8))

@@ -426,6 +426,32 @@ def to_host(x, dtype):
     return host.view(_bfloat16()) if dtype == "bfloat16" else host
 
 
+def integers_on_host(x):
+    """A small integer array (e.g. cu_seqlens) as NumPy, wherever it lives.  One that lives on the GPU is
+    copied back, which waits for the stream it is ordered on: the price of checking it."""
+    if is_torch_tensor(x):
+        return x.detach().cpu().numpy()
+    if is_numba_device_array(x):
+        return x.copy_to_host()
+    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        return cuda.as_cuda_array(x).copy_to_host()
+    return np.asarray(x)
+
+
+def int32_on_device(x, host, kind, device=0):
+    """``x`` as a 1-D int32 device array for the kernels: ``x`` itself when it already is one of the call's
+    ``kind`` (no copy), else a copy of ``host``."""
+    if kind == "torch" and is_torch_tensor(x) and x.device.type == "cuda":
+        if x.dtype == _torch.int32 and x.dim() == 1 and x.is_contiguous():
+            return x
+        return x.to(_torch.int32).contiguous()
+    if kind == "torch":
+        return _torch.from_numpy(host.astype(np.int32)).to(_torch_device(device))
+    if kind == "cuda" and is_numba_device_array(x) and x.dtype == np.int32 and x.ndim == 1 and x.is_c_contiguous():
+        return x
+    return cuda.to_device(host.astype(np.int32))
+
+
 @functools.lru_cache(maxsize=None)
 def placeholder(dtype, ndim=1):
     """A one-element device array (of ``ndim`` dims) for array parameters a kernel specialisation never reads."""

@@ -56,9 +56,9 @@ from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_threads, padded_head_dim
-from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, contiguous_strides, dropout_arguments,
-                     dropout_words, kernel_name, lane_flags, operand_extent, tile_coordinates, tile_movers, warp_lane,
-                     word_extent)
+from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
+                     lane_flags, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates, tile_movers,
+                     warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import bf16_to_f32, exp2, f32_as_u32, half_to_f32, load_word, store_word, u32_as_f32
 
@@ -114,7 +114,7 @@ def _tile_offsets(tiles, name, sixteen):
 
 
 @lru_cache(maxsize=None)
-def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT):
+def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False):
     """dK and dV: one thread block per (key tile of BLOCK_KEYS, batch, key/value head); see the module docstring."""
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_KEYS)
@@ -136,9 +136,10 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_QUERIES, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     query_flags = lane_flags(Q_TILES)
+    sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def load_query_tile(smem, rows, pairs, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_row, q0, n_q, head_dim,
+    def load_query_tile(smem, rows, pairs, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_first, q0, n_q, head_dim,
                         tid):
         """Q_i and dO_i (row-major; 16-bit also as row pairs), their log2 lse and D, into shared memory."""
         fetch_rows(rows, Q, q_row, q_sn, n_q - q0, head_dim, tid)
@@ -153,8 +154,8 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
         for r in range(tid, BLOCK_QUERIES, THREADS):
             # Queries past N_q get lse = +inf (P = 0) and D = 0: they add nothing.
             valid = q0 + r < n_q
-            store_word(smem, LSE2 + r, f32_as_u32(log2_lse(LSE[lse_row + q0 + r]) if valid else float32(math.inf)))
-            store_word(smem, D_I + r, f32_as_u32(D[lse_row + q0 + r] if valid else float32(0)))
+            store_word(smem, LSE2 + r, f32_as_u32(log2_lse(LSE[lse_first + q0 + r]) if valid else float32(math.inf)))
+            store_word(smem, D_I + r, f32_as_u32(D[lse_first + q0 + r] if valid else float32(0)))
 
     @inlined_device_function
     def sanitize_queries(smem, tid):
@@ -197,11 +198,15 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, heads, group, n_q, n_k, head_dim, k_tiles,
                q_tiles, causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
-               mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1):
+               mask_t_r, mask_t_c, cu_q, cu_k, bottom_right, keep_threshold, keep_scale, seed0, seed1):
         # Operands as in the forward; heads: query heads, heads // group key/value heads.  HAS_MASK: the query
         # tiles of key tile kt of query head bh are listed at tile_offsets[bh (k_tiles + 1) + kt].
         k_tile, hk, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, heads // group)
+        lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)
         k0 = k_tile * BLOCK_KEYS
+        if VARLEN and k0 >= n_k:  # the grid covers the longest sequence; the whole block leaves together
+            return
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         key0 = k0 + warp * ROWS_PER_WARP + g    # this lane's keys: key0 and key0 + 8
@@ -210,9 +215,9 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
 
         # K_j and V_j once: they stay for the whole loop.
         own = cuda.local.array((OWN_ITERS, 4), WORD)
-        fetch_own(own, K, b * k_sb + hk * k_sh + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
+        fetch_own(own, K, b * k_sb + hk * k_sh + (k_first + k0) * k_sn, k_sn, n_k - k0, head_dim, tid)
         commit_own(smem, own, K_HI, K_LO, tid)
-        fetch_own(own, V, b * v_sb + hk * v_sh + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
+        fetch_own(own, V, b * v_sb + hk * v_sh + (k_first + k0) * v_sn, v_sn, n_k - k0, head_dim, tid)
         commit_own(smem, own, V_HI, V_LO, tid)
 
         dk_acc = cuda.local.array((D_TILES, 4), float32)
@@ -239,8 +244,9 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 else:
                     q0, partly_masked = (first + j) * BLOCK_QUERIES, False
                 cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i (and K_j, V_j are stored)
-                load_query_tile(smem, rows, pairs, Q, dO, LSE, D, b * q_sb + h * q_sh + q0 * q_sn,
-                                b * do_sb + h * do_sh + q0 * do_sn, q_sn, do_sn, bh * n_q, q0, n_q, head_dim, tid)
+                load_query_tile(smem, rows, pairs, Q, dO, LSE, D, b * q_sb + h * q_sh + (q_first + q0) * q_sn,
+                                b * do_sb + h * do_sh + (q_first + q0) * do_sn, q_sn, do_sn,
+                                lse_row(bh, h, q_first, lse_rows), q0, n_q, head_dim, tid)
                 cuda.syncthreads()  # Q_i, dO_i, lse and D complete
                 mixed = partly_masked or (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset)
                 if mixed:  # the same for every thread of the block, so all reach the barriers
@@ -263,19 +269,21 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
         for half in range(2):
             key = key0 + 8 * half
             if key < n_k:
-                store_fragment_row(dK, dk_acc, half, b * dk_sb + hk * dk_sh + key * dk_sn, head_dim, float32(scale), t)
-                store_fragment_row(dV, dv_acc, half, b * dv_sb + hk * dv_sh + key * dv_sn, head_dim, float32(1), t)
+                at = k_first + key
+                store_fragment_row(dK, dk_acc, half, b * dk_sb + hk * dk_sh + at * dk_sn, head_dim, float32(scale), t)
+                store_fragment_row(dV, dv_acc, half, b * dv_sb + hk * dv_sh + at * dv_sn, head_dim, float32(1), t)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dkdv", (BLOCK_KEYS, BLOCK_QUERIES), D_PAD, PRECISION, VEC,
-                                      CAUSAL, HAS_MASK, HAS_DROPOUT),
+                                      CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dK=data, dV=data,
-                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8),
+                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, cu_q=np.int32,
+                              cu_k=np.int32),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
 @lru_cache(maxsize=None)
-def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT):
+def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False):
     """dQ: one thread block per (query tile of BLOCK_QUERIES, batch, head); see the module docstring."""
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_QUERIES)
@@ -295,6 +303,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_KEYS, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(K_TILES)
+    sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
     def load_key_tile(smem, rows, pairs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
@@ -348,32 +357,37 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
 
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, head_dim, q_tiles, causal_offset, scale,
-               scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold,
-               keep_scale, seed0, seed1):
+               scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, cu_q, cu_k,
+               bottom_right, keep_threshold, keep_scale, seed0, seed1):
         # As the dkdv kernel, with the lists per query tile (as the forward's).
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)
         # Causal query tiles further down have more keys to visit: start them first.
         q_tile = q_tiles - 1 - tile if CAUSAL else tile
         q0 = q_tile * BLOCK_QUERIES
+        if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
+            return
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         row0 = warp * ROWS_PER_WARP + g
-        k_row = b * k_sb + (h // group) * k_sh
-        v_row = b * v_sb + (h // group) * v_sh
+        k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn
+        v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
+        lse_at = lse_row(bh, h, q_first, lse_rows)
         c_log2 = float32(scale_log2)
         smem = cuda.shared.array(0, uint32)
 
         own = cuda.local.array((OWN_ITERS, 4), WORD)
-        fetch_own(own, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
+        fetch_own(own, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
         commit_own(smem, own, Q_HI, Q_LO, tid)
-        fetch_own(own, dO, b * do_sb + h * do_sh + q0 * do_sn, do_sn, n_q - q0, head_dim, tid)
+        fetch_own(own, dO, b * do_sb + h * do_sh + (q_first + q0) * do_sn, do_sn, n_q - q0, head_dim, tid)
         commit_own(smem, own, DO_HI, DO_LO, tid)
         lse2 = cuda.local.array(2, float32)
         d_i = cuda.local.array(2, float32)
         for half in range(2):
             row = q0 + row0 + 8 * half
-            lse2[half] = log2_lse(LSE[bh * n_q + row]) if row < n_q else float32(math.inf)
-            d_i[half] = D[bh * n_q + row] if row < n_q else float32(0)
+            lse2[half] = log2_lse(LSE[lse_at + row]) if row < n_q else float32(math.inf)
+            d_i[half] = D[lse_at + row] if row < n_q else float32(0)
 
         dq_acc = cuda.local.array((D_TILES, 4), float32)
         s = cuda.local.array((K_TILES, 4), float32)     # S, then dS
@@ -417,39 +431,46 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         for half in range(2):
             row = q0 + row0 + 8 * half
             if row < n_q:
-                store_fragment_row(dQ, dq_acc, half, b * dq_sb + h * dq_sh + row * dq_sn, head_dim, float32(scale), t)
+                store_fragment_row(dQ, dq_acc, half, b * dq_sb + h * dq_sh + (q_first + row) * dq_sn, head_dim,
+                                   float32(scale), t)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
-                                      HAS_MASK, HAS_DROPOUT),
+                                      HAS_MASK, HAS_DROPOUT, VARLEN),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
-                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8),
+                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, cu_q=np.int32,
+                              cu_k=np.int32),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
 def backward_launches(call, o_strides, do_strides, do_aligned):
     """flash2's backward for a validated ``AttentionCall`` as three ``Launch``es (preprocess, dK/dV, dQ).
 
-    Per call: preprocess takes (O, dO, D); dK/dV (Q, K, V, dO, LSE, D, dK, dV, seed0, seed1); dQ
-    (Q, K, V, dO, LSE, D, dQ, seed0, seed1).  D is float32 scratch of (batch*heads, N_q); the
-    results are new C-contiguous arrays of q's, k's and v's shapes.
+    Per call: preprocess takes (O, dO, D); dK/dV (Q, K, V, dO, LSE, D, dK, dV[, cu_q, cu_k], seed0, seed1);
+    dQ (Q, K, V, dO, LSE, D, dQ[, cu_q, cu_k], seed0, seed1), cu_q and cu_k for variable-length calls.  D
+    is float32 scratch shaped like lse; the results are new C-contiguous arrays of q's, k's and v's shapes.
     """
     own, streamed = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
     vector = 4 if call.precision == "tf32x3" else 8   # elements of one 16-byte load
     vec = call.vec and do_aligned and all(s % vector == 0 for s in (do_strides.batch, do_strides.head, do_strides.row))
-    flags = (d_pad, call.precision, vec, call.causal, call.block_mask is not None, call.dropout_p > 0)
+    varlen = call.varlen is not None
+    flags = (d_pad, call.precision, vec, call.causal, call.block_mask is not None, call.dropout_p > 0, varlen)
     qs, ks, vs = call.strides
-    dq_s, dkv_s = contiguous_strides(call.q_shape), contiguous_strides(call.kv_shape)
+    dq_s, dkv_s = call.result_strides("q"), call.result_strides("kv")
+    q_shape, kv_shape = call.kernel_shapes
     words = word_extent(call)
-    elements = dict(O=operand_extent(call.q_shape, o_strides), dO=operand_extent(call.q_shape, do_strides))
-    rows = call.batch_heads * call.n_q
+    elements = dict(O=operand_extent(q_shape, o_strides), dO=operand_extent(q_shape, do_strides))
+    # lse and D: one row per query and head; a packed call has them per head over all its sequences.
+    lse_slabs = call.heads if varlen else call.batch_heads
+    rows = lse_slabs * call.n_q
     sizes = dict(heads=call.heads, n_q=call.n_q, head_dim=call.head_dim)
+    sequences = ("cu_q", "cu_k") if varlen else ()
 
     preprocess = make_preprocess(call.precision)
-    row_blocks = cdiv(call.n_q, PREPROCESS_ROWS)
+    row_blocks = cdiv(call.n_q, PREPROCESS_ROWS)   # D is lse-shaped: row blocks of every slab, packed or not
     preprocess_launch = Launch(
-        preprocess, row_blocks * call.batch_heads, PREPROCESS_ROWS, 0,
+        preprocess, row_blocks * lse_slabs, PREPROCESS_ROWS, 0,
         dict(o_sb=o_strides.batch, o_sh=o_strides.head, o_sn=o_strides.row, do_sb=do_strides.batch,
              do_sh=do_strides.head, do_sn=do_strides.row, row_blocks=row_blocks, **sizes),
         ("O", "dO", "D"), dict(elements, D=rows))
@@ -457,28 +478,30 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     operands = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
                     do_sn=do_strides.row, group=call.group, n_k=call.n_k, causal_offset=call.causal_offset,
-                    scale=call.scale, scale_log2=call.scale * LOG2_E, **sizes, **dropout_arguments(call))
-    extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
-                   dO=words(call.q_shape, do_strides), LSE=rows, D=rows)
+                    scale=call.scale, scale_log2=call.scale * LOG2_E, **sizes, **dropout_arguments(call),
+                    **sequence_arguments(call))
+    extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs),
+                   dO=words(q_shape, do_strides), LSE=rows, D=rows)
+    if varlen:
+        extents.update(cu_q=call.batch + 1, cu_k=call.batch + 1)
     threads = flash2_threads(own)
 
-    k_tiles = cdiv(call.n_k, own)
+    k_tiles = cdiv(call.longest_k, own)
     dkdv = make_dkdv(own, streamed, *flags)
     dkdv_launch = Launch(
         dkdv, k_tiles * call.batch * call.kv_heads, threads, flash2_dkdv_smem(own, streamed, d_pad,
                                                                                 call.precision).bytes,
         dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch, dv_sh=dkv_s.head,
-             dv_sn=dkv_s.row, k_tiles=k_tiles, q_tiles=cdiv(call.n_q, streamed),
+             dv_sn=dkv_s.row, k_tiles=k_tiles, q_tiles=cdiv(call.longest_q, streamed),
              **block_mask_arguments(call, (own, streamed), "dkdv")),
-        ("Q", "K", "V", "dO", "LSE", "D", "dK", "dV", "seed0", "seed1"),
-        dict(extents, dK=words(call.kv_shape, dkv_s), dV=words(call.kv_shape, dkv_s)))
+        ("Q", "K", "V", "dO", "LSE", "D", "dK", "dV") + sequences + ("seed0", "seed1"),
+        dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s)))
 
-    q_tiles = cdiv(call.n_q, own)
+    q_tiles = cdiv(call.longest_q, own)
     dq = make_dq(own, streamed, *flags)
     dq_launch = Launch(
         dq, q_tiles * call.batch_heads, threads, flash2_dq_smem(own, streamed, d_pad, call.precision).bytes,
         dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, q_tiles=q_tiles,
              **block_mask_arguments(call, (own, streamed), "dq")),
-        ("Q", "K", "V", "dO", "LSE", "D", "dQ", "seed0", "seed1"), dict(extents, dQ=words(call.q_shape, dq_s)))
+        ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + ("seed0", "seed1"), dict(extents, dQ=words(q_shape, dq_s)))
     return preprocess_launch, dkdv_launch, dq_launch
-

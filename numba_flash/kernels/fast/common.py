@@ -35,10 +35,10 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
 from ...dropout import NO_DROPOUT, kernel_args, philox_device
-from ...runtime.arrays import c_strides, extent, placeholder, view_strides
+from ...runtime.arrays import extent, placeholder
 from ...runtime.launch import inlined_device_function
 from ...sparsity.tile_lists import mask_arguments
 from ...tiling import ROWS_PER_WARP, cdiv, pair_stride, row_stride
@@ -65,11 +65,6 @@ def chunk_iterations(rows, d_pad, sixteen_bit, threads, pairs=False):
 
 
 # ---------------------------------------------------------------- host side: a call's fixed arguments
-
-def contiguous_strides(shape):
-    """``Strides`` of a C-contiguous result of ``shape`` (the kernels' outputs)."""
-    return view_strides("result", shape, c_strides(shape))
-
 
 def operand_extent(shape, strides, pairs=False):
     """Elements a kernel may touch of an operand (..., H, N, d) with ``Strides`` (32-bit words with ``pairs``)."""
@@ -102,10 +97,19 @@ def block_mask_arguments(call, tiles, role):
                 mask_rows=lists.mask_rows, mask_cols=lists.mask_cols, mask_t_r=lists.mask_t_r, mask_t_c=lists.mask_t_c)
 
 
-def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropout):
+def sequence_arguments(call):
+    """Variable-length calls: the packed sequences' bounds are per-call arrays (``cu_q``, ``cu_k``); the causal
+    alignment is per sequence (``bottom_right``).  Placeholders otherwise."""
+    if call.varlen is None:
+        return dict(cu_q=placeholder(np.int32), cu_k=placeholder(np.int32), bottom_right=0)
+    return dict(bottom_right=int(call.varlen.bottom_right))
+
+
+def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropout, varlen=False):
     """A readable name for one specialisation (what profilers show)."""
     return (f"{base}_{blocks[0]}x{blocks[1]}_d{d_pad}_{precision}" + ("_causal" if causal else "")
-            + ("" if vec else "_scalar") + ("_sparse" if has_mask else "") + ("_dropout" if has_dropout else ""))
+            + ("" if vec else "_scalar") + ("_sparse" if has_mask else "") + ("_dropout" if has_dropout else "")
+            + ("_varlen" if varlen else ""))
 
 
 @inlined_device_function
@@ -118,6 +122,42 @@ def tile_coordinates(block_id, tiles, heads):
     tile = block_id % tiles
     bh = block_id // tiles
     return tile, bh % heads, bh // heads, bh
+
+
+@lru_cache(maxsize=None)
+def sequence_bounds(VARLEN):
+    """(sequence, lse_row): where batch entry b's rows are, as two device functions.
+
+    ``sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)`` returns (q_first, k_first, n_q,
+    n_k, causal_offset): b's first query and key rows (row r of b is at ``b * s_b + (first + r) * s_n``),
+    its lengths and causal offset.  ``lse_row(bh, h, q_first, rows)`` is where head h's lse (and D)
+    rows of b start, ``rows`` being the kernel's n_q argument.
+
+    * Without VARLEN the call's own: every batch entry has n_q queries and n_k keys, lse is
+      (batch * heads, n_q); the functions compile to nothing new.
+    * With VARLEN, flash-attn's packed layout: sequence b is rows cu_q[b] .. cu_q[b + 1] - 1 of q
+      (total_q, H, d) (the host passes s_b = 0; n_q, n_k are the totals), its causal mask is aligned
+      bottom-right when ``bottom_right`` (key j visible to query i iff j <= i + N_k,b - N_q,b), and lse
+      is (heads, total_q).
+    """
+
+    @inlined_device_function
+    def sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right):
+        if VARLEN:
+            q_first = int64(cu_q[b])
+            k_first = int64(cu_k[b])
+            n_q_b = int64(cu_q[b + 1]) - q_first
+            n_k_b = int64(cu_k[b + 1]) - k_first
+            return q_first, k_first, n_q_b, n_k_b, causal_offset + bottom_right * (n_k_b - n_q_b)
+        return int64(0), int64(0), n_q, n_k, causal_offset
+
+    @inlined_device_function
+    def lse_row(bh, h, q_first, rows):
+        if VARLEN:
+            return h * rows + q_first
+        return bh * rows
+
+    return sequence, lse_row
 
 
 @inlined_device_function
@@ -339,6 +379,7 @@ def warp_lane(tid):
     return tid // 32, lane >> 2, lane & 3
 
 
-__all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "contiguous_strides",
+__all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div",
            "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
-           "tile_coordinates", "tile_movers", "warp_lane", "words_per_chunk_row"]
+           "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_movers", "warp_lane",
+           "words_per_chunk_row"]

@@ -74,22 +74,23 @@ from numba import cuda, float32, uint32, uint64
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_threads, padded_head_dim
-from .common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, contiguous_strides, dropout_arguments,
-                     dropout_words, kernel_name, lane_flags, tile_coordinates, tile_movers, warp_lane,
-                     word_extent)
+from .common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, dropout_arguments,
+                     dropout_words, kernel_name, lane_flags, sequence_arguments, sequence_bounds, tile_coordinates,
+                     tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
-def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT):
-    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout).
+def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False):
+    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen).
 
     D_PAD is the head dim rounded up to the mma depth: head dims that round to
     the same D_PAD share one compiled kernel, which is told the true d and
     zero-fills the rest.  VEC: rows start on 16-byte boundaries, so tiles move
     in 16-byte loads.  HAS_MASK: a block mask lists the key tiles of each query
-    tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.
+    tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.  VARLEN: packed sequences of
+    different lengths (``common.sequence_bounds``).
     """
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_M)
@@ -113,6 +114,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(N_TILES)
+    sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
     def fetch_kv(k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
@@ -209,7 +211,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 s[nt, 2 * half + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
 
     @inlined_device_function
-    def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_row, n_q, head_dim):
+    def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim):
         """O_i = acc / l and lse = m + log l, once; a row with no allowed key gets O = 0, lse = -inf."""
         for half in range(2):
             l_row = l_i[half]
@@ -221,31 +223,36 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if row < n_q:
                 store_fragment_row(O, acc, half, o_row + row * o_sn, head_dim, inv_l, t)
                 if t == 0:
-                    LSE[lse_row + row] = (m_i[half] * float32(1 / LOG2_E) + math.log(l_row)
+                    LSE[lse_first + row] = (m_i[half] * float32(1 / LOG2_E) + math.log(l_row)
                                           if l_row != float32(0) else float32(NEG_INF))
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, M, mask_rows,
-               mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1):
+               mask_cols, mask_t_r, mask_t_c, cu_q, cu_k, bottom_right, keep_threshold, keep_scale, seed0, seed1):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
         # ...] (``listed_tile``); M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
+        # VARLEN: cu_q, cu_k bound the packed sequences (``sequence_bounds``).
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)
         # Causal query tiles further down have more keys to visit: start them first.
         q_tile = q_tiles - 1 - tile if CAUSAL else tile
         q0 = q_tile * BLOCK_M
+        if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
+            return
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         row0 = warp * ROWS_PER_WARP + g          # this lane's rows: row0 and row0 + 8
-        k_row = b * k_sb + (h // group) * k_sh   # row 0 of this head's K (and V below)
-        v_row = b * v_sb + (h // group) * v_sh
+        k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn   # row 0 of this head's K (and V below)
+        v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
         smem = cuda.shared.array(0, uint32)
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
-        fetch_q(q_regs, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
+        fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
         commit_q(smem, q_regs, Q_HI, Q_LO, tid)
 
         m_i = cuda.local.array(2, float32)       # running max (log2 units) of rows row0, row0 + 8
@@ -306,18 +313,19 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 poison_weights(s, poison)
             accumulate_product(acc, alpha0, alpha1, s, smem, V_HI, V_LO, g, t)            # O = alpha O + P V_j
 
-        write_output(O, LSE, acc, m_i, l_i, q0, row0, t, b * o_sb + h * o_sh, o_sn, bh * n_q, n_q, head_dim)
+        write_output(O, LSE, acc, m_i, l_i, q0, row0, t, b * o_sb + h * o_sh + q_first * o_sn, o_sn,
+                     lse_row(bh, h, q_first, lse_rows), n_q, head_dim)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
-                                      HAS_DROPOUT),
+                                      HAS_DROPOUT, VARLEN),
                   arrays=dict(Q=data, K=data, V=data, O=data, LSE=np.float32, tile_offsets=np.int32,
-                              tile_entries=np.int32, M=np.uint8),
+                              tile_entries=np.int32, M=np.uint8, cu_q=np.int32, cu_k=np.int32),
                   floats=("scale_log2", "keep_scale"),
                   # Dense 16-bit at d <= 64: two blocks per multiprocessor (128 registers for 2 x 8 warps);
-                  # left alone, ptxas takes 129 and leaves room for one.  Masks and dropout need more, and
-                  # would spill under the cap (tests/gpu_compile_all.py prints them all).
-                  launch_bounds=((THREADS, 2) if SIXTEEN and D_PAD <= 64 and not (HAS_MASK or HAS_DROPOUT)
+                  # left alone, ptxas takes 129 and leaves room for one.  Masks, dropout and packed
+                  # sequences need more, and would spill under the cap (tests/gpu_compile_all.py prints them).
+                  launch_bounds=((THREADS, 2) if SIXTEEN and D_PAD <= 64 and not (HAS_MASK or HAS_DROPOUT or VARLEN)
                                  else None))
 
 
@@ -325,23 +333,29 @@ def forward_launch(call):
     """flash2's forward for a validated ``AttentionCall`` as a ``Launch``.
 
     Per call it takes q, k, v (the caller's arrays), o and lse (new results,
-    C-contiguous) and the dropout seed's two words.
+    C-contiguous), then for a variable-length call cu_q and cu_k, then the
+    dropout seed's two words.
     """
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
-    kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout)
-    q_tiles = cdiv(call.n_q, block_m)
+    kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
+                          call.varlen is not None)
+    q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
-    os_ = contiguous_strides(call.q_shape)
+    os_ = call.result_strides("q")
     words = word_extent(call)
     fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, head_dim=call.head_dim,
                  q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
-                 **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"))
-    extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
-                   O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
+                 **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
+                 **sequence_arguments(call))
+    q_shape, kv_shape = call.kernel_shapes
+    extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), O=words(q_shape, os_),
+                   LSE=call.heads * call.n_q if call.varlen else call.batch_heads * call.n_q)
+    per_call = ("Q", "K", "V", "O", "LSE") + (("cu_q", "cu_k") if call.varlen else ()) + ("seed0", "seed1")
+    if call.varlen:
+        extents.update(cu_q=call.batch + 1, cu_k=call.batch + 1)
     return Launch(kernel, q_tiles * call.batch_heads, flash2_threads(block_m),
-                  flash2_forward_smem(block_m, block_n, d_pad, call.precision).bytes, fixed,
-                  ("Q", "K", "V", "O", "LSE", "seed0", "seed1"), extents)
+                  flash2_forward_smem(block_m, block_n, d_pad, call.precision).bytes, fixed, per_call, extents)
