@@ -1,0 +1,1 @@
+"""numba-flash inside other libraries (each module imports its library only when used)."""
