@@ -2,7 +2,7 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments (default: all but backward)
+#                                        # experiments train (default: all but backward and train)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -56,6 +56,9 @@ for s in $STEPS; do
     experiments)
         step block_sparse 150 python3 experiments/block_sparse.py
         tail -3 "$LOGS/block_sparse.log" ;;
-    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments)"; exit 2 ;;
+    train)
+        step train_gpt 300 python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
+        tail -6 "$LOGS/train_gpt.log" ;;
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, train)"; exit 2 ;;
     esac
 done

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import numba_flash
+from tolerances import MODEL_LOSS_RTOL
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
 
@@ -142,3 +143,15 @@ NCU_CSV = '''==PROF== Connected to process 1
 def test_ncu_csv_parsing_reads_every_launch_in_bytes():
     launches = load_script("dram_traffic").parse_ncu_csv(NCU_CSV)
     assert launches == {0: ("standard_matmul_abt_tile16", 1000.0, 2000.0), 1: ("standard_row_softmax_t128", 300.0, 400.0)}
+
+
+def test_training_experiment_runs_quick_and_both_attentions_learn_alike(tmp_path):
+    train_gpt = load_script("train_gpt")
+    assert train_gpt.main(["--quick", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "train_gpt_quick.csv") as f:
+        steps = list(csv.DictReader(f))
+    ours = np.array([float(row["loss numba-flash"]) for row in steps])
+    theirs = np.array([float(row["loss torch SDPA"]) for row in steps])
+    # Same weights, same batches, float32: the runs differ only by the attention's summation order.
+    np.testing.assert_allclose(ours, theirs, rtol=MODEL_LOSS_RTOL)
+    assert (tmp_path / "train_gpt_quick.md").read_text().count("|") > 10
