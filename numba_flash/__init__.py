@@ -13,7 +13,8 @@ if _in_simulator():
 
     _simulator.install()
 
-from .api import attention, attention_backward, attention_varlen, attention_varlen_backward  # noqa: E402
+from .api import (attention, attention_backward, attention_varlen, attention_varlen_backward,  # noqa: E402
+                  attention_with_kv_cache)
 from .sparsity.block_mask import BlockMask  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from . import masks  # noqa: E402,F401  (numba_flash.masks: the pattern generators)
@@ -23,6 +24,7 @@ from .tools import io  # noqa: E402  (numba_flash.io: the traffic model, kept at
 
 _sys.modules[__name__ + ".io"] = io
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "BlockMask", "device_limits",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kv_cache",
+           "BlockMask", "device_limits",
            "dropout_mask", "in_simulator", "line1_block_sizes"]
 __version__ = "0.1.0"

@@ -17,9 +17,10 @@ from ._checks import positive_int_pair
 from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_strides
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, flash1_backward_block_sizes, flash1_backward_shared_bytes,
-                     flash1_shared_bytes, flash2_backward_shared_bytes, flash2_default_block_sizes,
-                     flash2_forward_smem, flash2_threads, k_step, line1_block_sizes, padded_head_dim)
+from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, decode_default_block_sizes, flash1_backward_block_sizes,
+                     flash1_backward_shared_bytes, flash1_shared_bytes, flash2_backward_shared_bytes,
+                     flash2_default_block_sizes, flash2_forward_smem, flash2_threads, k_step, line1_block_sizes,
+                     padded_head_dim)
 
 ALGORITHMS = ("standard", "flash1", "flash2")
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
@@ -30,13 +31,21 @@ CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 @dataclass(frozen=True)
 class Varlen:
-    """Packed sequences of different lengths, flash-attn's layout: q (total_q, H, d), k and v (total_k, H_kv, d),
-    sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1."""
+    """Batch entries of different lengths, read from per-call bounds arrays (``kernels/fast/common.py``,
+    ``sequence_bounds``): flash-attn's packed layout (q (total_q, H, d), k and v (total_k, H_kv, d), sequence b
+    in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1: cumulative bounds, step 1), or a KV cache (keys 0 .. L_b - 1
+    of cache entry b: (0, L_b) pairs, step 2; queries the pair (0, N_q), step 0)."""
 
     batch: int
     longest_q: int
     longest_k: int
-    bottom_right: bool          # causal aligned bottom-right in each sequence (else top-left)
+    bottom_right: bool          # causal aligned bottom-right in each entry (else top-left)
+    q_step: int = 1             # entry b's bounds are bounds[b * step], bounds[b * step + 1]
+    k_step: int = 1
+    lse_strides: Tuple[int, int] = (0, 0)   # lse row r of (b, h) at b * lse_strides[0] + h * lse_strides[1] + first + r
+    q_bounds_size: int = 0
+    k_bounds_size: int = 0
+    packed: bool = True         # q, k, v (total, heads, d) (else (batch, heads, N, d) with batch strides)
 
 
 @dataclass(frozen=True)
@@ -87,14 +96,14 @@ class AttentionCall:
     @property
     def kernel_shapes(self):
         """q's and k's shapes as the kernels' (batch, heads, rows, d) views see them (what their extents span)."""
-        if self.varlen is None:
+        if self.varlen is None or not self.varlen.packed:
             return self.q_shape, self.kv_shape
         return (1, self.heads, self.n_q, self.head_dim), (1, self.kv_heads, self.n_k, self.head_dim)
 
     def result_strides(self, operand):
         """``Strides`` of a new C-contiguous result shaped like q (``operand="q"``: O, dQ) or k ("kv": dK, dV)."""
         heads, shape = (self.heads, self.q_shape) if operand == "q" else (self.kv_heads, self.kv_shape)
-        if self.varlen is not None:  # (total, heads, d): rows heads * d apart, heads d apart
+        if self.varlen is not None and self.varlen.packed:  # (total, heads, d): rows heads * d apart, heads d apart
             return Strides(0, self.head_dim if heads > 1 else 0, heads * self.head_dim)
         return view_strides("result", shape, c_strides(shape))
 
@@ -397,7 +406,99 @@ def check_varlen_args(q, k, v, lengths, *, causal, scale, dropout_p, seed, block
         for x, st in zip((q, k, v), strides))
     return AttentionCall("flash2", (batch,), heads, kv_heads, total_q, total_k, head_dim, q.dtype, scale, is_causal,
                          0, block_sizes, q.kind, tuple(q.shape), tuple(k.shape), tuple(strides), vec, None, dropout_p,
-                         Varlen(batch, longest_q, longest_k, bottom_right))
+                         Varlen(batch, longest_q, longest_k, bottom_right, lse_strides=(0, total_q),
+                                q_bounds_size=batch + 1, k_bounds_size=batch + 1))
+
+
+def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_sizes, num_splits):
+    """Validate a decoding call's arrays and options (``attention_with_kv_cache``): q (B, H_q, N_q, d), the caches
+    (B, H_kv, N_max, d), k_new and v_new (B, H_kv, N_new, d) or None (``Operand``s), ``num_splits`` a
+    non-negative int (0: chosen by the library).  The lengths are checked per call by ``check_cache_seqlens``.
+
+    Returns the call the kernels run.  One query per head (N_q = 1) with grouped heads runs as H_kv heads of
+    ``group`` query rows each (q viewed as (B, H_kv, group, d): the heads of a group are rows ``q_sh`` apart),
+    so that each key/value tile is read once per group; ``call.q_shape`` is that view (its C order is q's).
+    """
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if k_new is not None:
+        named += [("k_new", k_new), ("v_new", v_new)]
+    for name, x in named:
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be (batch, heads, N, d), got shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+    for name, x in named[1:]:
+        if x.on_device != q.on_device or x.kind != q.kind:
+            raise TypeError(f"{name} must be the same kind of array as q ({q.kind}), got {x.kind}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    check_kinds_and_dtypes(q, k_cache, v_cache, "flash2")
+    if type(num_splits) is not int:   # bool is no count of splits
+        raise TypeError(f"num_splits must be an int (0: chosen by the library), got {num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must not be negative (0: chosen by the library), got {num_splits}")
+    batch, heads, n_q, head_dim = q.shape
+    _, kv_heads, n_max, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {k_cache.shape} and {v_cache.shape}")
+    if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+        raise ValueError(f"the caches must be (batch={batch}, H_kv, N_max, d={head_dim}) like q, got {k_cache.shape}")
+    if k_new is not None:
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"k_new and v_new must have one shape, got {k_new.shape} and {v_new.shape}")
+        if k_new.shape[:2] != (batch, kv_heads) or k_new.shape[3] != head_dim:
+            raise ValueError(f"k_new must be (batch={batch}, H_kv={kv_heads}, N_new, d={head_dim}), got "
+                             f"{k_new.shape}")
+    if heads % kv_heads:
+        raise ValueError(f"q has {heads} heads and the caches {kv_heads}: grouped-query attention needs the query "
+                         f"heads to be a multiple of the key/value heads")
+    strides = [operand_strides(name, x, "flash2") for name, x in named[:3]]
+    is_causal, bottom_right = check_causal_varlen(causal)
+    scale = check_scale(scale, head_dim)
+    group = heads // kv_heads
+    q_shape = (batch, heads, n_q, head_dim)
+    if n_q == 1 and (bottom_right or not is_causal):
+        is_causal = False   # one query at the end of the cache sees every key
+        if group > 1:       # so the group's queries can share the rows of one tile
+            q_shape, n_q, heads = (batch, kv_heads, group, head_dim), group, kv_heads
+            strides[0] = Strides(strides[0].batch, strides[0].head * group, strides[0].head)
+    if head_dim > FLASH2_MAX_HEAD_DIM:
+        raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {FLASH2_MAX_HEAD_DIM}")
+    if block_sizes is None:
+        block_sizes = decode_default_block_sizes(n_q, head_dim, PRECISION[q.dtype])
+    block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, n_q, n_max, q.dtype, False, is_causal)
+    vector_elements = 4 if q.dtype == "float32" else 8   # a 16-byte load
+    vec = head_dim % vector_elements == 0 and all(
+        x.aligned and all(s % vector_elements == 0 for s in (st.batch, st.head, st.row))
+        for x, st in zip((q, k_cache, v_cache), strides))
+    sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=2, lse_strides=(heads * n_q, n_q),
+                       q_bounds_size=2, k_bounds_size=2 * batch, packed=False)
+    return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,
+                         block_sizes, q.kind, q_shape, tuple(k_cache.shape), tuple(strides), vec, None, 0.0,
+                         sequences)
+
+
+def check_new_keys(k_new, v_new):
+    """New keys come with their values, or neither comes."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (the new keys and their values), or neither")
+
+
+def check_cache_seqlens(cache_seqlens, batch, n_new, n_max):
+    """The keys each cache entry holds after appending ``n_new``, from a host integer array, or a ValueError."""
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have one length per batch entry, shape ({batch},), got "
+                         f"{cache_seqlens.shape}")
+    if not np.issubdtype(cache_seqlens.dtype, np.integer):
+        raise TypeError(f"cache_seqlens must hold integers (int32, as flash-attn's), got {cache_seqlens.dtype}")
+    if np.any(cache_seqlens < 0):
+        raise ValueError(f"cache_seqlens must not be negative, got {cache_seqlens.tolist()}")
+    lengths = cache_seqlens.astype(np.int64) + n_new
+    if np.any(lengths > n_max):
+        b = int(np.argmax(lengths > n_max))
+        raise ValueError(f"cache overflow: cache_seqlens[{b}] = {cache_seqlens[b]} keys and {n_new} new ones do not "
+                         f"fit in the caches' {n_max} rows")
+    return lengths
 
 
 def check_backward_operands(call, o, lse, do):
@@ -429,4 +530,4 @@ def _packed_strides(name, x):
 
 
 __all__ = ["ALGORITHMS", "AttentionCall", "Operand", "PRECISION", "Strides", "Varlen", "check_attention_args",
-           "check_backward_operands", "check_block_sizes", "check_cu_seqlens", "check_varlen_args"]
+           "check_backward_operands", "check_block_sizes", "check_cache_args", "check_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]

@@ -1,5 +1,6 @@
-"""The public API of numba-flash: ``attention`` and ``attention_backward``, and their packed
-variable-length forms ``attention_varlen`` and ``attention_varlen_backward``.
+"""The public API of numba-flash: ``attention`` and ``attention_backward``, their packed
+variable-length forms ``attention_varlen`` and ``attention_varlen_backward``, and decoding from a KV
+cache, ``attention_with_kv_cache``.
 
 A call is checked once per distinct set of shapes, strides, dtypes and
 options: the checked call becomes a *plan* (the validated ``AttentionCall``
@@ -11,17 +12,21 @@ argument typing, no host synchronisation (``README``: "Host time per call").
 import numpy as np
 from numba import cuda
 
-from ._validation import (check_attention_args, check_backward_operands, check_cu_seqlens, check_dropout,
-                          check_varlen_args)
+from ._validation import (check_attention_args, check_backward_operands, check_cache_args, check_cache_seqlens,
+                          check_cu_seqlens, check_dropout, check_new_keys, check_varlen_args,
+                          operand_strides)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
+from .kernels.fast.cache import append_launch, decode_splits, merge_launch
 from .kernels.fast.forward import forward_launch
 from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
+from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
+from .tiling import cdiv, padded_head_dim
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -178,6 +183,47 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
     return plan(q, k, v, o, lse, do, seed, sequences)
 
 
+def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=True, scale=None,
+                            block_sizes=None, num_splits=0, return_lse=False):
+    """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.
+
+    Parameters
+    ----------
+    q : array (B, H_q, N_q, d)
+        The new tokens' queries (N_q = 1 for one step of generation).
+    k_cache, v_cache : arrays (B, H_kv, N_max, d)
+        The caches; H_q a multiple of H_kv.  Entry b holds cache_seqlens[b] keys.
+    cache_seqlens : integer array (B,)
+        Keys already in each entry.  Read on the host (device arrays are copied back: a wait on their
+        stream), checked, and left unchanged: the caller advances it, as with flash-attn.
+    k_new, v_new : arrays (B, H_kv, N_new, d), optional
+        Written into the caches in place at rows cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before
+        attending (host caches are written on the host).  Overflowing N_max raises a ValueError.
+    causal : bool or {"top_left", "bottom_right"}
+        Key j of entry b is visible iff j < L_b = cache_seqlens[b] + N_new and, when causal (True means
+        bottom-right, as flash-attn), j <= i + L_b - N_q for query i.
+    scale, block_sizes, return_lse
+        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs.
+    num_splits : int
+        Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
+        flash-attn's ``num_splits``); 0 (default) chooses from the grid and the GPU (``decode_splits``).
+        Capped at the number of key tiles.
+
+    One query per head against a grouped cache runs the group's query heads as the rows of one tile, so
+    each key and value is read once per group, not once per query head.
+
+    Returns
+    -------
+    O (B, H_q, N_q, d) in q's dtype, or (O, lse).
+    """
+    check_new_keys(k_new, v_new)
+    arrays = (q, k_cache, v_cache) + (() if k_new is None else (k_new, v_new))
+    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits))
+    lengths = check_cache_seqlens(_arrays.integers_on_host(cache_seqlens), plan.call.batch, plan.n_new,
+                                  plan.call.n_k)
+    return plan(arrays, cache_seqlens, lengths, return_lse)
+
+
 # ---------------------------------------------------------------- plans
 
 def _signature(x):
@@ -228,7 +274,7 @@ class _Plan:
         self.device = q.device
         self.result_kind = "torch" if call.kind == "torch" else "cuda"
         # lse and the backward's D, one float32 per query row: q's shape without d, or (H_q, total_q) packed.
-        self.lse_shape = (call.heads, call.n_q) if call.varlen else call.q_shape[:-1]
+        self.lse_shape = (call.heads, call.n_q) if call.varlen and call.varlen.packed else call.q_shape[:-1]
 
     def stream(self, arrays):
         """The stream to launch on: torch's current one, or the one the inputs name (ordered after the others)."""
@@ -377,6 +423,71 @@ class _VarlenBackwardPlan(_BackwardPlan):
                                                   seed=0, block_sizes=block_sizes, backward=True))
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         self.launches = backward_launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
+
+
+class _CachePlan(_Plan):
+    """A decoding call: the append launches (when there are new keys), and the forward over per-entry lengths."""
+
+    def __init__(self, arrays, options):
+        names = ("q", "k_cache", "v_cache", "k_new", "v_new")
+        operands = [_arrays.describe(name, x) for name, x in zip(names, arrays)]
+        q, k_cache, v_cache = operands[:3]
+        k_new, v_new = operands[3:] if len(operands) == 5 else (None, None)
+        causal, scale, block_sizes, num_splits = options
+        super().__init__(q, check_cache_args(q, k_cache, v_cache, k_new, v_new, causal=causal, scale=scale,
+                                             block_sizes=block_sizes, num_splits=num_splits))
+        call = self.call
+        self.user_shape = tuple(q.shape)
+        self.n_new = 0 if k_new is None else k_new.shape[2]
+        # flash-decoding: with few query tiles, blocks share each tile's keys and a merge combines them.
+        block_m, block_n = call.block_sizes
+        key_tiles = cdiv(call.n_k, block_n)
+        self.splits = (min(num_splits, key_tiles) if num_splits else
+                       decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
+                                     device_limits().multiprocessors))
+        self.launch = forward_launch(call, self.splits)
+        rows = call.batch_heads * call.n_q
+        self.d_pad = padded_head_dim(call.head_dim, call.precision)
+        self.merge = (merge_launch(rows, self.splits, self.d_pad, call.head_dim, call.precision)
+                      if self.splits > 1 else None)
+        # Entry b's queries are rows 0 .. n_q - 1 (the bounds pair (0, n_q), read with step 0).
+        self.q_bounds = _arrays.int32_on_device(None, np.array([0, self.call.n_q]), self.call.kind, self.device)
+        self.appends = None
+        if k_new is not None and self.call.on_device:
+            self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
+                                               operand_strides(new_name, new, "flash2"), self.call.dtype)
+                                 for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
+                                                                    ("v_cache", v_cache, "v_new", v_new)))
+
+    def __call__(self, arrays, cache_seqlens, lengths, return_lse):
+        call = self.call
+        if self.n_new and not call.on_device:  # host caches: append where they live, then copy
+            seqlens = lengths - self.n_new
+            for cache, new in ((arrays[1], arrays[3]), (arrays[2], arrays[4])):
+                cache, new = _arrays.as_host_array(cache), _arrays.as_host_array(new)
+                for b, start in enumerate(seqlens):
+                    cache[b, :, start:start + self.n_new] = new[b]
+        q, k_cache, v_cache, *new = self.to_device(arrays)
+        stream = self.stream((q, k_cache, v_cache, *new))
+        if self.appends is not None:
+            seqlens = _arrays.int32_on_device(cache_seqlens, lengths - self.n_new, call.kind, self.device)
+            for append, cache, fresh in zip(self.appends, (k_cache, v_cache), new):
+                append(stream, cache, fresh, seqlens)
+        k_bounds = np.zeros(2 * call.batch, np.int64)
+        k_bounds[1::2] = lengths   # entry b: keys 0 .. L_b - 1
+        k_bounds = _arrays.int32_on_device(None, k_bounds, call.kind, self.device)
+        o = self.empty(self.user_shape, call.dtype, stream)     # the kernels' q view has q's C order
+        lse = self.empty(self.user_shape[:-1], "float32", stream)
+        if self.merge is None:
+            self.launch(stream, q, k_cache, v_cache, o, lse, self.q_bounds, k_bounds, 0, 0)
+        else:
+            rows = call.batch_heads * call.n_q
+            partial_o = self.empty((self.splits, rows, self.d_pad), "float32", stream)
+            partial_lse = self.empty((self.splits, rows), "float32", stream)
+            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
+            self.merge(stream, partial_o, partial_lse, o, lse)
+        o, lse = self.deliver((o, lse), (call.dtype, "float32"))
+        return (o, lse) if return_lse else o
 
 
 def _heads(x, n, d=None):

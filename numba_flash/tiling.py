@@ -305,3 +305,26 @@ def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=Fa
     if device_limits().simulated:
         return SIMULATOR_BLOCK_SIZES
     return flash2_tuned_block_sizes(head_dim, precision, backward=backward, causal=causal)
+
+
+#: The most 16-byte chunks a thread of a decoding block keeps in flight per K or V tile (more spills).
+DECODE_CHUNKS_PER_THREAD = 8
+
+
+def decode_block_sizes(n_q, head_dim, precision):
+    """Tiles for few queries against many keys (``attention_with_kv_cache``): the query rows the call
+    needs (16 per warp, so often one warp), and the widest key tile (at most 64) whose register
+    prefetch stays within ``DECODE_CHUNKS_PER_THREAD`` chunks per thread.  ptxas on sm_90
+    (experiments/results/ptxas_decode.md): one warp at (16, 64), d = 128, float16, spills 3.4 KB; at
+    (16, 16) it spills 4 bytes.  Not tuned on a GPU yet.
+    """
+    rows = min(128, cdiv(n_q, ROWS_PER_WARP) * ROWS_PER_WARP)
+    chunk = 4 if precision == "tf32x3" else 8        # elements per 16-byte chunk
+    step = k_step(precision)
+    fitting = DECODE_CHUNKS_PER_THREAD * flash2_threads(rows) * chunk // padded_head_dim(head_dim, precision)
+    return rows, max(step, min(64, fitting // step * step))
+
+
+def decode_default_block_sizes(n_q, head_dim, precision):
+    """``decode_block_sizes`` on a GPU, the smallest tiles in the simulator."""
+    return SIMULATOR_BLOCK_SIZES if device_limits().simulated else decode_block_sizes(n_q, head_dim, precision)

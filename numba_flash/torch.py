@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import api
+from .ring import ring_attention  # noqa: F401  (one sequence over many GPUs: numba_flash/ring.py)
 from .runtime.device import in_simulator
 from .sparsity.block_mask import BlockMask
 

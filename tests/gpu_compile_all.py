@@ -22,6 +22,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import numba_flash  # noqa: F401  (the NumPy compatibility fix, before compiling)
 from numba import cuda
 from numba import types as T
@@ -31,11 +32,12 @@ from numba.cuda import dispatcher
 # device's compute capability; without a driver, say sm_90.
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq, make_preprocess  # noqa: E402
+from numba_flash.kernels.fast.cache import make_append, make_merge  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
 from numba_flash.kernels.literal.standard_attention import make_batched_matmul, make_row_softmax  # noqa: E402
-from numba_flash.tiling import FORWARD_BLOCK_SIZES, PRECISIONS, tiles_for_head_dim  # noqa: E402
+from numba_flash.tiling import FORWARD_BLOCK_SIZES, PRECISIONS, decode_block_sizes, tiles_for_head_dim  # noqa: E402
 
 a3 = T.Array(T.float32, 3, "C")
 l2 = T.Array(T.float32, 2, "C")
@@ -81,6 +83,15 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
     fast(make_dq(*backward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen))
 
 
+def decode(precision, head_dim):
+    """Decoding from a KV cache at its default tiles (one query, and 40): the forward over per-entry lengths,
+    its split-keys form, the merge."""
+    for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
+        fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
+                          False, True, split))
+    fast(make_merge(precision))
+
+
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -116,6 +127,9 @@ def main(argv):
             flash2(precision, vec, c, m, d, head_dim=args.head_dim)
         for vec, c, d in itertools.product((True, False), (False, True), (False, True)):  # packed: no block masks
             flash2(precision, vec, c, False, d, head_dim=args.head_dim, varlen=True)
+        decode(precision, args.head_dim)
+    for element in (np.float32, np.uint16):
+        fast(make_append(element))
     return f"{len(failures)} failed: {failures}" if failures else 0
 
 

@@ -2,14 +2,15 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments train (default: all but backward and train)
+#                                        # experiments decode train (default: all but backward, decode, train)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
 # run is JIT compilation (seconds per kernel specialisation, in every pytest worker), hence the
 # short Hypothesis profile for the tests.  With BASELINE set to a package folder (an earlier commit,
 # e.g. .baseline/numba_flash_a449d24), the benchmarks and the accuracy experiment measure it beside
-# this tree in the same process.  GPU=i puts the steps on GPU i.  Clocks are never touched.
+# this tree in the same process.  GPU=i puts the steps on GPU i; TEST_FILES narrows the tests step
+# (to split the suite between device calls).  Clocks are never touched.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export CUDA_VISIBLE_DEVICES=${GPU:-0}
@@ -29,7 +30,7 @@ for s in $STEPS; do
     case $s in
     tests)
         HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} step pytest ${TEST_LIMIT:-420} \
-            python3 -m pytest -q -n ${WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 tests/
+            python3 -m pytest -q -n ${WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 ${TEST_FILES:-tests/}
         grep -E "passed|failed|^FAILED|^ERROR" "$LOGS/pytest.log" | tail -12 ;;
     sanitize|memcheck|racecheck)
         for tool in memcheck racecheck; do
@@ -56,9 +57,12 @@ for s in $STEPS; do
     experiments)
         step block_sparse 150 python3 experiments/block_sparse.py
         tail -3 "$LOGS/block_sparse.log" ;;
+    decode)
+        step decode 200 python3 experiments/decode_bandwidth.py
+        tail -9 "$LOGS/decode.log" ;;
     train)
         step train_gpt 300 python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;
-    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, train)"; exit 2 ;;
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train)"; exit 2 ;;
     esac
 done

@@ -15,7 +15,8 @@ empty row of blocks), dropout, both, gqa (two query heads per key/value
 head, bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
 views), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
-bottom-right causal, dropout).  Every result is checked against the float64 reference too, so a run
+bottom-right causal, dropout), decode (a KV cache with appends, entries of different
+lengths, one query per head with the keys split between blocks, then three causal ones).  Every result is checked against the float64 reference too, so a run
 that the sanitizer passes but that computes garbage still fails.
 """
 import sys
@@ -63,6 +64,9 @@ RUNS = [
     ("forward", "flash2", BF16, (64, 64), "varlen"),
     ("backward", "flash2", np.float32, (32, 32), "varlen"),
     ("backward", "flash2", np.float16, (64, 32), "varlen"),
+    ("forward", "flash2", np.float32, (16, 32), "decode"),
+    ("forward", "flash2", np.float16, (16, 64), "decode"),
+    ("forward", "flash2", BF16, None, "decode"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -135,6 +139,10 @@ def main(selected=()):
         if not all(word in run_name(run).split() for word in selected):
             continue
         direction, algorithm, dtype, blocks, variant = run
+        if variant == "decode":
+            print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
+            worst = max(worst, decode(dtype, blocks, rng))
+            continue
         if variant == "varlen":
             print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
             worst = max(worst, packed(direction, dtype, blocks, rng))
@@ -197,6 +205,42 @@ def packed(direction, dtype, blocks, rng):
     want = reference.attention_varlen_backward(*host, do_host, cu_q, cu_k, causal=True, dropout_keep=keep,
                                                dropout_p=DROPOUT_P)
     return max(check(label, got, expected, dtype) for label, got, expected in zip(("dq", "dk", "dv"), grads, want))
+
+
+#: Cache entries' lengths before the append (one empty), in caches of DECODE_ROWS rows.
+DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
+
+
+def decode(dtype, blocks, rng):
+    """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), then three
+    queries (causal); each appends as many keys.  Returns the worst relative error."""
+    heads, kv_heads, d = 8, 2, 40
+    batch = len(DECODE_LENGTHS)
+
+    def device(x):
+        t = torch.as_tensor(x.view(np.int16) if dtype == BF16 else x, device="cuda")
+        return t.view(torch.bfloat16) if dtype == BF16 else t
+
+    def host(t):
+        return (t.view(torch.int16).cpu().numpy().view(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy())
+
+    caches = [rng.standard_normal((batch, kv_heads, DECODE_ROWS, d)).astype(dtype) for _ in range(2)]
+    k_cache, v_cache = (device(x) for x in caches)
+    lengths = np.array(DECODE_LENGTHS, np.int32)
+    worst = 0.0
+    for n_q in (1, 3):
+        q = rng.standard_normal((batch, heads, n_q, d)).astype(dtype)
+        new = [rng.standard_normal((batch, kv_heads, n_q, d)).astype(dtype) for _ in range(2)]
+        out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, torch.as_tensor(lengths, device="cuda"),
+                                                  k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks)
+        lengths = lengths + n_q
+        k64, v64 = (host(x).astype(np.float64) for x in (k_cache, v_cache))
+        ref = np.zeros(q.shape)
+        for b, length in enumerate(lengths):
+            ref[b], _ = reference.attention(q[b].astype(np.float64), np.repeat(k64[b, :, :length], 4, axis=0),
+                                            np.repeat(v64[b, :, :length], 4, axis=0), causal="bottom_right")
+        worst = max(worst, check(f"O (N_q = {n_q})", out, ref, dtype))
+    return worst
 
 
 def nan_rows(ref, q64, v64, causal):

@@ -155,3 +155,11 @@ def test_training_experiment_runs_quick_and_both_attentions_learn_alike(tmp_path
     # Same weights, same batches, float32: the runs differ only by the attention's summation order.
     np.testing.assert_allclose(ours, theirs, rtol=MODEL_LOSS_RTOL)
     assert (tmp_path / "train_gpt_quick.md").read_text().count("|") > 10
+
+
+def test_decoding_experiment_runs_quick(tmp_path):
+    decode = load_script("decode_bandwidth")
+    assert decode.main(["--quick", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "decode_quick.csv") as f:
+        rows = {row["implementation"]: row for row in csv.DictReader(f)}
+    assert float(rows["numba-flash"]["ms"]) > 0 and float(rows["numba-flash, appending the token"]["ms"]) > 0

@@ -198,12 +198,14 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, heads, group, n_q, n_k, head_dim, k_tiles,
                q_tiles, causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
-               mask_t_r, mask_t_c, cu_q, cu_k, bottom_right, keep_threshold, keep_scale, seed0, seed1):
+               mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
+               keep_threshold, keep_scale, seed0, seed1):
         # Operands as in the forward; heads: query heads, heads // group key/value heads.  HAS_MASK: the query
         # tiles of key tile kt of query head bh are listed at tile_offsets[bh (k_tiles + 1) + kt].
         k_tile, hk, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, heads // group)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
-        q_first, k_first, n_q, n_k, causal_offset = sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                             causal_offset, bottom_right)
         k0 = k_tile * BLOCK_KEYS
         if VARLEN and k0 >= n_k:  # the grid covers the longest sequence; the whole block leaves together
             return
@@ -246,7 +248,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i (and K_j, V_j are stored)
                 load_query_tile(smem, rows, pairs, Q, dO, LSE, D, b * q_sb + h * q_sh + (q_first + q0) * q_sn,
                                 b * do_sb + h * do_sh + (q_first + q0) * do_sn, q_sn, do_sn,
-                                lse_row(bh, h, q_first, lse_rows), q0, n_q, head_dim, tid)
+                                lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), q0, n_q, head_dim, tid)
                 cuda.syncthreads()  # Q_i, dO_i, lse and D complete
                 mixed = partly_masked or (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset)
                 if mixed:  # the same for every thread of the block, so all reach the barriers
@@ -277,8 +279,8 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     return Kernel(kernel, kernel_name("flash2_backward_dkdv", (BLOCK_KEYS, BLOCK_QUERIES), D_PAD, PRECISION, VEC,
                                       CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dK=data, dV=data,
-                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, cu_q=np.int32,
-                              cu_k=np.int32),
+                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
+                              k_bounds=np.int32),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
@@ -357,12 +359,13 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
 
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, head_dim, q_tiles, causal_offset, scale,
-               scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, cu_q, cu_k,
-               bottom_right, keep_threshold, keep_scale, seed0, seed1):
+               scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step,
+               k_bounds, k_step, bottom_right, lse_sb, lse_sh, keep_threshold, keep_scale, seed0, seed1):
         # As the dkdv kernel, with the lists per query tile (as the forward's).
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
-        q_first, k_first, n_q, n_k, causal_offset = sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                             causal_offset, bottom_right)
         # Causal query tiles further down have more keys to visit: start them first.
         q_tile = q_tiles - 1 - tile if CAUSAL else tile
         q0 = q_tile * BLOCK_QUERIES
@@ -373,7 +376,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         row0 = warp * ROWS_PER_WARP + g
         k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn
         v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
-        lse_at = lse_row(bh, h, q_first, lse_rows)
+        lse_at = lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)
         c_log2 = float32(scale_log2)
         smem = cuda.shared.array(0, uint32)
 
@@ -438,16 +441,16 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
                                       HAS_MASK, HAS_DROPOUT, VARLEN),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
-                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, cu_q=np.int32,
-                              cu_k=np.int32),
+                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
+                              k_bounds=np.int32),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
 def backward_launches(call, o_strides, do_strides, do_aligned):
     """flash2's backward for a validated ``AttentionCall`` as three ``Launch``es (preprocess, dK/dV, dQ).
 
-    Per call: preprocess takes (O, dO, D); dK/dV (Q, K, V, dO, LSE, D, dK, dV[, cu_q, cu_k], seed0, seed1);
-    dQ (Q, K, V, dO, LSE, D, dQ[, cu_q, cu_k], seed0, seed1), cu_q and cu_k for variable-length calls.  D
+    Per call: preprocess takes (O, dO, D); dK/dV (Q, K, V, dO, LSE, D, dK, dV[, q_bounds, k_bounds], seed0, seed1);
+    dQ (Q, K, V, dO, LSE, D, dQ[, q_bounds, k_bounds], seed0, seed1), the bounds for per-batch lengths.  D
     is float32 scratch shaped like lse; the results are new C-contiguous arrays of q's, k's and v's shapes.
     """
     own, streamed = call.block_sizes
@@ -462,10 +465,10 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     words = word_extent(call)
     elements = dict(O=operand_extent(q_shape, o_strides), dO=operand_extent(q_shape, do_strides))
     # lse and D: one row per query and head; a packed call has them per head over all its sequences.
-    lse_slabs = call.heads if varlen else call.batch_heads
+    lse_slabs = call.heads if varlen and call.varlen.packed else call.batch_heads
     rows = lse_slabs * call.n_q
     sizes = dict(heads=call.heads, n_q=call.n_q, head_dim=call.head_dim)
-    sequences = ("cu_q", "cu_k") if varlen else ()
+    sequences = ("q_bounds", "k_bounds") if varlen else ()
 
     preprocess = make_preprocess(call.precision)
     row_blocks = cdiv(call.n_q, PREPROCESS_ROWS)   # D is lse-shaped: row blocks of every slab, packed or not
@@ -483,7 +486,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs),
                    dO=words(q_shape, do_strides), LSE=rows, D=rows)
     if varlen:
-        extents.update(cu_q=call.batch + 1, cu_k=call.batch + 1)
+        extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
     threads = flash2_threads(own)
 
     k_tiles = cdiv(call.longest_k, own)

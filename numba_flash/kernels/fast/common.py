@@ -98,11 +98,14 @@ def block_mask_arguments(call, tiles, role):
 
 
 def sequence_arguments(call):
-    """Variable-length calls: the packed sequences' bounds are per-call arrays (``cu_q``, ``cu_k``); the causal
-    alignment is per sequence (``bottom_right``).  Placeholders otherwise."""
+    """A call's per-batch bounds, as the kernels' fixed arguments (``sequence_bounds``): the steps through the
+    bounds arrays (which come per call), the causal alignment and lse's strides.  Placeholders without them."""
     if call.varlen is None:
-        return dict(cu_q=placeholder(np.int32), cu_k=placeholder(np.int32), bottom_right=0)
-    return dict(bottom_right=int(call.varlen.bottom_right))
+        return dict(q_bounds=placeholder(np.int32), k_bounds=placeholder(np.int32), q_step=0, k_step=0,
+                    bottom_right=0, lse_sb=0, lse_sh=0)
+    sequences = call.varlen
+    return dict(q_step=sequences.q_step, k_step=sequences.k_step, bottom_right=int(sequences.bottom_right),
+                lse_sb=sequences.lse_strides[0], lse_sh=sequences.lse_strides[1])
 
 
 def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropout, varlen=False):
@@ -128,33 +131,35 @@ def tile_coordinates(block_id, tiles, heads):
 def sequence_bounds(VARLEN):
     """(sequence, lse_row): where batch entry b's rows are, as two device functions.
 
-    ``sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)`` returns (q_first, k_first, n_q,
-    n_k, causal_offset): b's first query and key rows (row r of b is at ``b * s_b + (first + r) * s_n``),
-    its lengths and causal offset.  ``lse_row(bh, h, q_first, rows)`` is where head h's lse (and D)
-    rows of b start, ``rows`` being the kernel's n_q argument.
+    ``sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k, causal_offset, bottom_right)`` returns
+    (q_first, k_first, n_q, n_k, causal_offset): b's first query and key rows (row r of b is at
+    ``b * s_b + (first + r) * s_n``), its lengths and causal offset.  ``lse_row(bh, b, h, q_first, rows,
+    lse_sb, lse_sh)`` is where head h's lse (and D) rows of b start, ``rows`` being the kernel's n_q.
 
     * Without VARLEN the call's own: every batch entry has n_q queries and n_k keys, lse is
       (batch * heads, n_q); the functions compile to nothing new.
-    * With VARLEN, flash-attn's packed layout: sequence b is rows cu_q[b] .. cu_q[b + 1] - 1 of q
-      (total_q, H, d) (the host passes s_b = 0; n_q, n_k are the totals), its causal mask is aligned
-      bottom-right when ``bottom_right`` (key j visible to query i iff j <= i + N_k,b - N_q,b), and lse
-      is (heads, total_q).
+    * With VARLEN, per-batch bounds: b's queries are rows q_bounds[b * q_step] .. q_bounds[b * q_step + 1] - 1
+      (keys likewise), its causal mask aligned bottom-right when ``bottom_right`` (key j visible to query i
+      iff j <= i + N_k,b - N_q,b), its lse row r of head h at b * lse_sb + h * lse_sh + q_first + r.
+      flash-attn's packed batches: cumulative bounds (step 1) into rows with batch stride 0, lse
+      (heads, total_q).  A KV cache: keys 0 .. L_b - 1 of cache b (bounds pairs, step 2), queries 0 ..
+      N_q - 1 of every b (the pair (0, N_q), step 0), lse (batch, heads, N_q).
     """
 
     @inlined_device_function
-    def sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right):
+    def sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k, causal_offset, bottom_right):
         if VARLEN:
-            q_first = int64(cu_q[b])
-            k_first = int64(cu_k[b])
-            n_q_b = int64(cu_q[b + 1]) - q_first
-            n_k_b = int64(cu_k[b + 1]) - k_first
+            q_first = int64(q_bounds[b * q_step])
+            k_first = int64(k_bounds[b * k_step])
+            n_q_b = int64(q_bounds[b * q_step + 1]) - q_first
+            n_k_b = int64(k_bounds[b * k_step + 1]) - k_first
             return q_first, k_first, n_q_b, n_k_b, causal_offset + bottom_right * (n_k_b - n_q_b)
         return int64(0), int64(0), n_q, n_k, causal_offset
 
     @inlined_device_function
-    def lse_row(bh, h, q_first, rows):
+    def lse_row(bh, b, h, q_first, rows, lse_sb, lse_sh):
         if VARLEN:
-            return h * rows + q_first
+            return b * lse_sb + h * lse_sh + q_first
         return bh * rows
 
     return sequence, lse_row

@@ -71,6 +71,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
+from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_threads, padded_head_dim
@@ -82,15 +83,17 @@ from .primitives import exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
-def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False):
-    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen).
+def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False):
+    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split).
 
     D_PAD is the head dim rounded up to the mma depth: head dims that round to
     the same D_PAD share one compiled kernel, which is told the true d and
     zero-fills the rest.  VEC: rows start on 16-byte boundaries, so tiles move
     in 16-byte loads.  HAS_MASK: a block mask lists the key tiles of each query
-    tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.  VARLEN: packed sequences of
-    different lengths (``common.sequence_bounds``).
+    tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.  VARLEN: per-batch lengths
+    (``common.sequence_bounds``).  SPLIT (flash-decoding, for few queries and many keys): ``splits`` blocks
+    share a query tile's keys, each writing its partial O (float32, normalised by its own l) and lse at
+    ``split * o_split`` and ``split * lse_split``; ``cache.py`` merges them by their lse.
     """
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_M)
@@ -112,7 +115,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
      sanitize_key_pairs) = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
     V_ITERS, V_WORDS = (PAIR_ITERS, 8) if SIXTEEN else (K_ITERS, 4)   # 16-bit V moves as row pairs
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
-    store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
+    # Partial results of a split are float32 (they are merged before rounding to the output type).
+    store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
+                                                                                                   VEC)
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
 
@@ -228,15 +233,20 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, M, mask_rows,
-               mask_cols, mask_t_r, mask_t_c, cu_q, cu_k, bottom_right, keep_threshold, keep_scale, seed0, seed1):
+               mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
+               splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
         # ...] (``listed_tile``); M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
-        # VARLEN: cu_q, cu_k bound the packed sequences (``sequence_bounds``).
-        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        # VARLEN: q_bounds, k_bounds bound each batch entry's rows (``sequence_bounds``).
+        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads)
+        split = tile // q_tiles if SPLIT else 0
+        if SPLIT:
+            tile %= q_tiles
         lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
-        q_first, k_first, n_q, n_k, causal_offset = sequence(b, cu_q, cu_k, n_q, n_k, causal_offset, bottom_right)
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                             causal_offset, bottom_right)
         # Causal query tiles further down have more keys to visit: start them first.
         q_tile = q_tiles - 1 - tile if CAUSAL else tile
         q0 = q_tile * BLOCK_M
@@ -278,15 +288,20 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             n_tiles = ceil_div(n_k, BLOCK_N)
             if CAUSAL:  # no key beyond the last row's diagonal
                 n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
+            if SPLIT:  # this block's share of the key tiles: ceil(n / splits) each, the last ones maybe none
+                share = ceil_div(n_tiles, splits)
+                first = split * share
+                n_tiles = max(0, min(n_tiles - first, share))
+        k_first_tile = 0 if HAS_MASK else first * BLOCK_N   # the key of the first visited tile, unmasked
         if n_tiles > 0:
-            k0 = listed_tile(tile_entries, first, BLOCK_N)[0] if HAS_MASK else 0
+            k0 = listed_tile(tile_entries, first, BLOCK_N)[0] if HAS_MASK else k_first_tile
             fetch_kv(k_regs, v_regs, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0, head_dim, tid)
 
         for j in range(n_tiles):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_N)
             else:
-                k0, partly_masked = j * BLOCK_N, False
+                k0, partly_masked = k_first_tile + j * BLOCK_N, False
             cuda.syncthreads()  # every warp is done with tile j - 1 (and Q_i is complete)
             commit_kv(smem, k_regs, v_regs, tid)
             cuda.syncthreads()  # tile j is complete in shared memory
@@ -313,14 +328,15 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 poison_weights(s, poison)
             accumulate_product(acc, alpha0, alpha1, s, smem, V_HI, V_LO, g, t)            # O = alpha O + P V_j
 
-        write_output(O, LSE, acc, m_i, l_i, q0, row0, t, b * o_sb + h * o_sh + q_first * o_sn, o_sn,
-                     lse_row(bh, h, q_first, lse_rows), n_q, head_dim)
+        write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,
+                     split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
-                                      HAS_DROPOUT, VARLEN),
-                  arrays=dict(Q=data, K=data, V=data, O=data, LSE=np.float32, tile_offsets=np.int32,
-                              tile_entries=np.int32, M=np.uint8, cu_q=np.int32, cu_k=np.int32),
+                                      HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else ""),
+                  arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
+                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
+                              k_bounds=np.int32),
                   floats=("scale_log2", "keep_scale"),
                   # Dense 16-bit at d <= 64: two blocks per multiprocessor (128 registers for 2 x 8 warps);
                   # left alone, ptxas takes 129 and leaves room for one.  Masks, dropout and packed
@@ -329,33 +345,42 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                  else None))
 
 
-def forward_launch(call):
+def forward_launch(call, splits=1):
     """flash2's forward for a validated ``AttentionCall`` as a ``Launch``.
 
     Per call it takes q, k, v (the caller's arrays), o and lse (new results,
-    C-contiguous), then for a variable-length call cu_q and cu_k, then the
-    dropout seed's two words.
+    C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds,
+    then the dropout seed's two words.  With ``splits`` > 1 (flash-decoding) o
+    and lse are the splits' partial results instead: float32 (splits, rows,
+    d_pad) and (splits, rows), rows = batch * heads * N_q, for ``cache.py`` to merge.
     """
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None)
+                          call.varlen is not None, splits > 1)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
-    os_ = call.result_strides("q")
     words = word_extent(call)
+    q_shape, kv_shape = call.kernel_shapes
+    rows = (call.heads if call.varlen and call.varlen.packed else call.batch_heads) * call.n_q
+    if splits > 1:   # partial results, one (rows, d_pad) float32 slab per split
+        os_ = Strides(call.heads * call.n_q * d_pad, call.n_q * d_pad, d_pad)
+        split_layout = dict(splits=splits, o_split=rows * d_pad, lse_split=rows)
+        extents = dict(O=splits * rows * d_pad, LSE=splits * rows)
+    else:
+        os_ = call.result_strides("q")
+        split_layout = dict(splits=1, o_split=0, lse_split=0)
+        extents = dict(O=words(q_shape, os_), LSE=rows)
     fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, head_dim=call.head_dim,
                  q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
-                 **sequence_arguments(call))
-    q_shape, kv_shape = call.kernel_shapes
-    extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), O=words(q_shape, os_),
-                   LSE=call.heads * call.n_q if call.varlen else call.batch_heads * call.n_q)
-    per_call = ("Q", "K", "V", "O", "LSE") + (("cu_q", "cu_k") if call.varlen else ()) + ("seed0", "seed1")
+                 **sequence_arguments(call), **split_layout)
+    extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
+    per_call = ("Q", "K", "V", "O", "LSE") + (("q_bounds", "k_bounds") if call.varlen else ()) + ("seed0", "seed1")
     if call.varlen:
-        extents.update(cu_q=call.batch + 1, cu_k=call.batch + 1)
-    return Launch(kernel, q_tiles * call.batch_heads, flash2_threads(block_m),
+        extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
+    return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m),
                   flash2_forward_smem(block_m, block_n, d_pad, call.precision).bytes, fixed, per_call, extents)

@@ -1,0 +1,125 @@
+"""Decoding speed: one new token per sequence against a KV cache, as a fraction of the GPU's copy bandwidth.
+
+A decoding step reads every cached key and value once and does little
+arithmetic on them, so its measure is bandwidth: the bytes of K and V read,
+divided by the time, against what a device-to-device copy achieves on the
+same card (bytes read plus written per second).  In the same process:
+``numba_flash.attention_with_kv_cache`` (with and without appending the new
+token's key and value), and torch's SDPA backends on the same q, k, v
+(``enable_gqa=True``; a backend that refuses the shapes is listed as such).
+
+    PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py            # (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128)
+    PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py --quick    # a small case (runs in the simulator, times nothing)
+
+Writes experiments/results/decode_h200.{csv,md} (``decode_quick`` with --quick), with a second table
+that times the tile shapes and split counts around the defaults (the evidence for them).
+Target (issue 16): >= 70% of the copy bandwidth, and >= 1.0x the fastest SDPA backend.
+"""
+import argparse
+import os
+
+import numpy as np
+
+import numba_flash
+from numba_flash.tools.report import markdown_header, markdown_table, timer_note, write_csv
+from numba_flash.tools.timing import time_ms
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+FULL = dict(batch=16, heads=32, kv_heads=8, n=8192, d=128)
+QUICK = dict(batch=2, heads=4, kv_heads=2, n=48, d=16)
+REPEATS = 50
+SWEEP_TILES = ((16, 16), (16, 32), (16, 64), (32, 32))
+SWEEP_SPLITS = (0, 1, 2, 4, 8, 16, 32)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    simulator = numba_flash.in_simulator()
+    if simulator and not args.quick:
+        print("needs a GPU (or --quick)")
+        return 2
+    shape = QUICK if args.quick else FULL
+    device = "cpu" if simulator else "cuda"
+    dtype = getattr(torch, args.dtype) if not simulator else torch.float32
+    b, h, hk, n, d = (shape[key] for key in ("batch", "heads", "kv_heads", "n", "d"))
+    generator = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=generator)
+    k_cache, v_cache = (torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    k_new, v_new = (torch.randn(b, hk, 1, d, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    full = np.full(b, n, np.int32)       # every entry holds n keys (host lengths: no device-to-host wait)
+    one_short = full - 1                 # ... or n - 1, and the call appends the n-th
+    kv_bytes = 2 * b * hk * n * d * q.element_size()
+    repeats = 3 if simulator else REPEATS
+
+    def ours():
+        numba_flash.attention_with_kv_cache(q, k_cache, v_cache, full)
+
+    def ours_append():
+        numba_flash.attention_with_kv_cache(q, k_cache, v_cache, one_short, k_new=k_new, v_new=v_new)
+
+    runs = [("numba-flash", ours), ("numba-flash, appending the token", ours_append)]
+    for name, backend in (("torch math", SDPBackend.MATH), ("torch mem-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("torch flash", SDPBackend.FLASH_ATTENTION), ("torch cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        def peer(backend=backend):
+            with sdpa_kernel(backend):
+                sdpa(q, k_cache, v_cache, enable_gqa=True)
+        runs.append((name, peer))
+    source = torch.empty(kv_bytes // 2, dtype=torch.float16, device=device)
+    target = torch.empty_like(source)
+    copy_ms = time_ms(lambda: target.copy_(source), repeats=repeats)
+    copy_bandwidth = 2 * kv_bytes / (copy_ms * 1e-3)      # read + written per second
+
+    rows = []
+    for name, run in runs:
+        try:
+            ms = time_ms(run, repeats=repeats)
+        except RuntimeError as error:
+            rows.append(dict(implementation=name, ms="n/a", kv_gb_per_s="", of_copy_bandwidth="",
+                             note=str(error).splitlines()[0][:80]))
+            continue
+        rate = kv_bytes / (ms * 1e-3)
+        rows.append(dict(implementation=name, ms=f"{ms:.4f}", kv_gb_per_s=f"{rate / 1e9:.0f}",
+                         of_copy_bandwidth=f"{rate / copy_bandwidth:.2f}", note=""))
+        print(rows[-1], flush=True)
+    sweep = []
+    for tiles in SWEEP_TILES if not simulator else ((16, 16),):
+        for splits in SWEEP_SPLITS:
+            def tried(tiles=tiles, splits=splits):
+                numba_flash.attention_with_kv_cache(q, k_cache, v_cache, full, block_sizes=tiles, num_splits=splits)
+            ms = time_ms(tried, repeats=repeats)
+            sweep.append(dict(block_sizes=str(tiles), num_splits=splits or "0 (default)", ms=f"{ms:.4f}",
+                              of_copy_bandwidth=f"{kv_bytes / (ms * 1e-3) / copy_bandwidth:.2f}"))
+            print(sweep[-1], flush=True)
+    timed = [float(r["ms"]) for r in rows[2:] if r["ms"] != "n/a"]
+    fastest_peer = min(timed) if timed else float("nan")
+    for row in rows:
+        row["vs fastest torch"] = (f"{fastest_peer / float(row['ms']):.2f}x" if row["ms"] != "n/a" and timed else "")
+
+    stem = os.path.join(args.out, "decode_quick" if args.quick else "decode_h200")
+    os.makedirs(args.out, exist_ok=True)
+    write_csv(stem + ".csv", rows)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown_header("Decoding from a KV cache", "python3 experiments/decode_bandwidth.py"
+                                + (" --quick" if args.quick else f" --dtype {args.dtype}"),
+                                "numba-cuda simulator" if simulator else numba_flash.device_limits().name,
+                                timer=timer_note(repeats)))
+        f.write(f"\n(B, H_q, H_kv, N_q, N, d) = ({b}, {h}, {hk}, 1, {n}, {d}), {dtype}; K and V: {kv_bytes / 1e6:.0f} MB "
+                f"read per step.  Copy bandwidth on this card (device-to-device, read + written): "
+                f"{copy_bandwidth / 1e9:.0f} GB/s.  Target: >= 0.70 of it, and >= 1.0x the fastest torch backend.\n\n")
+        f.write(markdown_table(rows))
+        f.write("\nTile shapes and split counts (num_splits 0: the library's choice for that tile):\n\n")
+        f.write(markdown_table(sweep))
+    print("wrote", stem + ".md")
+    return 0
+
+
+if __name__ == "__main__":
+    main()

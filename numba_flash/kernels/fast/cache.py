@@ -1,0 +1,122 @@
+"""Decoding from a KV cache: appending new keys and values in place, and merging split results.
+
+* ``append``: one thread block per new row (batch b, key/value head h, row
+  r), its threads along d: row r of ``new`` goes to row ``cache_seqlens[b] +
+  r`` of the cache.  Elements move as they are (float32, or 16-bit words),
+  with any strides whose last dimension is contiguous.
+* ``merge`` (flash-decoding): with few queries and many keys, the forward
+  splits each query tile's keys between ``splits`` thread blocks
+  (``forward.py``, SPLIT), each leaving its O_s (normalised by its own l_s)
+  and lse_s.  Then lse = log sum_s exp(lse_s) and O = sum_s exp(lse_s - lse)
+  O_s: one thread block per output row, its threads along d.  A split that
+  saw no key has lse_s = -inf and weighs nothing; a row that saw none at all
+  gets O = 0, lse = -inf, as everywhere.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from ...runtime.launch import Kernel, Launch, inlined_device_function
+from .common import NEG_INF, operand_extent
+from .fragments import sixteen_bit_ops
+
+#: Threads per block of the append kernel (along d; d <= 256).
+APPEND_THREADS = 64
+
+
+@lru_cache(maxsize=None)
+def make_append(ELEMENT):
+    """The append kernel for elements of numpy dtype ``ELEMENT`` (float32, or uint16 for 16-bit data)."""
+
+    def kernel(CACHE, NEW, SEQLENS, c_sb, c_sh, c_sn, n_sb, n_sh, n_sn, kv_heads, n_new, head_dim):
+        row = cuda.blockIdx.x                 # (b, h, r), r fastest
+        r = row % n_new
+        h = (row // n_new) % kv_heads
+        b = row // (n_new * kv_heads)
+        at = int64(SEQLENS[b]) + r
+        for x in range(cuda.threadIdx.x, head_dim, APPEND_THREADS):
+            CACHE[b * c_sb + h * c_sh + at * c_sn + x] = NEW[b * n_sb + h * n_sh + r * n_sn + x]
+
+    return Kernel(kernel, f"append_kv_{np.dtype(ELEMENT).name}",
+                  arrays=dict(CACHE=ELEMENT, NEW=ELEMENT, SEQLENS=np.int32))
+
+
+def append_launch(cache_shape, cache_strides, new_shape, new_strides, dtype):
+    """A ``Launch`` of the append kernel; per call: (CACHE, NEW, SEQLENS) for k, then again for v."""
+    element = np.float32 if dtype == "float32" else np.uint16
+    batch, kv_heads, n_new, head_dim = new_shape
+    return Launch(make_append(element), batch * kv_heads * n_new, APPEND_THREADS, 0,
+                  dict(c_sb=cache_strides.batch, c_sh=cache_strides.head, c_sn=cache_strides.row,
+                       n_sb=new_strides.batch, n_sh=new_strides.head, n_sn=new_strides.row, kv_heads=kv_heads,
+                       n_new=n_new, head_dim=head_dim),
+                  ("CACHE", "NEW", "SEQLENS"),
+                  dict(CACHE=operand_extent(cache_shape, cache_strides), NEW=operand_extent(new_shape, new_strides),
+                       SEQLENS=batch))
+
+
+#: Threads per block of the merge kernel (along d).
+MERGE_THREADS = 64
+
+
+@lru_cache(maxsize=None)
+def make_merge(PRECISION):
+    """The merge kernel writing O in ``PRECISION``'s type (float32 words, or 16-bit words for f16 / bf16)."""
+    SIXTEEN = PRECISION != "tf32x3"
+    pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
+
+    @inlined_device_function
+    def as_output(value):
+        if SIXTEEN:
+            return pack(value, float32(0)) & uint32(0xFFFF)
+        return value
+
+    def kernel(PARTIAL_O, PARTIAL_LSE, O, LSE, splits, rows, d_pad, head_dim):
+        row = cuda.blockIdx.x
+        m = float32(NEG_INF)
+        for split in range(splits):
+            m = max(m, PARTIAL_LSE[split * rows + row])
+        shift = m if m != float32(NEG_INF) else float32(0)   # no key anywhere: every weight exp(-inf) = 0
+        total = float32(0)
+        for split in range(splits):
+            total += math.exp(PARTIAL_LSE[split * rows + row] - shift)
+        inverse = float32(1) / total if total != float32(0) else float32(0)
+        for x in range(cuda.threadIdx.x, head_dim, MERGE_THREADS):
+            acc = float32(0)
+            for split in range(splits):
+                weight = math.exp(PARTIAL_LSE[split * rows + row] - shift)
+                if weight != float32(0):   # an empty split's O is 0, but 0 * NaN must not reach the row
+                    acc += weight * PARTIAL_O[(split * rows + row) * d_pad + x]
+            O[row * head_dim + x] = as_output(acc * inverse)
+        if cuda.threadIdx.x == 0:
+            LSE[row] = shift + math.log(total) if total != float32(0) else float32(NEG_INF)
+
+    element = np.uint16 if SIXTEEN else np.float32
+    return Kernel(kernel, f"merge_splits_{PRECISION}",
+                  arrays=dict(PARTIAL_O=np.float32, PARTIAL_LSE=np.float32, O=element, LSE=np.float32))
+
+
+def merge_launch(rows, splits, d_pad, head_dim, precision):
+    """A ``Launch`` of the merge kernel; per call: (PARTIAL_O, PARTIAL_LSE, O, LSE), O and LSE C-contiguous
+    (rows, head_dim) and (rows,)."""
+    return Launch(make_merge(precision), rows, MERGE_THREADS, 0,
+                  dict(splits=splits, rows=rows, d_pad=d_pad, head_dim=head_dim),
+                  ("PARTIAL_O", "PARTIAL_LSE", "O", "LSE"),
+                  dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
+
+
+#: Blocks per multiprocessor that the default split aims for.  A decoding block is often one warp, and
+#: reading the cache at full bandwidth needs many loads in flight per multiprocessor.
+SPLIT_BLOCKS_PER_MULTIPROCESSOR = 8
+
+
+def decode_splits(blocks, key_tiles, multiprocessors, most=32):
+    """How many blocks should share a query tile's keys: enough for ``SPLIT_BLOCKS_PER_MULTIPROCESSOR``
+    blocks per multiprocessor, no more than there are key tiles (each split keeps at least one), at most
+    ``most``."""
+    wanted = -(-SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors // max(1, blocks))
+    return max(1, min(most, key_tiles, wanted))
+
+
+__all__ = ["append_launch", "decode_splits", "make_append", "make_merge", "merge_launch"]

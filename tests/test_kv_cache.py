@@ -1,0 +1,127 @@
+"""Decoding from a KV cache (attention_with_kv_cache): appends in place, per-entry lengths, split keys."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from numba import cuda
+
+import numba_flash
+import reference
+from numba_flash.runtime import launch
+from strategies import SIZES, VARLEN_DTYPES, arrays, block_sizes, dtype_name
+from tolerances import assert_close_to_reference
+
+cache_dtypes = pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
+
+
+def alignment(causal):
+    """The call's causal argument as ``attention`` spells it for one entry (True: bottom-right, as flash-attn)."""
+    return "bottom_right" if causal is True else causal
+
+
+@st.composite
+def decoding_problems(draw, dtype):
+    """q (B, H_q, N_q, d), caches (B, H_kv, N_max, d), lengths, and k_new, v_new (or None)."""
+    batch = draw(st.integers(1, 3))
+    kv_heads = draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 3))
+    n_q = draw(st.one_of(st.just(1), st.integers(1, 4)))
+    n_new = draw(st.integers(0, 3))
+    n_max = draw(st.integers(max(1, n_new), SIZES.max_n["flash2"]))
+    d = draw(st.integers(1, SIZES.max_d))
+    seqlens = np.array([draw(st.integers(0, n_max - n_new)) for _ in range(batch)], np.int32)
+    q = arrays(draw, (batch, heads, n_q, d), dtype)
+    k_cache, v_cache = (arrays(draw, (batch, kv_heads, n_max, d), dtype) for _ in range(2))
+    new = (None, None) if n_new == 0 else tuple(arrays(draw, (batch, kv_heads, n_new, d), dtype) for _ in range(2))
+    causal = draw(st.sampled_from((True, False, "top_left")))
+    tiles = draw(st.one_of(st.none(), block_sizes("flash2", d, dtype)))
+    splits = draw(st.integers(0, 4))           # 0: the library's choice; more than the key tiles is capped
+    return q, k_cache, v_cache, seqlens, new, causal, tiles, splits
+
+
+@cache_dtypes
+@given(data=st.data(), on_device=st.booleans())
+def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data, on_device):
+    q, k_cache, v_cache, seqlens, (k_new, v_new), causal, tiles, splits = data.draw(decoding_problems(dtype))
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    n_new = 0 if k_new is None else k_new.shape[2]
+    for b, start in enumerate(seqlens):
+        if n_new:
+            expected_k[b, :, start:start + n_new] = k_new[b]
+            expected_v[b, :, start:start + n_new] = v_new[b]
+    to = cuda.to_device if on_device and dtype != np.dtype("bfloat16") else (lambda x: x)
+    caches = (to(k_cache), to(v_cache))
+    out, lse = numba_flash.attention_with_kv_cache(to(q), *caches, to(seqlens), k_new=None if k_new is None else to(k_new),
+                                                   v_new=None if v_new is None else to(v_new), causal=causal,
+                                                   block_sizes=tiles, num_splits=splits, return_lse=True)
+    out, lse = (x.copy_to_host() if hasattr(x, "copy_to_host") else x for x in (out, lse))
+    got_k, got_v = (x.copy_to_host() if hasattr(x, "copy_to_host") else x for x in caches)
+    np.testing.assert_array_equal(got_k.view(np.uint8), expected_k.view(np.uint8))   # appended, nothing else moved
+    np.testing.assert_array_equal(got_v.view(np.uint8), expected_v.view(np.uint8))
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    group = q.shape[1] // k_cache.shape[1]
+    scale = 1 / np.sqrt(q.shape[-1])
+    for b, length in enumerate(seqlens + n_new):
+        if length == 0:
+            assert np.all(out[b].astype(np.float32) == 0) and np.all(np.isneginf(lse[b]))
+            continue
+        k = np.repeat(expected_k[b, :, :length], group, axis=0)
+        v = np.repeat(expected_v[b, :, :length], group, axis=0)
+        ref_out, ref_lse = reference.attention(q[b], k, v, causal=alignment(causal))
+        assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, scale, dtype)
+
+
+def test_one_step_of_generation_with_grouped_heads_and_split_keys():
+    # The shape decoding runs at: one query per head, 4 query heads per cached key/value head, a long cache
+    # split between blocks, entries of different lengths (one empty).
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 8, 1, 16)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((3, 2, 64, 16)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([63, 0, 17], np.int32)
+    k_new, v_new = (rng.standard_normal((3, 2, 1, 16)).astype(np.float32) for _ in range(2))
+    out = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, k_new=k_new, v_new=v_new,
+                                              block_sizes=(16, 16), num_splits=3)
+    for b, length in enumerate(seqlens + 1):
+        k, v = (np.repeat(x[b, :, :length], 4, axis=0) for x in (k_cache, v_cache))
+        ref_out, ref_lse = reference.attention(q[b], k, v)
+        assert_close_to_reference(out[b], None, ref_out, ref_lse, q[b], k, v, 0.25)
+
+
+Q = np.zeros((2, 4, 1, 8), np.float32)
+CACHE = np.zeros((2, 2, 10, 8), np.float32)
+NEW = np.zeros((2, 2, 3, 8), np.float32)
+LENGTHS = np.array([2, 7], np.int32)
+
+BAD_INPUTS = [
+    ("cache overflow", (Q, CACHE, CACHE, np.array([2, 8], np.int32)), {"k_new": NEW, "v_new": NEW}, ValueError,
+     "cache overflow"),
+    ("negative length", (Q, CACHE, CACHE, np.array([-1, 2], np.int32)), {}, ValueError, "must not be negative"),
+    ("one length too few", (Q, CACHE, CACHE, np.array([2], np.int32)), {}, ValueError, "one length per batch"),
+    ("float lengths", (Q, CACHE, CACHE, LENGTHS.astype(np.float32)), {}, TypeError, "integers"),
+    ("k_new alone", (Q, CACHE, CACHE, LENGTHS), {"k_new": NEW}, ValueError, "together"),
+    ("caches differ", (Q, CACHE, CACHE[:, :, :9], LENGTHS), {}, ValueError, "one shape"),
+    ("q of 3 dims", (Q[0], CACHE, CACHE, LENGTHS), {}, ValueError, "(batch, heads, N, d)"),
+    ("heads not a multiple", (Q[:, :3], CACHE, CACHE, LENGTHS), {}, ValueError, "multiple of the key/value"),
+    ("new keys of another head dim", (Q, CACHE, CACHE, LENGTHS), {"k_new": NEW[..., :4], "v_new": NEW[..., :4]},
+     ValueError, "k_new must be"),
+    ("float64", (Q.astype(np.float64), CACHE, CACHE, LENGTHS), {}, TypeError, "dtype"),
+    ("negative splits", (Q, CACHE, CACHE, LENGTHS), {"num_splits": -1}, ValueError, "num_splits"),
+    ("fractional splits", (Q, CACHE, CACHE, LENGTHS), {"num_splits": 2.0}, TypeError, "num_splits"),
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the input was rejected")
+    monkeypatch.setattr(launch.Launch, "__call__", forbidden)
+
+
+@pytest.mark.parametrize("description, args, kwargs, error, words", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_decoding_input_is_rejected_before_any_launch(no_launch, description, args, kwargs, error, words):
+    cache = CACHE.copy()
+    args = (args[0], cache) + args[2:]
+    with pytest.raises(error) as caught:
+        numba_flash.attention_with_kv_cache(*args, **kwargs)
+    assert words in str(caught.value), str(caught.value)
+    assert not cache.any(), "the cache was written before the input was rejected"
