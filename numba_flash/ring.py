@@ -5,12 +5,12 @@ Near-Infinite Context* (2023); the zigzag layout and the backward's
 travelling gradients as in zhuzilin/ring-flash-attention.
 
     import numba_flash.torch as nft
-    from numba_flash.ring import ring_shard, ring_unshard
+    from numba_flash.ring import ring_shard
 
-    # in each of W processes (torchrun), after init_process_group and torch.cuda.set_device(rank):
-    q, k, v = (ring_shard(x, rank, W) for x in (q_full, k_full, v_full))   # (B, H, N / W, d) each
-    out = nft.ring_attention(q, k, v, causal=True)                          # this rank's rows of O
-    out.backward(ring_shard(grad_full, rank, W))                            # q.grad, k.grad, v.grad: its shards
+    # in each of W processes (torchrun), after torch.cuda.set_device(local_rank) and init_process_group:
+    q, k, v = (ring_shard(x, rank, W).requires_grad_() for x in (q_full, k_full, v_full))  # (B, H, N / W, d)
+    out = nft.ring_attention(q, k, v, causal=True)          # this rank's rows of O
+    out.backward(ring_shard(grad_full, rank, W))            # q.grad, k.grad, v.grad: this rank's shards
 
 The ring
 --------
@@ -30,11 +30,11 @@ Merging partial results
 A query row's partial output over key set A is O_A = sum_{j in A} exp(s_j -
 lse_A) v_j with lse_A = log sum_{j in A} exp(s_j).  Over A and B together:
 lse = log(exp(lse_A) + exp(lse_B)) and O = exp(lse_A - lse) O_A +
-exp(lse_B - lse) O_B.  ``merge_by_lse`` applies it after the largest of the
-two lse is subtracted (no overflow), in float32 whatever the inputs' type.
-A part with lse = -inf (it saw no key) weighs nothing; a row that saw no
-key anywhere keeps O = 0, lse = -inf.  The running (O, lse) starts as that
-empty row: O = 0, lse = -inf.
+exp(lse_B - lse) O_B.  ``merge_by_lse`` adds each part into a running
+(O, lse) in place, in float32 whatever the inputs' type, the weights
+computed after subtracting the larger lse (no overflow).  A part with lse =
+-inf (it saw no key) weighs nothing; a row that saw no key anywhere keeps
+O = 0, lse = -inf, which is also where the running result starts.
 
 Causal masks and the layout
 ---------------------------
@@ -103,8 +103,8 @@ import torch.distributed as dist
 from ._validation import check_attention_args
 from .runtime.arrays import describe
 
-__all__ = ["LAYOUTS", "RingAttentionFunction", "merge_by_lse", "ring_attention", "ring_positions", "ring_shard",
-           "ring_unshard"]
+__all__ = ["LAYOUTS", "Neighbours", "RingAttentionFunction", "merge_by_lse", "ring_attention", "ring_positions",
+           "ring_shard", "ring_unshard"]
 
 #: How a sequence is cut between the ranks (see the module docstring).
 LAYOUTS = ("zigzag", "contiguous")
@@ -176,38 +176,43 @@ def _visible_part(rank, source, shard_length, causal, layout):
 
 # ---------------------------------------------------------------- merging by log-sum-exp
 
-def merge_by_lse(out_a, lse_a, out_b, lse_b):
-    """(O, lse) of two partial attention results over disjoint key sets, from each one's (O, lse).
+def merge_by_lse(out, lse, partial_out, partial_lse):
+    """Add a partial attention result over other keys into a running one, in place: (out, lse) becomes theirs
+    over both key sets.
 
-    O: (..., N, d), lse: (..., N) (natural log, as numba-flash returns it).
-    lse = log(exp(lse_a) + exp(lse_b)) and O = exp(lse_a - lse) O_a +
-    exp(lse_b - lse) O_b, computed after subtracting the larger lse, in
-    float32 (the results are float32 whatever the inputs).  A part with
-    lse = -inf saw no key and weighs nothing; both -inf gives O = 0, lse =
-    -inf.  NaN in an lse makes its row NaN.
+    out: (..., N, d) and lse: (..., N), the running result, float32 (or
+    float64), views of larger tensors if need be (the zigzag steps merge
+    half of each head's rows); partial_out: (..., N, d) of any float dtype and
+    partial_lse: (..., N), e.g. from ``numba_flash.attention(...,
+    return_lse=True)``.  With lse' = log(exp(lse) + exp(partial_lse)),
+    out' = exp(lse - lse') out + exp(partial_lse - lse') partial_out, both
+    weights computed after subtracting the larger lse.  A side with lse =
+    -inf saw no key and weighs nothing; both -inf leaves O = 0, lse = -inf.
+    NaN in an lse makes its row NaN.
 
-    The same rule as flash-decoding's merge kernel (``kernels/fast/cache.py``,
+    The rule of flash-decoding's merge kernel (``kernels/fast/cache.py``,
     ``make_merge``), written again in torch because that kernel takes every
-    split stacked in one (splits, rows, d) float32 buffer: the ring would copy
-    both parts into one at every step, and the zigzag steps merge only every
-    other half of each head's rows.
+    split stacked in one (splits, rows, d) float32 buffer: the ring would
+    copy both sides into one at every step, and the zigzag steps merge every
+    other half of each head's rows.  One difference: the kernel leaves out a
+    split of weight 0, so that no NaN in its O reaches the row; here a side
+    of weight 0 is multiplied by 0, as one call's kernels multiply a weight
+    that underflowed to 0: a NaN value row reaches every query allowed to see
+    it, as in one call, and an empty side adds nothing (its O is 0, by
+    numba-flash's rule for rows that see no key).
     """
-    out_a, out_b = out_a.float(), out_b.float()
-    largest = torch.maximum(lse_a, lse_b)
+    largest = torch.maximum(lse, partial_lse)
     shift = torch.where(largest == -math.inf, 0.0, largest)   # no key on either side: every weight exp(-inf) = 0
-    weight_a, weight_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)
-    total = weight_a + weight_b
+    weight, partial_weight = torch.exp(lse - shift), torch.exp(partial_lse - shift)
+    total = weight + partial_weight
     inverse = torch.where(total != 0, 1 / total, 0.0)
-    # A part of weight 0 is left out, not multiplied by 0: 0 * NaN must not reach the row (as in the kernel).
-    out = (torch.where((weight_a != 0)[..., None], out_a * (weight_a * inverse)[..., None], 0.0)
-           + torch.where((weight_b != 0)[..., None], out_b * (weight_b * inverse)[..., None], 0.0))
-    lse = torch.where(total != 0, shift + torch.log(total), -math.inf)
-    return out, lse
+    out.mul_((weight * inverse)[..., None]).addcmul_(partial_out, (partial_weight * inverse)[..., None])
+    lse.copy_(torch.where(total != 0, shift + torch.log(total), -math.inf))
 
 
 # ---------------------------------------------------------------- the ring
 
-class _Neighbours:
+class Neighbours:
     """This rank's place in the ring of ``group``'s ranks: it sends to rank + 1 and receives from rank - 1."""
 
     def __init__(self, group):
@@ -271,8 +276,7 @@ def _ring_forward(q, k, v, neighbours, causal, scale, layout):
             rows, keys, part_causal = part
             partial_out, partial_lse = _numba_flash_torch()._forward(
                 q[..., rows, :], held[0][..., keys, :], held[1][..., keys, :], _options(part_causal, scale))
-            out[..., rows, :], lse[..., rows] = merge_by_lse(out[..., rows, :], lse[..., rows], partial_out,
-                                                             partial_lse)
+            merge_by_lse(out[..., rows, :], lse[..., rows], partial_out, partial_lse)
         if not last:
             held = arrival()
     return out.to(q.dtype), lse
@@ -316,7 +320,7 @@ class RingAttentionFunction(torch.autograd.Function):
     """Ring attention with numba-flash's forward and backward at every step (see the module docstring).
 
     ``apply(q, k, v, neighbours, causal, scale, layout)``; ``neighbours`` has
-    ``rank``, ``world`` and ``pass_on(tensors, tag) -> arrival`` (``_Neighbours``
+    ``rank``, ``world`` and ``pass_on(tensors, tag) -> arrival`` (``Neighbours``
     over a process group; ``experiments/ring_scaling.py`` passes stand-ins
     that do not communicate, to time the computation alone).
     """
@@ -395,4 +399,4 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
     """
     _check_arguments(q, k, v, causal, scale, layout)
     _check_group(group)
-    return RingAttentionFunction.apply(q, k, v, _Neighbours(group), causal, scale, layout)
+    return RingAttentionFunction.apply(q, k, v, Neighbours(group), causal, scale, layout)

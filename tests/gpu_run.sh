@@ -61,7 +61,7 @@ for s in $STEPS; do
         step decode 200 python3 experiments/decode_bandwidth.py
         tail -9 "$LOGS/decode.log" ;;
     train)
-        step train_gpt 300 python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
+        step train_gpt ${TRAIN_LIMIT:-300} python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;
     *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train)"; exit 2 ;;
     esac

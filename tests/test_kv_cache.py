@@ -71,18 +71,21 @@ def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data
         assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, scale, dtype)
 
 
-def test_one_step_of_generation_with_grouped_heads_and_split_keys():
-    # The shape decoding runs at: one query per head, 4 query heads per cached key/value head, a long cache
-    # split between blocks, entries of different lengths (one empty).
+@pytest.mark.parametrize("tiles", [None, (16, 16)], ids=["decoding kernel", "tiled kernel"])
+@pytest.mark.parametrize("group", [4, 8, 9])
+def test_one_step_of_generation_with_grouped_heads_and_split_keys(tiles, group):
+    # The shape decoding runs at: one query per head, query heads grouped on each cached key/value head (up to
+    # the decoding kernel's MAX_ROWS and one past it), a long cache split between blocks, entries of
+    # different lengths (one empty).
     rng = np.random.default_rng(3)
-    q = rng.standard_normal((3, 8, 1, 16)).astype(np.float32)
-    k_cache, v_cache = (rng.standard_normal((3, 2, 64, 16)).astype(np.float32) for _ in range(2))
-    seqlens = np.array([63, 0, 17], np.int32)
+    q = rng.standard_normal((3, 2 * group, 1, 16)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((3, 2, 300, 16)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([299, 0, 170], np.int32)
     k_new, v_new = (rng.standard_normal((3, 2, 1, 16)).astype(np.float32) for _ in range(2))
     out = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, k_new=k_new, v_new=v_new,
-                                              block_sizes=(16, 16), num_splits=3)
+                                              block_sizes=tiles, num_splits=2)
     for b, length in enumerate(seqlens + 1):
-        k, v = (np.repeat(x[b, :, :length], 4, axis=0) for x in (k_cache, v_cache))
+        k, v = (np.repeat(x[b, :, :length], group, axis=0) for x in (k_cache, v_cache))
         ref_out, ref_lse = reference.attention(q[b], k, v)
         assert_close_to_reference(out[b], None, ref_out, ref_lse, q[b], k, v, 0.25)
 
@@ -125,3 +128,24 @@ def test_bad_decoding_input_is_rejected_before_any_launch(no_launch, description
         numba_flash.attention_with_kv_cache(*args, **kwargs)
     assert words in str(caught.value), str(caught.value)
     assert not cache.any(), "the cache was written before the input was rejected"
+
+
+@pytest.mark.parametrize("tiles", [None, (16, 16)], ids=["decoding kernel", "tiled kernel"])
+def test_nan_reaches_exactly_the_rows_that_see_it(tiles):
+    # As torch: a NaN key or value makes NaN every row that attends to it; one past an entry's length is
+    # never seen; a NaN query row gives a NaN output row and lse.
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 4, 1, 16)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((3, 2, 200, 16)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([150, 150, 150], np.int32)
+    k_cache[0, 1, 7, 3] = np.nan       # seen by entry 0's query heads 2 and 3
+    v_cache[1, 0, 150:, :] = np.nan    # past entry 1's keys: seen by nobody
+    q[2, 1, 0, 0] = np.nan             # entry 2, query head 1 only
+    out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=tiles, num_splits=2,
+                                                   return_lse=True)
+    nan_rows = np.zeros((3, 4), bool)
+    nan_rows[0, 2:] = True
+    nan_rows[2, 1] = True
+    np.testing.assert_array_equal(np.isnan(out[..., 0, :]).all(axis=-1), nan_rows)
+    np.testing.assert_array_equal(np.isnan(lse[..., 0]), nan_rows)
+    assert not np.isnan(out[~nan_rows]).any()

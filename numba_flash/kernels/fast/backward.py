@@ -59,8 +59,8 @@ from ...tiling import ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, fla
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
                      lane_flags, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates, tile_movers,
                      warp_lane, word_extent)
-from .fragments import fragment_row_store, tile_products
-from .primitives import bf16_to_f32, exp2, f32_as_u32, half_to_f32, load_word, store_word, u32_as_f32
+from .fragments import fragment_row_store, tile_products, widening
+from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
 #: Rows of O and dO per block of the preprocess kernel.
 PREPROCESS_ROWS = 128
@@ -69,14 +69,7 @@ PREPROCESS_ROWS = 128
 @lru_cache(maxsize=None)
 def make_preprocess(PRECISION):
     """D[bh * n_q + i] = D_i = sum_x O[bh, i, x] dO[bh, i, x] in float32 (O, dO: float32 or 16-bit words)."""
-
-    @inlined_device_function
-    def widen(word):
-        if PRECISION == "f16":
-            return half_to_f32(uint32(word))
-        if PRECISION == "bf16":
-            return bf16_to_f32(uint32(word))
-        return word
+    widen = widening(PRECISION)
 
     def kernel(O, dO, D, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn, heads, n_q, head_dim, row_blocks):
         block, h, b, bh = tile_coordinates(cuda.blockIdx.x, row_blocks, heads)

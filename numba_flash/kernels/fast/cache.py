@@ -106,12 +106,12 @@ def merge_launch(rows, splits, d_pad, head_dim, precision):
                   dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
 
 
-#: Blocks per multiprocessor that the default split aims for.  A decoding block is often one warp, and
-#: reading the cache at full bandwidth needs many loads in flight per multiprocessor.
+#: Blocks per multiprocessor that the default split of the tiled kernel aims for (its decoding blocks are
+#: often one warp; results/decode_h200.md).  ``decode.py`` serves one query per head on its own.
 SPLIT_BLOCKS_PER_MULTIPROCESSOR = 8
 
 
-def decode_splits(blocks, key_tiles, multiprocessors, most=32):
+def tiled_splits(blocks, key_tiles, multiprocessors, most=32):
     """How many blocks should share a query tile's keys: enough for ``SPLIT_BLOCKS_PER_MULTIPROCESSOR``
     blocks per multiprocessor, no more than there are key tiles (each split keeps at least one), at most
     ``most``."""
@@ -119,4 +119,4 @@ def decode_splits(blocks, key_tiles, multiprocessors, most=32):
     return max(1, min(most, key_tiles, wanted))
 
 
-__all__ = ["append_launch", "decode_splits", "make_append", "make_merge", "merge_launch"]
+__all__ = ["append_launch", "make_append", "make_merge", "merge_launch", "tiled_splits"]

@@ -232,30 +232,10 @@ def nan_tests(PRECISION):
 
 
 @lru_cache(maxsize=None)
-def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
-    """Device functions that move a tile of ROWS rows between device and shared memory (see the module docstring).
-
-    * ``fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid)``: each thread's chunks of rows
-      base, base + stride, ... (zeros past ``rows_valid`` and past ``head_dim``) into ``regs``
-      ((ROW_ITERS, 4) words): global loads that can be in flight while the block computes;
-    * ``commit_rows(smem, regs, HI, LO, tid)``: those chunks into a row-major tile (tf32: split into
-      hi and lo halves at HI and LO; 16-bit: pairs along d at HI);
-    * ``fetch_pairs`` / ``commit_pairs``: the same for a 16-bit tile stored as interleaved row pairs
-      (word (pair r, column c) = X[2r, c] low, X[2r + 1, c] high: m16n8k16's B layout), (PAIR_ITERS, 8) words;
-    * ``sanitize_rows`` / ``sanitize_pairs``: NaN elements of a tile in shared memory to 0; they return
-      whether the thread's row (pair) had any, for the caller's flags (the module docstring says why).
-    """
+def chunk_loader(PRECISION, VEC):
+    """``load_chunk(X, row_start, c, head_dim, row_ok)``: one 16-byte chunk of a row as four words (module
+    docstring), zeros past ``head_dim`` or when not ``row_ok``; a 16-byte load with VEC."""
     SIXTEEN = PRECISION != "tf32x3"
-    RS = row_stride(D_PAD, SIXTEEN)
-    PS = pair_stride(D_PAD)
-    ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
-    ROW_WORDS = 4 * ROW_CHUNKS                  # data words of a row-major tile's row
-    CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
-    ROW_UNITS = ROWS * ROW_CHUNKS
-    PAIR_UNITS = (ROWS // 2) * ROW_CHUNKS
-    ROW_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS)
-    PAIR_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS, pairs=True)
-    low_is_nan, high_is_nan = nan_tests(PRECISION)
 
     @inlined_device_function
     def load_chunk(X, row_start, c, head_dim, row_ok):
@@ -280,6 +260,36 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
         for i in range(4):
             x[i] = load_word(X, row_start + c + i) if row_ok and c + i < head_dim else float32(0)
         return x[0], x[1], x[2], x[3]
+
+    return load_chunk
+
+
+@lru_cache(maxsize=None)
+def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
+    """Device functions that move a tile of ROWS rows between device and shared memory (see the module docstring).
+
+    * ``fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid)``: each thread's chunks of rows
+      base, base + stride, ... (zeros past ``rows_valid`` and past ``head_dim``) into ``regs``
+      ((ROW_ITERS, 4) words): global loads that can be in flight while the block computes;
+    * ``commit_rows(smem, regs, HI, LO, tid)``: those chunks into a row-major tile (tf32: split into
+      hi and lo halves at HI and LO; 16-bit: pairs along d at HI);
+    * ``fetch_pairs`` / ``commit_pairs``: the same for a 16-bit tile stored as interleaved row pairs
+      (word (pair r, column c) = X[2r, c] low, X[2r + 1, c] high: m16n8k16's B layout), (PAIR_ITERS, 8) words;
+    * ``sanitize_rows`` / ``sanitize_pairs``: NaN elements of a tile in shared memory to 0; they return
+      whether the thread's row (pair) had any, for the caller's flags (the module docstring says why).
+    """
+    SIXTEEN = PRECISION != "tf32x3"
+    RS = row_stride(D_PAD, SIXTEEN)
+    PS = pair_stride(D_PAD)
+    ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
+    ROW_WORDS = 4 * ROW_CHUNKS                  # data words of a row-major tile's row
+    CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
+    ROW_UNITS = ROWS * ROW_CHUNKS
+    PAIR_UNITS = (ROWS // 2) * ROW_CHUNKS
+    ROW_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS)
+    PAIR_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS, pairs=True)
+    low_is_nan, high_is_nan = nan_tests(PRECISION)
+    load_chunk = chunk_loader(PRECISION, VEC)
 
     @inlined_device_function
     def fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid):
@@ -384,7 +394,7 @@ def warp_lane(tid):
     return tid // 32, lane >> 2, lane & 3
 
 
-__all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div",
+__all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
            "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
            "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_movers", "warp_lane",
            "words_per_chunk_row"]

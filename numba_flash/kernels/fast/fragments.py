@@ -39,8 +39,8 @@ from numba import cuda, float32, uint32
 
 from ...runtime.launch import inlined_device_function
 from ...tiling import pair_stride, row_stride
-from .primitives import (load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round,
-                         u32_as_f32)
+from .primitives import (bf16_to_f32, half_to_f32, load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
+                         store_word, tf32_round, u32_as_f32)
 
 #: Head-dim tiles that one fresh product fragment covers (4 registers each): 2 keeps flash2's forward
 #: at 128 registers up to d = 64 (ptxas, tests/gpu_compile_all.py), with no loss in the products.
@@ -71,6 +71,21 @@ def mma_3xtf32(a_hi0, a_hi1, a_hi2, a_hi3, a_lo0, a_lo1, a_lo2, a_lo3,
 def sixteen_bit_ops(PRECISION):
     """(mma, pack): the m16n8k16 instruction and the float32-pair packing of a 16-bit precision."""
     return (mma_f16, pack_half2) if PRECISION == "f16" else (mma_bf16, pack_bf16x2)
+
+
+@lru_cache(maxsize=None)
+def widening(PRECISION):
+    """``widen(word)``: the element in the low 16 bits of ``word`` as float32 (exact), or a float32 as it is."""
+
+    @inlined_device_function
+    def widen(word):
+        if PRECISION == "f16":
+            return half_to_f32(uint32(word))
+        if PRECISION == "bf16":
+            return bf16_to_f32(uint32(word))
+        return word
+
+    return widen
 
 
 @lru_cache(maxsize=None)
