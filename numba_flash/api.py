@@ -18,8 +18,7 @@ from ._validation import (check_attention_args, check_backward_operands, check_c
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
-from .kernels.fast.cache import append_launch, merge_launch, tiled_splits
-from .kernels.fast.decode import MAX_ROWS as DECODE_MAX_ROWS, decode_launch, decode_splits
+from .kernels.fast.cache import append_launch, decode_splits, merge_launch
 from .kernels.fast.forward import forward_launch
 from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
@@ -440,25 +439,17 @@ class _CachePlan(_Plan):
         call = self.call
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]
-        # flash-decoding: blocks share each entry's keys, a merge combines their results by lse.  A few
-        # rows that see every key go to the decoding kernel; more rows, a causal mask or the caller's tiles
-        # to the tiled flash2 kernel.
+        # flash-decoding: with few query tiles, blocks share each tile's keys and a merge combines them.
         block_m, block_n = call.block_sizes
-        self.d_pad = padded_head_dim(call.head_dim, call.precision)
+        key_tiles = cdiv(call.n_k, block_n)
+        self.splits = (min(num_splits, key_tiles) if num_splits else
+                       decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
+                                     device_limits().multiprocessors))
+        self.launch = forward_launch(call, self.splits)
         rows = call.batch_heads * call.n_q
-        if block_sizes is None and not call.causal and call.n_q <= DECODE_MAX_ROWS:
-            self.splits = num_splits or decode_splits(call.batch_heads, call.n_k, device_limits().multiprocessors)
-            self.launch = decode_launch(call, self.splits)
-            self.decoding = self.split_results = True
-        else:
-            key_tiles = cdiv(call.n_k, block_n)
-            self.splits = (min(num_splits, key_tiles) if num_splits else
-                           tiled_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
-                                        device_limits().multiprocessors))
-            self.launch = forward_launch(call, self.splits)
-            self.decoding, self.split_results = False, self.splits > 1
+        self.d_pad = padded_head_dim(call.head_dim, call.precision)
         self.merge = (merge_launch(rows, self.splits, self.d_pad, call.head_dim, call.precision)
-                      if self.split_results else None)
+                      if self.splits > 1 else None)
         # Entry b's queries are rows 0 .. n_q - 1 (the bounds pair (0, n_q), read with step 0).
         self.q_bounds = _arrays.int32_on_device(None, np.array([0, self.call.n_q]), self.call.kind, self.device)
         self.appends = None
@@ -493,10 +484,7 @@ class _CachePlan(_Plan):
             rows = call.batch_heads * call.n_q
             partial_o = self.empty((self.splits, rows, self.d_pad), "float32", stream)
             partial_lse = self.empty((self.splits, rows), "float32", stream)
-            if self.decoding:
-                self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, k_bounds)
-            else:
-                self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
+            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
             self.merge(stream, partial_o, partial_lse, o, lse)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o

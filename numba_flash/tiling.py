@@ -314,9 +314,9 @@ DECODE_CHUNKS_PER_THREAD = 8
 def decode_block_sizes(n_q, head_dim, precision):
     """Tiles for few queries against many keys (``attention_with_kv_cache``): the query rows the call
     needs (16 per warp, so often one warp), and the widest key tile (at most 64) whose register
-    prefetch stays within ``DECODE_CHUNKS_PER_THREAD`` chunks per thread.  ptxas on sm_90
-    (experiments/results/ptxas_decode.md): one warp at (16, 64), d = 128, float16, spills 3.4 KB; at
-    (16, 16) it spills 4 bytes.  Not tuned on a GPU yet.
+    prefetch stays within ``DECODE_CHUNKS_PER_THREAD`` chunks per thread.  On the H200 at d = 128,
+    float16 (experiments/results/decode_h200.md, best split each): (16, 16) 0.25 ms, (32, 32) 0.29 ms,
+    (16, 32) 0.63 ms, (16, 64) 1.49 ms: wider key tiles spill (ptxas: 3.4 KB at (16, 64)).
     """
     rows = min(128, cdiv(n_q, ROWS_PER_WARP) * ROWS_PER_WARP)
     chunk = 4 if precision == "tf32x3" else 8        # elements per 16-byte chunk

@@ -33,7 +33,6 @@ from numba.cuda import dispatcher
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq, make_preprocess  # noqa: E402
 from numba_flash.kernels.fast.cache import make_append, make_merge  # noqa: E402
-from numba_flash.kernels.fast.decode import MAX_ROWS as DECODE_MAX_ROWS, make_decode  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
@@ -85,10 +84,8 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
 
 
 def decode(precision, head_dim):
-    """Decoding from a KV cache: the decoding kernel (1, 4 and its most query rows), the tiled forward at the
-    decoding tiles (one query, and 40) over per-entry lengths and its split-keys form, the merge."""
-    for rows, vec in itertools.product((1, 4, DECODE_MAX_ROWS), (True, False)):
-        fast(make_decode(rows, head_dim, precision, vec))
+    """Decoding from a KV cache at its default tiles (one query, and 40): the forward over per-entry lengths,
+    its split-keys form, the merge."""
     for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
         fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
                           False, True, split))

@@ -2,7 +2,8 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments decode train (default: all but backward, decode, train)
+#                                        # experiments decode train ring (default: all but backward, decode,
+#                                        # train, ring; ring needs two GPUs)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -60,9 +61,16 @@ for s in $STEPS; do
     decode)
         step decode 200 python3 experiments/decode_bandwidth.py
         tail -9 "$LOGS/decode.log" ;;
+    ring)  # two GPUs (nvidia-h200-x2): NCCL equalities, then the scaling run; NVLink multicast stays off
+        export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+        CUDA_VISIBLE_DEVICES=0,1 step ring_tests ${RING_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_ring.py
+        tail -3 "$LOGS/ring_tests.log"
+        CUDA_VISIBLE_DEVICES=0,1 step ring_scaling ${RING_SCALING_LIMIT:-420} torchrun --nproc-per-node 2 \
+            experiments/ring_scaling.py ${RING_SCALING_ARGS:-}
+        tail -12 "$LOGS/ring_scaling.log" ;;
     train)
         step train_gpt ${TRAIN_LIMIT:-300} python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;
-    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train)"; exit 2 ;;
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring)"; exit 2 ;;
     esac
 done

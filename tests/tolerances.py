@@ -196,6 +196,31 @@ def _log_error(dtype, err, tol):
             f.write(f"{np.dtype(dtype).name} {err:.6g} {tol:.6g}\n")
 
 
+def ring_tolerances(tol_o, tol_lse, gradient_tolerances, value_max, dtype, world):
+    """Bounds on |ring attention - one call on the whole sequence| for O and each gradient, from one call's
+    bounds: ``forward_tolerance``'s (tol_o, tol_lse) and ``backward_tolerance``'s, inputs of ``dtype``, values
+    at most ``value_max`` in size, ``world`` ranks.
+
+    Both results are within their own bound of the exact one.  The ring's O
+    merges ``world`` partial results, each one call on fewer keys (within
+    tol_o, its lse within tol_lse), with weights exp(lse_s - lse): each off by
+    a factor of at most exp(2 tol_lse), and by 8 u per merge (exp, log, the
+    sum, the product, the quotient), so O is within (1 + e) tol_o + e
+    value_max with e = expm1(2 tol_lse) + 8 world u.  With 16-bit inputs each
+    partial O comes rounded to the input type before the merge and the merged
+    O is rounded again: one more u16 value_max.  The ring's gradients sum
+    ``world`` partial backward calls, each within its own bound, which is at
+    most the whole call's (fewer keys, smaller column sums of P); their
+    float32 sum and final rounding add at most one bound more: world + 1
+    times the whole call's, and world + 2 with the whole call's own.
+    """
+    merge = np.expm1(2 * tol_lse) + 8 * world * U32
+    ring_o = (1 + merge) * tol_o + merge * value_max
+    if np.dtype(dtype) != np.float32:
+        ring_o += unit_roundoff(dtype) * value_max
+    return [tol_o + ring_o] + [(world + 2) * tol for tol in gradient_tolerances]
+
+
 def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32, group=1):
     """(tol_dQ, tol_dK, tol_dV): first-order bounds on the gradient errors, from the inputs.
 

@@ -106,17 +106,19 @@ def merge_launch(rows, splits, d_pad, head_dim, precision):
                   dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
 
 
-#: Blocks per multiprocessor that the default split of the tiled kernel aims for (its decoding blocks are
-#: often one warp; results/decode_h200.md).  ``decode.py`` serves one query per head on its own.
+#: One-warp blocks per multiprocessor that the default split fills: at d = 128 a decoding block holds 255
+#: registers, so 8 fit at once.  One whole wave and no more: on the H200 at (B, H_kv) = (16, 8), 8 splits
+#: (1024 blocks) read the cache in 0.25 ms and 9 (a second wave of 96 blocks) in 0.33 ms
+#: (results/decode_h200.md).
 SPLIT_BLOCKS_PER_MULTIPROCESSOR = 8
 
 
-def tiled_splits(blocks, key_tiles, multiprocessors, most=32):
-    """How many blocks should share a query tile's keys: enough for ``SPLIT_BLOCKS_PER_MULTIPROCESSOR``
-    blocks per multiprocessor, no more than there are key tiles (each split keeps at least one), at most
-    ``most``."""
-    wanted = -(-SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors // max(1, blocks))
-    return max(1, min(most, key_tiles, wanted))
+def decode_splits(blocks, key_tiles, multiprocessors, most=32):
+    """How many blocks should share a query tile's keys: as many as fill one wave of
+    ``SPLIT_BLOCKS_PER_MULTIPROCESSOR`` blocks per multiprocessor without starting a second, no more than
+    there are key tiles (each split keeps at least one), at most ``most``."""
+    fitting = SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors // max(1, blocks)
+    return max(1, min(most, key_tiles, fitting))
 
 
-__all__ = ["append_launch", "make_append", "make_merge", "merge_launch", "tiled_splits"]
+__all__ = ["append_launch", "decode_splits", "make_append", "make_merge", "merge_launch"]
