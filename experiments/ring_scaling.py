@@ -34,11 +34,11 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import numba_flash  # noqa: E402
 from numba_flash.tools.report import markdown_header, markdown_table, write_csv  # noqa: E402
+from numba_flash.tools.timing import time_ms  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 FULL = dict(batch=1, heads=16, n=131072, d=128, repeats=5, warmup=2, search_seconds=150.0, search_limit=1 << 24)
@@ -122,27 +122,10 @@ class Run:
             self.torch.cuda.synchronize()
 
     def median_ms(self, run, align):
-        """Median of ``run()`` over the repeats, after the warm-ups; ``align``: a barrier before each repeat."""
-        torch = self.torch
-        for _ in range(self.config["warmup"]):
-            run()
-        self.synchronize()
-        samples = []
-        for _ in range(self.config["repeats"]):
-            if align:
-                self.dist.barrier()
-            if self.simulator:
-                start = time.perf_counter()
-                run()
-                samples.append((time.perf_counter() - start) * 1e3)
-            else:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                run()
-                end.record()
-                end.synchronize()
-                samples.append(begin.elapsed_time(end))
-        return statistics.median(samples)
+        """Median of ``run()`` over the repeats, after the warm-ups; ``align``: a barrier before each run, so
+        that every rank starts together (the ring's time is then the slowest rank's)."""
+        return time_ms(run, repeats=self.config["repeats"], warmup=self.config["warmup"],
+                       setup=self.dist.barrier if align else None)
 
     def inputs(self, length):
         """q, k, v (requiring gradients) and dO of ``length`` positions, standard normal."""

@@ -207,11 +207,10 @@ def _words(count):
 
 
 def flash2_forward_smem(block_m, block_n, d_pad, precision):
-    """Q_i (block_m rows), K_j (block_n rows), V_j (rows for 3xTF32, row pairs for 16-bit), and one
-    NaN flag per key of V_j (set in masked tiles only; see forward.py)."""
-    v = _rows("V", block_n, d_pad, precision) if precision == "tf32x3" else _pairs("V", block_n, d_pad)
-    return SharedTiles(_rows("Q", block_m, d_pad, precision) + _rows("K", block_n, d_pad, precision) + v
-                        + (("V_NAN", _words(block_n)),))
+    """Q_i (block_m rows), K_j and V_j (block_n rows each), all row-major, and one NaN flag per key of V_j
+    (set in masked tiles only; see forward.py)."""
+    return SharedTiles(_rows("Q", block_m, d_pad, precision) + _rows("K", block_n, d_pad, precision)
+                       + _rows("V", block_n, d_pad, precision) + (("V_NAN", _words(block_n)),))
 
 
 def flash2_dkdv_smem(block_keys, block_queries, d_pad, precision):

@@ -19,6 +19,7 @@ import os
 
 import numba_flash  # noqa: F401,I001  (picks the simulator when there is no GPU, before Numba loads)
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from numba import config  # noqa: E402
 
@@ -67,3 +68,17 @@ def pytest_terminal_summary(terminalreporter, config):
     if count:
         mode = "the simulator" if config_is_simulator() else "a GPU"
         terminalreporter.write_line(f"numba-flash: {count} tests marked {marker} deselected: they cannot run on {mode}")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch is a failure: bad input must be rejected first (every launcher: the fast kernels'
+    ``Launch`` and the literal and standard kernels' ``launch``)."""
+    from numba_flash.kernels.literal import flash1_forward, standard_attention
+    from numba_flash.runtime import launch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the input was rejected")
+    monkeypatch.setattr(flash1_forward, "launch", forbidden)
+    monkeypatch.setattr(standard_attention, "launch", forbidden)
+    monkeypatch.setattr(launch.Launch, "__call__", forbidden)

@@ -1,7 +1,7 @@
 """The benchmark's tables and target checks (the timing itself needs a GPU; these need none)."""
 import math
 
-from numba_flash.tools.bench import Row, backward_target_summary, format_table, target_summary
+from numba_flash.tools.bench import Row, backward_target_summary, format_table, sixteen_bit_summary, target_summary
 
 SHAPE = (4, 16, 4096, 64)
 
@@ -22,3 +22,15 @@ def test_forward_and_backward_rows_are_compared_with_ours_of_the_same_kind():
     assert lines == [f"{SHAPE} causal=False: flash2 backward is 1.25x torch-math's (target 1.5x: missed)",
                      f"{SHAPE} causal=False: flash2 backward is 0.75x torch-efficient's (target 1.0x: missed)"]
     assert target_summary(rows) == [f"{SHAPE} causal=False: flash2 is 3.00x torch-math (target 2.0x: met)"]
+
+
+def test_sixteen_bit_rows_are_held_to_issue_15s_targets_beside_flex_attention():
+    rows = [Row(SHAPE, "float16", True, "flash2", 2.0), Row(SHAPE, "float16", True, "torch-flash", 1.5),
+            Row(SHAPE, "float16", True, "flex-attention", 1.0),
+            Row(SHAPE, "bfloat16", False, "flash2 fwd+bwd", 5.0, flop_factor=3.5),
+            Row(SHAPE, "bfloat16", False, "torch-flash fwd+bwd", 4.0, flop_factor=3.5),
+            Row(SHAPE, "bfloat16", False, "flash2 bwd", 3.0, flop_factor=2.5),          # no target of its own
+            Row(SHAPE, "float32", False, "flash2", 1.0), Row(SHAPE, "float32", False, "torch-flash", 9.0)]
+    assert sixteen_bit_summary(rows) == [
+        f"{SHAPE} float16 causal=True: flash2 is 0.75x torch-flash (target 0.8x: missed), 0.50x FlexAttention",
+        f"{SHAPE} bfloat16 causal=False fwd+bwd: flash2 is 0.80x torch-flash (target 0.6x: met)"]

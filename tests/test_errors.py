@@ -5,21 +5,12 @@ import numpy as np
 import pytest
 
 import numba_flash
-from numba_flash.kernels.literal import flash1_forward, standard_attention
-from numba_flash.runtime import launch
 
 Q = np.zeros((2, 8, 4), np.float32)
 Q4 = np.zeros((2, 3, 8, 4), np.float32)
 
 
-@pytest.fixture(autouse=True)
-def no_launch(monkeypatch):
-    """Any kernel launch during these tests is a failure: errors come first."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a kernel was launched before the input was rejected")
-    monkeypatch.setattr(flash1_forward, "launch", forbidden)
-    monkeypatch.setattr(standard_attention, "launch", forbidden)
-    monkeypatch.setattr(launch.Launch, "__call__", forbidden)
+pytestmark = pytest.mark.usefixtures("no_launch")   # conftest: any kernel launch fails these tests
 
 
 CASES = [

@@ -9,8 +9,8 @@ import pytest
 from numba import cuda
 
 from numba_flash.kernels.fast.primitives import (
-    bf16_to_f32, exp2, f32_as_u32, half_to_f32, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2, shfl_xor,
-    tf32_round, u32_as_f32,
+    bf16_to_f32, exp2, f32_as_u32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
+    shfl_xor, tf32_round, u32_as_f32,
 )
 from strategies import BFLOAT16
 from tolerances import EX2_APPROX_ATOL, EX2_APPROX_RTOL, SPLIT_TF32_EXTRA, product_tolerance
@@ -183,3 +183,51 @@ def test_tf32_round_is_nearest_ties_away():
     _round_kernel[1, 256](x, out)
     np.testing.assert_array_equal(out.view(np.float32), _tf32(x))
     assert np.all(np.abs(out.view(np.float32) - x) <= np.abs(x) * 2.0 ** -11)
+
+
+ROW_WORDS = 4      # an ldmatrix row: 8 16-bit elements
+WORDS = 1024       # the shared tile the test reads from
+
+
+@cuda.jit
+def _ldmatrix_kernel(words, row_starts, out, variant):
+    # Two warps, each lane naming where "its" row starts (any 16-byte aligned word): out[lane, j] is register j.
+    tile = cuda.shared.array(WORDS, dtype=np.uint32)
+    for i in range(cuda.threadIdx.x, WORDS, cuda.blockDim.x):
+        tile[i] = words[i]
+    cuda.syncthreads()
+    lane = cuda.threadIdx.x
+    if variant == 4:
+        r0, r1, r2, r3 = ldmatrix_x4(tile, row_starts[lane])
+        out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = r0, r1, r2, r3
+    elif variant == 2:
+        r0, r1 = ldmatrix_x2(tile, row_starts[lane])
+        out[lane, 0], out[lane, 1] = r0, r1
+    else:
+        r0, r1 = ldmatrix_x2_trans(tile, row_starts[lane])
+        out[lane, 0], out[lane, 1] = r0, r1
+
+
+def _half(words, row, column):
+    """16-bit element ``column`` of the 8-element row that starts at word ``row``."""
+    return (int(words[row + column // 2]) >> (16 * (column % 2))) & 0xFFFF
+
+
+@pytest.mark.parametrize("variant", [2, 4, -2], ids=["x2", "x4", "x2.trans"])
+def test_ldmatrix_gives_each_lane_its_rows_words(variant):
+    rng = np.random.default_rng(4)
+    words = rng.integers(0, 2**32, WORDS, dtype=np.uint64).astype(np.uint32)
+    # 64 lanes (two warps) name distinct rows in shuffled order, so a twin that reads the wrong lane's
+    # address or the wrong word fails.
+    row_starts = (rng.permutation(WORDS // ROW_WORDS)[:64] * ROW_WORDS).astype(np.int64)
+    out = np.zeros((64, 4), np.uint32)
+    _ldmatrix_kernel[1, 64](words, row_starts, out, variant)
+    for lane in range(64):
+        warp, g, t = lane // 32, (lane % 32) >> 2, lane & 3
+        rows = row_starts[32 * warp:32 * warp + 32]
+        for j in range(abs(variant)):   # PTX ISA: matrix j's rows start where lanes 8j .. 8j + 7 say
+            if variant > 0:             # word t of row g: elements (g, 2t) and (g, 2t + 1)
+                expected = words[rows[8 * j + g] + t]
+            else:                       # .trans: elements (2t, g) and (2t + 1, g)
+                expected = _half(words, rows[8 * j + 2 * t], g) | (_half(words, rows[8 * j + 2 * t + 1], g) << 16)
+            assert out[lane, j] == expected, (lane, j)

@@ -14,6 +14,10 @@ the forward's FLOPs for the backward's five products and 3.5x for both
 (FlashAttention-2's convention; our deterministic backward does seven).  The peak for "% of peak" is the H200's: 67 TFLOP/s for float32
 FMA and 989 TFLOP/s for dense 16-bit tensor-core math (datasheet).
 
+FlexAttention (``torch.nn.attention.flex_attention`` under ``torch.compile``,
+a causal ``BlockMask`` for causal cases) runs beside torch's SDPA backends
+where torch has it; its compilation happens in the warm-up.
+
 ``--baseline DIR`` also times another copy of the package (a source tree
 whose package folder is DIR, e.g. an earlier commit unpacked by ``git
 archive``) in the same process: before/after numbers of one run.
@@ -79,6 +83,24 @@ def _inputs(shape, dtype, sets, torch):
     return triples
 
 
+_FLEX = {}
+
+
+def flex_attention(torch, causal, n_q, n_k):
+    """FlexAttention compiled once per process, with a causal block mask (top-left) when ``causal``; None
+    when this torch has none."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention as flex
+    except ImportError:
+        return None
+    if "compiled" not in _FLEX:
+        _FLEX["compiled"] = torch.compile(flex)
+    compiled = _FLEX["compiled"]
+    mask = (create_block_mask(lambda b, h, q, k: q >= k, None, None, n_q, n_k, device="cuda") if causal
+            else None)
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+
+
 def _time_rotating(fn, triples, repeats):
     state = {"i": 0}
 
@@ -114,6 +136,12 @@ def run_case(shape, dtype, causal, algorithms, repeats, torch, baseline=None):
                 rows.append(Row(shape, dtype, causal, name, ms))
             except (RuntimeError, torch.OutOfMemoryError) as exc:  # backend unavailable for this case
                 rows.append(Row(shape, dtype, causal, name, float("nan"), str(exc).splitlines()[0][:60]))
+        flex = flex_attention(torch, causal, shape[2], shape[2])
+        if flex is not None:
+            try:
+                rows.append(Row(shape, dtype, causal, "flex-attention", _time_rotating(flex, triples, repeats)))
+            except Exception as exc:  # noqa: BLE001  (Triton and inductor raise their own types)
+                rows.append(Row(shape, dtype, causal, "flex-attention", float("nan"), str(exc).splitlines()[0][:60]))
     del triples
     return rows
 
@@ -142,6 +170,9 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baseline=None):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return sdpa(q, k, v, is_causal=causal)
         implementations.append((SHORT_NAMES[backend], call))
+    flex = flex_attention(torch, causal, shape[2], shape[2])
+    if flex is not None:
+        implementations.append(("flex-attention", lambda: flex(q, k, v)))
     rows = []
     for name, forward in implementations:
         try:
@@ -150,7 +181,7 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baseline=None):
             both_ms = time_ms(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out), repeats=repeats, warmup=3)
             rows.append(Row(shape, dtype, causal, f"{name} bwd", backward_ms, flop_factor=2.5))
             rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", both_ms, flop_factor=3.5))
-        except (RuntimeError, TypeError, ValueError, torch.OutOfMemoryError) as exc:  # unavailable for this case
+        except Exception as exc:  # noqa: BLE001  (unavailable for this case; Triton raises its own types)
             note = str(exc).splitlines()[0][:60]
             rows.append(Row(shape, dtype, causal, f"{name} bwd", float("nan"), note, 2.5))
             rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", float("nan"), note, 3.5))
@@ -308,6 +339,30 @@ def target_summary(rows):
     return lines
 
 
+#: Issue 15's 16-bit targets: flash2 against torch's flash backend (FlashAttention-2), forward and fwd+bwd.
+SIXTEEN_BIT_TARGETS = {"": 0.8, "fwd+bwd": 0.6}
+
+
+def sixteen_bit_summary(rows):
+    """flash2's speed in float16/bfloat16 against torch-flash (issue 15's targets) and FlexAttention (lines)."""
+    ms = {(r.shape, r.dtype, r.causal, r.implementation): r.ms for r in rows}
+    lines = []
+    for (shape, dtype, causal, impl), ours in ms.items():
+        kind = impl.partition(" ")[2]
+        if impl.partition(" ")[0] != "flash2" or dtype == "float32" or kind not in SIXTEEN_BIT_TARGETS:
+            continue
+        suffix = f" {kind}" if kind else ""
+        target = SIXTEEN_BIT_TARGETS[kind]
+        flash = ms.get((shape, dtype, causal, f"torch-flash{suffix}"), float("nan"))
+        flex = ms.get((shape, dtype, causal, f"flex-attention{suffix}"), float("nan"))
+        if not np.isnan(flash):
+            ratio = flash / ours
+            lines.append(f"{shape} {dtype} causal={causal}{suffix}: flash2 is {ratio:.2f}x torch-flash (target "
+                         f"{target:.1f}x: {'met' if ratio >= target else 'missed'})"
+                         + ("" if np.isnan(flex) else f", {flex / ours:.2f}x FlexAttention"))
+    return lines
+
+
 def write_results(rows, out_dir, tag, command, backward=False):
     os.makedirs(out_dir, exist_ok=True)
     stamp = datetime.date.today().isoformat()
@@ -328,6 +383,9 @@ def write_results(rows, out_dir, tag, command, backward=False):
                                  else ("Forward attention benchmark", 3, target_summary(rows)))
         f.write(f"# {title}\n\n{header}\n{format_table(rows)}\n\n## Targets (issue #{issue})\n\n")
         f.write("".join(f"- {line}\n" for line in summary))
+        sixteen = sixteen_bit_summary(rows)
+        if sixteen:
+            f.write("\n## 16-bit targets (issue 15)\n\n" + "".join(f"- {line}\n" for line in sixteen))
     return csv_path, md_path
 
 
@@ -373,7 +431,8 @@ def main(args):
                                     and r.causal == causal]).split("\n", 2)[2], flush=True)
     table = format_table(rows)
     print(table)
-    print("\n".join(backward_target_summary(rows) if args.backward else target_summary(rows)))
+    print("\n".join((backward_target_summary(rows) if args.backward else target_summary(rows))
+                    + sixteen_bit_summary(rows)))
     if args.out:
         paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench", args.backward)
         print("wrote", *paths)

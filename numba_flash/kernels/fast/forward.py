@@ -51,8 +51,14 @@ How it is fast, and what each trick costs in clarity:
   max and sum with two ``shfl_xor`` (simulated in the simulator).
 * **Software pipeline**: tile j + 1's global loads are issued before tile j
   is computed on, so memory latency hides behind the products.
+* **ldmatrix** (16-bit): fragments leave shared memory as whole 8x8
+  matrices, Q's and K's for S = Q K^T directly, V's for P V transposed on
+  the way (``ldmatrix.trans``): K_j and V_j sit in shared memory row-major,
+  as they arrive.  One instruction where a lane issued two or four 32-bit
+  loads (``experiments/results/ldmatrix_sass.md``; not yet timed on a GPU).
 * **No bank conflicts**: shared rows are padded so that the 32 lanes of a
-  fragment load hit 32 different banks (``tiling.row_stride``).
+  fragment load (or ldmatrix's 8 rows) hit different banks
+  (``tiling.row_stride``).
 
 Departures from the paper's Algorithm 1 (besides the loop order): the scale
 is folded into the exp2 argument; a row that has seen no allowed key keeps
@@ -111,10 +117,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     V_LO = V_HI if SIXTEEN else tiles.offset("V_LO")
     V_NAN = tiles.offset("V_NAN")
     Q_ITERS, _, fetch_q, commit_q, _, _, _, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
-    (K_ITERS, PAIR_ITERS, fetch_key_rows, commit_key_rows, fetch_key_pairs, commit_key_pairs, sanitize_key_rows,
-     sanitize_key_pairs) = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
-    V_ITERS, V_WORDS = (PAIR_ITERS, 8) if SIXTEEN else (K_ITERS, 4)   # 16-bit V moves as row pairs
-    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
+    K_ITERS, _, fetch_key_rows, commit_key_rows, _, _, sanitize_key_rows, _ = tile_movers(BLOCK_N, D_PAD, PRECISION,
+                                                                                         VEC, THREADS)
+    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, B_ROW_MAJOR=True)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
                                                                                                    VEC)
@@ -125,32 +130,20 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     def fetch_kv(k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
         """Global loads of K_j, V_j (``keys`` valid rows from k_row, v_row) into registers."""
         fetch_key_rows(k_regs, K, k_row, k_sn, keys, head_dim, tid)
-        if SIXTEEN:
-            fetch_key_pairs(v_regs, V, v_row, v_sn, keys, head_dim, tid)
-        else:
-            fetch_key_rows(v_regs, V, v_row, v_sn, keys, head_dim, tid)
+        fetch_key_rows(v_regs, V, v_row, v_sn, keys, head_dim, tid)
 
     @inlined_device_function
     def commit_kv(smem, k_regs, v_regs, tid):
-        """K_j row-major, V_j as row pairs (16-bit) or row-major (tf32 hi and lo) into shared memory."""
+        """K_j and V_j row-major into shared memory (tf32: hi and lo halves; 16-bit V is read by ldmatrix.trans)."""
         commit_key_rows(smem, k_regs, K_HI, K_LO, tid)
-        if SIXTEEN:
-            commit_key_pairs(smem, v_regs, V_HI, tid)
-        else:
-            commit_key_rows(smem, v_regs, V_HI, V_LO, tid)
+        commit_key_rows(smem, v_regs, V_HI, V_LO, tid)
 
     @inlined_device_function
     def sanitize_v(smem, tid):
         """NaN in V_j to 0, and a flag per key at V_NAN (partly masked tiles only: see common.py)."""
-        if SIXTEEN:
-            low, high = sanitize_key_pairs(smem, V_HI, tid)
-            if tid < BLOCK_N // 2:
-                store_word(smem, V_NAN + 2 * tid, low)
-                store_word(smem, V_NAN + 2 * tid + 1, high)
-        else:
-            found = sanitize_key_rows(smem, V_HI, tid)
-            if tid < BLOCK_N:
-                store_word(smem, V_NAN + tid, found)
+        found = sanitize_key_rows(smem, V_HI, tid)
+        if tid < BLOCK_N:
+            store_word(smem, V_NAN + tid, found)
 
     @inlined_device_function
     def scale_and_mask(s, poison, masked, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked,
@@ -271,7 +264,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         s = cuda.local.array((N_TILES, 4), float32)
         poison = cuda.local.array(POISON_WORDS, uint64)     # weights to make NaN (see scale_and_mask)
         k_regs = cuda.local.array((K_ITERS, 4), WORD)       # the next K tile, in flight
-        v_regs = cuda.local.array((V_ITERS, V_WORDS), WORD)  # the next V tile, in flight
+        v_regs = cuda.local.array((K_ITERS, 4), WORD)       # the next V tile, in flight
         for half in range(2):
             m_i[half] = float32(NEG_INF)
             l_i[half] = float32(0)

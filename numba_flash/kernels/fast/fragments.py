@@ -26,8 +26,15 @@ it streams, in 8-wide column tiles) and multiplies through the tensor cores
 For tf32 (k = 8) ``accumulate_product`` renumbers the accumulator's columns
 (2t, 2t + 1) as k-indices t and t + 4 inside each k-step, and reads B with
 the same renumbering (a sum over columns does not care about their order).
-For 16-bit operands the accumulator layout is m16n8k16's A layout exactly,
-and B is read from a tile stored as interleaved row pairs (its B layout).
+For 16-bit operands the accumulator layout is m16n8k16's A layout exactly.
+
+16-bit fragments leave shared memory through ``ldmatrix`` (one instruction
+for four or two 8x8 matrices, where each lane would issue as many 32-bit
+loads): A and B of ``rows_by_rows_t`` directly from their row-major tiles;
+B of ``accumulate_product`` either row-major through ``ldmatrix.trans``
+(B_ROW_MAJOR: the forward's V) or, in the backward for now, from a tile
+stored as interleaved row pairs (word (r, c) = B[2r, c], B[2r + 1, c]: m16n8k16's
+B layout) by 32-bit loads.  SASS before and after: results/ldmatrix_sass.md.
 
 float32 runs as 3xTF32: every operand is split once into tf32 hi and lo
 halves (stored in two tiles, at ``*_HI`` and ``*_LO``), and each product is
@@ -39,7 +46,7 @@ from numba import cuda, float32, uint32
 
 from ...runtime.launch import inlined_device_function
 from ...tiling import pair_stride, row_stride
-from .primitives import (bf16_to_f32, half_to_f32, load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
+from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
                          store_word, tf32_round, u32_as_f32)
 
 #: Head-dim tiles that one fresh product fragment covers (4 registers each): 2 keeps flash2's forward
@@ -89,8 +96,13 @@ def widening(PRECISION):
 
 
 @lru_cache(maxsize=None)
-def tile_products(OTHER, D_PAD, PRECISION):
-    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD."""
+def tile_products(OTHER, D_PAD, PRECISION, B_ROW_MAJOR=False):
+    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD.
+
+    B_ROW_MAJOR: accumulate_product's 16-bit B is row-major in shared memory (as K and V arrive) and read
+    by ``ldmatrix.trans``; otherwise stored as interleaved row pairs and read 32 bits at a time (the
+    backward's operands, for now).  tf32's B is always row-major.
+    """
     SIXTEEN = PRECISION != "tf32x3"
     RS = row_stride(D_PAD, SIXTEEN)
     PS = pair_stride(D_PAD)
@@ -106,19 +118,22 @@ def tile_products(OTHER, D_PAD, PRECISION):
         for ot in range(O_TILES):
             for e in range(4):
                 acc[ot, e] = float32(0)
+        # 16-bit fragments through ldmatrix: lane l names row l % 8 of matrix l // 8 (``primitives``).  A's
+        # four matrices are (rows 0-7 | 8-15) x (k 0-7 | 8-15), rows fastest; B's two, of 8-row tile ot, are
+        # k 0-7 and 8-15 (two, not four: B's registers stay as few as with 32-bit loads).
+        row_in_matrix = 4 * (g & 1) + t
+        matrix = g >> 1
+        a_lane = A_HI + (a_row0 + (matrix & 1) * 8 + row_in_matrix) * RS + (matrix >> 1) * 4
+        b_lane = B_HI + row_in_matrix * RS + (matrix & 1) * 4
         for ks in range(QK_STEPS):
-            a_row = (a_row0 + g) * RS + ks * 8 + t
             if SIXTEEN:
-                a0 = load_word(smem, A_HI + a_row)
-                a1 = load_word(smem, A_HI + a_row + 8 * RS)
-                a2 = load_word(smem, A_HI + a_row + 4)
-                a3 = load_word(smem, A_HI + a_row + 8 * RS + 4)
+                a0, a1, a2, a3 = ldmatrix_x4(smem, a_lane + ks * 8)
                 for ot in range(O_TILES):
-                    b_row = B_HI + (ot * 8 + g) * RS + ks * 8 + t
-                    c0, c1, c2, c3 = mma16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4),
-                                           acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
+                    b0, b1 = ldmatrix_x2(smem, b_lane + ot * 8 * RS + ks * 8)
+                    c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
                     acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
             else:
+                a_row = (a_row0 + g) * RS + ks * 8 + t
                 ah0 = load_word(smem, A_HI + a_row)
                 ah1 = load_word(smem, A_HI + a_row + 8 * RS)
                 ah2 = load_word(smem, A_HI + a_row + 4)
@@ -146,16 +161,29 @@ def tile_products(OTHER, D_PAD, PRECISION):
                 for e in range(4):
                     tile[c, e] = float32(0)
             if SIXTEEN:
+                # Row-major B through ldmatrix.trans: lane l < 16 names row l % 8 of matrix l // 8, the
+                # matrices (k 0-7 | 8-15) x (d tile FIRST + c): b0 and b1 of one d tile.  (x4 for two d tiles
+                # at once held two registers more and spilled flash2's forward at its register cap.)
+                row_in_matrix = 4 * (g & 1) + t
+                b_lane = B_HI + (((g >> 1) & 1) * 8 + row_in_matrix) * RS + FIRST * 4
                 for ks in range(O_TILES // 2):
                     a0 = pack(p[2 * ks, 0], p[2 * ks, 1])
                     a1 = pack(p[2 * ks, 2], p[2 * ks, 3])
                     a2 = pack(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
                     a3 = pack(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
-                    for c in range(COUNT):
-                        b_row = B_HI + (ks * 8 + t) * PS + (FIRST + c) * 8 + g
-                        c0, c1, c2, c3 = mma16(a0, a1, a2, a3, load_word(smem, b_row), load_word(smem, b_row + 4 * PS),
-                                               tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
-                        tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+                    if B_ROW_MAJOR:
+                        for c in range(COUNT):
+                            b0, b1 = ldmatrix_x2_trans(smem, b_lane + ks * 16 * RS + c * 4)
+                            c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, tile[c, 0], tile[c, 1], tile[c, 2],
+                                                   tile[c, 3])
+                            tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+                    else:
+                        for c in range(COUNT):
+                            b_row = B_HI + (ks * 8 + t) * PS + (FIRST + c) * 8 + g
+                            c0, c1, c2, c3 = mma16(a0, a1, a2, a3, load_word(smem, b_row),
+                                                   load_word(smem, b_row + 4 * PS), tile[c, 0], tile[c, 1],
+                                                   tile[c, 2], tile[c, 3])
+                            tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
             else:
                 for ks in range(O_TILES):
                     # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).
@@ -195,8 +223,8 @@ def tile_products(OTHER, D_PAD, PRECISION):
         return both
 
     #: acc[dt] = alpha acc[dt] + (P . B)[dt]: P (16 x OTHER) in accumulator fragments, B (OTHER x d) in shared
-    #: memory (row-major at B_HI/B_LO for tf32, interleaved pairs at B_HI for 16-bit operands); alpha0 scales
-    #: the lane's row g, alpha1 its row g + 8.
+    #: memory (row-major at B_HI/B_LO for tf32; at B_HI for 16-bit, row-major with B_ROW_MAJOR, else interleaved
+    #: pairs); alpha0 scales the lane's row g, alpha1 its row g + 8.
     accumulate_product = chained([product_chunk(first, min(CHUNK, D_TILES - first))
                                   for first in range(0, D_TILES, CHUNK)])
 

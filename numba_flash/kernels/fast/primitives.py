@@ -23,7 +23,21 @@ operands (two halves per               a2=(g, 2t+8:2t+10)  a3=(g+8, 2t+8:2t+10)
 register, lower index in    B (16x8):  b0=(2t:2t+2, g)  b1=(2t+8:2t+10, g)
 the low half)
 both, f32 accumulators      C (16x8):  c0=(g, 2t)  c1=(g, 2t+1)  c2=(g+8, 2t)  c3=(g+8, 2t+1)
+ldmatrix .x2 / .x4          register j of every lane: word t of row g of matrix j, matrix j's 8 rows
+(16-bit, shared memory)     at the addresses lanes 8j .. 8j + 7 give (each row 16 bytes, 16-aligned)
+ldmatrix .trans             register j: elements (2t, g) low and (2t+1, g) high of matrix j: the B
+                            fragment of a row-major (k x n) tile, e.g. V for P V
 ==========================  ============================================
+
+``ldmatrix_x4`` / ``ldmatrix_x2`` (/ ``ldmatrix_x2_trans``) are how 16-bit
+fragments leave shared memory: one instruction for four (two) 8x8 matrices,
+where a lane would otherwise issue four (two) 32-bit loads.  The docstring of each: lane l gives
+``index``, the word where row l % 8 of matrix l // 8 starts; it returns
+register j of the lane, the pair of elements (2t, 2t + 1) of row g of matrix j.
+An A fragment is its matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+(8-15, 8-15) of a row-major tile; B fragments of two 8-key tiles of a
+row-major K (B = K^T, "col" layout) are (keys 0-7, k 0-7), (0-7, 8-15),
+(8-15, 0-7), (8-15, 8-15).
 """
 import threading
 
@@ -50,6 +64,9 @@ __all__ = [
     "store_word",
     "load_vec4",
     "store_vec4",
+    "ldmatrix_x2",
+    "ldmatrix_x4",
+    "ldmatrix_x2_trans",
 ]
 
 WARP_SIZE = 32
@@ -244,6 +261,37 @@ if not config.ENABLE_CUDASIM:
 
         return types.void(arr, index, a, b, c, d), codegen
 
+    def _ldmatrix_intrinsic(count, trans=False):
+        @intrinsic
+        def ldmatrix(typingctx, arr, index):
+            if not _flat_words(arr, index, 32):
+                return None
+
+            def codegen(context, builder, sig, args):
+                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                # The array holds a generic pointer into shared memory: cast it to the shared window and
+                # pass a 32-bit address, as NVVM's own shared loads use (a 64-bit generic address and a cvta
+                # in the asm cost two registers per address and spilled flash2 at its register cap).
+                shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+                address = builder.ptrtoint(shared, _I32)
+                registers = ", ".join(f"${i}" for i in range(count))
+                # Side effects: never hoisted out of a loop or merged across the barrier that publishes a tile.
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * count), [_I32]),
+                                   f"ldmatrix.sync.aligned.m8n8.x{count}{'.trans' if trans else ''}.shared.b16 "
+                                   f"{{{registers}}}, [${count}];",
+                                   "=r," * count + "r,~{memory}", side_effect=True)
+                words = builder.call(asm, [address])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(words, i) for i in range(count)])
+
+            return types.UniTuple(types.uint32, count)(arr, index), codegen
+
+        return ldmatrix
+
+    ldmatrix_x2 = _ldmatrix_intrinsic(2)
+    ldmatrix_x4 = _ldmatrix_intrinsic(4)
+    ldmatrix_x2_trans = _ldmatrix_intrinsic(2, trans=True)
+
     @inlined_device_function
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
@@ -376,6 +424,32 @@ else:
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
         return _warp_op(value, lambda posts: [posts[lane ^ lane_mask] for lane in range(WARP_SIZE)])
+
+    def _ldmatrix(count, trans=False):
+        def ldmatrix(arr, index):
+            _check_index(f"ldmatrix_x{count}", index, 4)   # a row starts 16-byte aligned
+
+            def half(row, column):
+                """16-bit element ``column`` of the 8-element row starting at word ``row``."""
+                return (int(arr[row + column // 2]) >> (16 * (column % 2))) & 0xFFFF
+
+            def register(rows, j, lane):
+                g, t = lane >> 2, lane & 3
+                if trans:   # elements (2t, g) and (2t + 1, g) of matrix j
+                    return np.uint32(half(rows[8 * j + 2 * t], g) | (half(rows[8 * j + 2 * t + 1], g) << 16))
+                return np.uint32(arr[rows[8 * j + g] + t])      # elements (g, 2t) and (g, 2t + 1)
+
+            def gather(posts):
+                rows = [index for _, index in posts]
+                return [tuple(register(rows, j, lane) for j in range(count)) for lane in range(WARP_SIZE)]
+
+            return _warp_op((arr, index), gather)
+
+        return ldmatrix
+
+    ldmatrix_x2 = _ldmatrix(2)
+    ldmatrix_x4 = _ldmatrix(4)
+    ldmatrix_x2_trans = _ldmatrix(2, trans=True)
 
     # Where each lane's registers sit in the warp's matrices (PTX ISA layouts).
     _LANES = np.arange(WARP_SIZE)

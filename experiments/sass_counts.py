@@ -1,0 +1,85 @@
+"""SASS instruction counts of the 16-bit flash2 kernels, compiled for sm_90 without a GPU.
+
+Each kernel is compiled to PTX by Numba (NVVM), assembled by ptxas and
+disassembled by cuobjdump; the table counts a few opcodes in the machine code
+(static counts: an instruction in a loop counts once) with ptxas's registers and
+spill stores.  It is the evidence for changes to how fragments move (shared loads
+LDS against ldmatrix's LDSM, the HMMA products, barriers), to set beside timings
+taken on a GPU.
+
+    NUMBA_ENABLE_CUDASIM=0 PATH=<CUDA 13 bin with ptxas, cuobjdump, nvdisasm>:$PATH \\
+        python3 experiments/sass_counts.py [--out FILE.md]
+
+ptxas, cuobjdump and nvdisasm come with the CUDA toolkit (on the GPU machine), or
+from pip: nvidia-cuda-nvcc, nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm (13.x).
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+import numba_flash  # noqa: F401  (the NumPy compatibility fix, before compiling)
+from numba import cuda
+from numba.cuda import dispatcher
+
+# Device functions that Numba does not inline compile for the current device; without a driver, sm_90.
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+from numba_flash.kernels.fast.backward import make_dkdv, make_dq  # noqa: E402
+from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
+
+OPCODES = ("LDS", "LDSM", "HMMA", "STS", "LDG", "BAR", "FFMA", "MUFU", "F2FP", "SHFL")
+#: (head dim, forward tiles): the default tiles at both head dims (tiling.FORWARD_BLOCK_SIZES); backward (128, 64).
+CASES = ((64, (128, 64)), (128, (128, 64)))
+
+
+def kernels(precision):
+    for d, tiles in CASES:
+        yield make_forward(*tiles, d, precision, True, False, False, False)
+        yield make_forward(*tiles, d, precision, True, True, False, False)
+        yield make_dkdv(128, 64, d, precision, True, False, False, False)
+        yield make_dq(128, 64, d, precision, True, False, False, False)
+
+
+def sass_counts(kernel, folder):
+    """(registers, spill store bytes, opcode counts) of one ``runtime.launch.Kernel`` at its signature."""
+    signature = tuple(kernel.param_type(p) for p in kernel.params)
+    ptx, _ = cuda.compile_ptx(kernel.dispatcher.py_func, signature, cc=(9, 0), lineinfo=True,
+                              launch_bounds=kernel.dispatcher.targetoptions.get("launch_bounds"))
+    ptx_path, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    assembled = subprocess.run(["ptxas", "-arch=sm_90", "-v", ptx_path, "-o", cubin], capture_output=True,
+                               text=True, check=True)
+    registers = int(re.search(r"Used (\d+) registers", assembled.stderr).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", assembled.stderr).group(1))
+    sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
+                                                               sass))
+    return registers, spills, ops
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+    lines = ["| kernel | registers | spill bytes | " + " | ".join(OPCODES) + " |",
+             "|---|---|---|" + "---|" * len(OPCODES)]
+    with tempfile.TemporaryDirectory() as folder:
+        for precision in ("f16", "bf16"):
+            for kernel in kernels(precision):
+                registers, spills, ops = sass_counts(kernel, folder)
+                lines.append(f"| {kernel.name} | {registers} | {spills} | "
+                             + " | ".join(str(ops.get(op, 0)) for op in OPCODES) + " |")
+                print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
