@@ -25,8 +25,8 @@ The fast kernels' shared memory
 flash2's kernels keep their tiles in one dynamic shared-memory buffer of
 32-bit words.  ``SharedTiles`` names each tile and its size; a kernel takes
 its offsets from the same object that the host uses to size the launch.
-Rows are padded so that the 32 lanes of a fragment load hit 32 different
-banks (``row_stride``, ``pair_stride``).
+Every tile is row-major; rows are padded so that the 32 lanes of a fragment
+load, or ldmatrix's 8 rows of 16 bytes, hit different banks (``row_stride``).
 """
 import math
 from dataclasses import dataclass
@@ -154,11 +154,6 @@ def row_stride(d_pad, sixteen_bit):
     return padded_stride(d_pad // 2 if sixteen_bit else d_pad, 4)
 
 
-def pair_stride(d_pad):
-    """Words per row pair of a 16-bit tile stored as interleaved row pairs (8 mod 32)."""
-    return padded_stride(d_pad, 8)
-
-
 def flash2_threads(block_rows):
     """Threads of a flash2 block: one warp per 16 rows of the tile it owns."""
     return 32 * (block_rows // ROWS_PER_WARP)
@@ -196,11 +191,6 @@ def _rows(name, rows, d_pad, precision):
     return ((name, rows * stride),)
 
 
-def _pairs(name, rows, d_pad):
-    """A 16-bit tile stored as interleaved row pairs (m16n8k16's B layout)."""
-    return ((name, (rows // 2) * pair_stride(d_pad)),)
-
-
 def _words(count):
     """Room for ``count`` 32-bit words, rounded up to 4 (keeps later tiles 16-byte aligned)."""
     return cdiv(count, 4) * 4
@@ -214,23 +204,19 @@ def flash2_forward_smem(block_m, block_n, d_pad, precision):
 
 
 def flash2_dkdv_smem(block_keys, block_queries, d_pad, precision):
-    """K_j, V_j (the block's keys); Q_i, dO_i (the streamed queries; 16-bit ones also as row pairs);
-    lse and D of the streamed queries; a NaN flag per streamed query (masked tiles only)."""
+    """K_j, V_j (the block's keys); Q_i, dO_i (the streamed queries); lse and D of the streamed queries; a
+    NaN flag per streamed query (masked tiles only)."""
     tiles = (_rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision)
              + _rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision))
-    if precision != "tf32x3":
-        tiles += _pairs("Q_PAIRS", block_queries, d_pad) + _pairs("DO_PAIRS", block_queries, d_pad)
     return SharedTiles(tiles + (("LSE2", _words(block_queries)), ("D_I", _words(block_queries)),
                                  ("Q_NAN", _words(block_queries))))
 
 
 def flash2_dq_smem(block_queries, block_keys, d_pad, precision):
-    """Q_i, dO_i (the block's queries); K_j, V_j (the streamed keys; 16-bit K also as row pairs);
-    a NaN flag per streamed key (masked tiles only)."""
+    """Q_i, dO_i (the block's queries); K_j, V_j (the streamed keys); a NaN flag per streamed key (masked
+    tiles only)."""
     tiles = (_rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision)
              + _rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision))
-    if precision != "tf32x3":
-        tiles += _pairs("K_PAIRS", block_keys, d_pad)
     return SharedTiles(tiles + (("K_NAN", _words(block_keys)),))
 
 

@@ -358,13 +358,11 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
 
     block_sizes: (B_r, B_c) as the backward takes them (B_r owned, B_c
     streamed); dtype of q, k, v, o, do and the gradients (lse and D are
-    float32); mask: None, or (layout, block size).  float16 reads each
-    streamed Q, dO (dK/dV pass) and K (dQ pass) tile twice: once row-major,
-    once as interleaved row pairs.
+    float32); mask: None, or (layout, block size).  Each streamed tile is
+    read once, whatever the dtype.
     """
     own, other = block_sizes
     element = np.dtype(dtype).itemsize
-    twice = 2 if element == 2 else 1
     threads = flash2_threads(own)
     rows_q, rows_k = batch_heads * n_q, batch_heads * n_k
     preprocess = KernelTraffic("flash2_backward_preprocess", _bytes({"o": element * rows_q * head_dim,
@@ -404,8 +402,8 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
     q0, k0 = other * q_tile, own * k_tile
     queries = np.minimum(q0 + other, n_q) - q0
     reads = {"k": element * rows_k * head_dim, "v": element * rows_k * head_dim,
-             "q": twice * element * head_dim * queries.sum() * heads_each,
-             "do": twice * element * head_dim * queries.sum() * heads_each,
+             "q": element * head_dim * queries.sum() * heads_each,
+             "do": element * head_dim * queries.sum() * heads_each,
              "lse": FLOAT32 * queries.sum() * heads_each, "d": FLOAT32 * queries.sum() * heads_each}
     if mask is not None:
         reads["layout"] = layout_reads(q0, q0 + queries, k0, np.minimum(k0 + own, n_k), partly)
@@ -421,7 +419,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
     keys = np.minimum(k0 + other, n_k) - k0
     reads = {"q": element * rows_q * head_dim, "do": element * rows_q * head_dim,
              "lse": 4 * FLOAT32 * rows_q, "d": 4 * FLOAT32 * rows_q,
-             "k": twice * element * head_dim * keys.sum() * heads_each,
+             "k": element * head_dim * keys.sum() * heads_each,
              "v": element * head_dim * keys.sum() * heads_each}
     if mask is not None:
         reads["layout"] = layout_reads(q0, np.minimum(q0 + own, n_q), k0, k0 + keys, partly)

@@ -117,33 +117,23 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
     Q_HI, Q_LO = _tile_offsets(tiles, "Q", SIXTEEN)
     DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
-    # accumulate_product reads B from the pairs copy for 16-bit operands, from the row-major tile for tf32.
-    Q_B = tiles.offset("Q_PAIRS") if SIXTEEN else Q_HI
-    DO_B = tiles.offset("DO_PAIRS") if SIXTEEN else DO_HI
     LSE2, D_I, Q_NAN = tiles.offset("LSE2"), tiles.offset("D_I"), tiles.offset("Q_NAN")
     Q_TILES = BLOCK_QUERIES // 8
     D_TILES = D_PAD // 8
-    OWN_ITERS, _, fetch_own, commit_own, _, _, _, _ = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
-    (ROW_ITERS, PAIR_ITERS, fetch_rows, commit_rows, fetch_pairs, commit_pairs, sanitize_rows,
-     sanitize_pairs) = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
+    OWN_ITERS, fetch_own, commit_own, _ = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
+    ROW_ITERS, fetch_rows, commit_rows, sanitize_rows = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_QUERIES, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     query_flags = lane_flags(Q_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def load_query_tile(smem, rows, pairs, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_first, q0, n_q, head_dim,
-                        tid):
-        """Q_i and dO_i (row-major; 16-bit also as row pairs), their log2 lse and D, into shared memory."""
+    def load_query_tile(smem, rows, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_first, q0, n_q, head_dim, tid):
+        """Q_i and dO_i (row-major), their log2 lse and D, into shared memory."""
         fetch_rows(rows, Q, q_row, q_sn, n_q - q0, head_dim, tid)
         commit_rows(smem, rows, Q_HI, Q_LO, tid)
         fetch_rows(rows, dO, do_row, do_sn, n_q - q0, head_dim, tid)
         commit_rows(smem, rows, DO_HI, DO_LO, tid)
-        if SIXTEEN:
-            fetch_pairs(pairs, Q, q_row, q_sn, n_q - q0, head_dim, tid)
-            commit_pairs(smem, pairs, Q_B, tid)
-            fetch_pairs(pairs, dO, do_row, do_sn, n_q - q0, head_dim, tid)
-            commit_pairs(smem, pairs, DO_B, tid)
         for r in range(tid, BLOCK_QUERIES, THREADS):
             # Queries past N_q get lse = +inf (P = 0) and D = 0: they add nothing.
             valid = q0 + r < n_q
@@ -156,9 +146,6 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
         found = sanitize_rows(smem, Q_HI, tid) | sanitize_rows(smem, DO_HI, tid)
         if tid < BLOCK_QUERIES:
             store_word(smem, Q_NAN + tid, found)
-        if SIXTEEN:  # the pairs copies hold the same elements: their NaNs are already flagged
-            sanitize_pairs(smem, Q_B, tid)
-            sanitize_pairs(smem, DO_B, tid)
 
     @inlined_device_function
     def gradient_terms(st, dpt, masked, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset, partly_masked, M,
@@ -220,7 +207,6 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
         st = cuda.local.array((Q_TILES, 4), float32)    # S^T, then (P o Z)^T
         dpt = cuda.local.array((Q_TILES, 4), float32)   # dP^T, then dS^T
         rows = cuda.local.array((ROW_ITERS, 4), WORD)
-        pairs = cuda.local.array((PAIR_ITERS, 8), WORD)
         _zero(dk_acc)
         _zero(dv_acc)
 
@@ -239,7 +225,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 else:
                     q0, partly_masked = (first + j) * BLOCK_QUERIES, False
                 cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i (and K_j, V_j are stored)
-                load_query_tile(smem, rows, pairs, Q, dO, LSE, D, b * q_sb + h * q_sh + (q_first + q0) * q_sn,
+                load_query_tile(smem, rows, Q, dO, LSE, D, b * q_sb + h * q_sh + (q_first + q0) * q_sn,
                                 b * do_sb + h * do_sh + (q_first + q0) * do_sn, q_sn, do_sn,
                                 lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), q0, n_q, head_dim, tid)
                 cuda.syncthreads()  # Q_i, dO_i, lse and D complete
@@ -258,8 +244,8 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                                partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold,
                                keep_scale, seed0, seed1, smem)
                 # dV_j += (P o Z)^T dO_i and dK_j += dS^T Q_i, from the registers.
-                accumulate_product(dv_acc, float32(1), float32(1), st, smem, DO_B, DO_LO, g, t)
-                accumulate_product(dk_acc, float32(1), float32(1), dpt, smem, Q_B, Q_LO, g, t)
+                accumulate_product(dv_acc, float32(1), float32(1), st, smem, DO_HI, DO_LO, g, t)
+                accumulate_product(dk_acc, float32(1), float32(1), dpt, smem, Q_HI, Q_LO, g, t)
 
         for half in range(2):
             key = key0 + 8 * half
@@ -288,28 +274,23 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
     K_HI, K_LO = _tile_offsets(tiles, "K", SIXTEEN)
     V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
-    K_B = tiles.offset("K_PAIRS") if SIXTEEN else K_HI
     K_NAN = tiles.offset("K_NAN")
     K_TILES = BLOCK_KEYS // 8
     D_TILES = D_PAD // 8
-    OWN_ITERS, _, fetch_own, commit_own, _, _, _, _ = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
-    (ROW_ITERS, PAIR_ITERS, fetch_rows, commit_rows, fetch_pairs, commit_pairs, sanitize_rows,
-     sanitize_pairs) = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
+    OWN_ITERS, fetch_own, commit_own, _ = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
+    ROW_ITERS, fetch_rows, commit_rows, sanitize_rows = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_KEYS, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(K_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def load_key_tile(smem, rows, pairs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
-        """K_j (row-major; 16-bit also as row pairs) and V_j (row-major) into shared memory."""
+    def load_key_tile(smem, rows, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
+        """K_j and V_j (row-major) into shared memory."""
         fetch_rows(rows, K, k_row, k_sn, keys, head_dim, tid)
         commit_rows(smem, rows, K_HI, K_LO, tid)
         fetch_rows(rows, V, v_row, v_sn, keys, head_dim, tid)
         commit_rows(smem, rows, V_HI, V_LO, tid)
-        if SIXTEEN:
-            fetch_pairs(pairs, K, k_row, k_sn, keys, head_dim, tid)
-            commit_pairs(smem, pairs, K_B, tid)
 
     @inlined_device_function
     def sanitize_keys(smem, tid):
@@ -318,8 +299,6 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         found = sanitize_rows(smem, K_HI, tid)
         if tid < BLOCK_KEYS:
             store_word(smem, K_NAN + tid, found)
-        if SIXTEEN:  # the pairs copy holds the same elements
-            sanitize_pairs(smem, K_B, tid)
 
     @inlined_device_function
     def gradient_terms(s, dp, masked, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q, n_k, causal_offset,
@@ -389,7 +368,6 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         s = cuda.local.array((K_TILES, 4), float32)     # S, then dS
         dp = cuda.local.array((K_TILES, 4), float32)
         rows = cuda.local.array((ROW_ITERS, 4), WORD)
-        pairs = cuda.local.array((PAIR_ITERS, 8), WORD)
         _zero(dq_acc)
 
         if HAS_MASK:
@@ -406,7 +384,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             else:
                 k0, partly_masked = j * BLOCK_KEYS, False
             cuda.syncthreads()  # every warp is done with the previous K_j, V_j (and Q_i, dO_i are stored)
-            load_key_tile(smem, rows, pairs, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0,
+            load_key_tile(smem, rows, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0,
                           head_dim, tid)
             cuda.syncthreads()  # K_j, V_j complete
             mixed = (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset) or partly_masked
@@ -422,7 +400,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             gradient_terms(s, dp, mixed or k0 + BLOCK_KEYS > n_k, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q,
                            n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c,
                            keep_threshold, keep_scale, seed0, seed1)
-            accumulate_product(dq_acc, float32(1), float32(1), s, smem, K_B, K_LO, g, t)   # dQ_i += dS K_j
+            accumulate_product(dq_acc, float32(1), float32(1), s, smem, K_HI, K_LO, g, t)   # dQ_i += dS K_j
 
         for half in range(2):
             row = q0 + row0 + 8 * half

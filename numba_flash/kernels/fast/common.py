@@ -25,8 +25,8 @@ through a logit (q, k) or through an *allowed* weight times a value.  The
 one leak is a masked weight: it is exactly 0, and the tensor cores compute
 0 * NaN = NaN, so a NaN value row would reach rows that may not attend to it
 whenever they share a partly masked tile (the diagonal of a causal mask, a
-block mask's partial tiles).  In such tiles only, ``sanitize_rows`` /
-``sanitize_pairs`` replace NaN elements of the streamed operand by 0 in
+block mask's partial tiles).  In such tiles only, ``sanitize_rows``
+replaces NaN elements of the streamed operand by 0 in
 shared memory and flag their rows, and the mask step turns the allowed
 entries of flagged rows into NaN: exactly the rows allowed to see a NaN get
 one.  Fully visible tiles need none of this.
@@ -41,7 +41,7 @@ from ...dropout import NO_DROPOUT, kernel_args, philox_device
 from ...runtime.arrays import extent, placeholder
 from ...runtime.launch import inlined_device_function
 from ...sparsity.tile_lists import mask_arguments
-from ...tiling import ROWS_PER_WARP, cdiv, pair_stride, row_stride
+from ...tiling import ROWS_PER_WARP, cdiv, row_stride
 from .fragments import split_tf32
 from .primitives import load_vec4, load_word, store_vec4, store_word
 
@@ -58,10 +58,9 @@ def words_per_chunk_row(d_pad, sixteen_bit):
     return d_pad // (8 if sixteen_bit else 4)
 
 
-def chunk_iterations(rows, d_pad, sixteen_bit, threads, pairs=False):
-    """How many chunks (row-major) or chunk pairs (row pairs) each thread moves for a tile of ``rows``."""
-    units = (rows // 2 if pairs else rows) * words_per_chunk_row(d_pad, sixteen_bit)
-    return cdiv(units, threads)
+def chunk_iterations(rows, d_pad, sixteen_bit, threads):
+    """How many chunks each thread moves for a tile of ``rows``."""
+    return cdiv(rows * words_per_chunk_row(d_pad, sixteen_bit), threads)
 
 
 # ---------------------------------------------------------------- host side: a call's fixed arguments
@@ -266,28 +265,24 @@ def chunk_loader(PRECISION, VEC):
 
 @lru_cache(maxsize=None)
 def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
-    """Device functions that move a tile of ROWS rows between device and shared memory (see the module docstring).
+    """(ITERS, fetch_rows, commit_rows, sanitize_rows): device functions that move a tile of ROWS rows
+    between device and shared memory (see the module docstring), row-major in shared memory.
 
     * ``fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid)``: each thread's chunks of rows
       base, base + stride, ... (zeros past ``rows_valid`` and past ``head_dim``) into ``regs``
-      ((ROW_ITERS, 4) words): global loads that can be in flight while the block computes;
+      ((ITERS, 4) words): global loads that can be in flight while the block computes;
     * ``commit_rows(smem, regs, HI, LO, tid)``: those chunks into a row-major tile (tf32: split into
       hi and lo halves at HI and LO; 16-bit: pairs along d at HI);
-    * ``fetch_pairs`` / ``commit_pairs``: the same for a 16-bit tile stored as interleaved row pairs
-      (word (pair r, column c) = X[2r, c] low, X[2r + 1, c] high: m16n8k16's B layout), (PAIR_ITERS, 8) words;
-    * ``sanitize_rows`` / ``sanitize_pairs``: NaN elements of a tile in shared memory to 0; they return
-      whether the thread's row (pair) had any, for the caller's flags (the module docstring says why).
+    * ``sanitize_rows``: NaN elements of a tile in shared memory to 0; it returns whether the thread's
+      row had any, for the caller's flags (the module docstring says why).
     """
     SIXTEEN = PRECISION != "tf32x3"
     RS = row_stride(D_PAD, SIXTEEN)
-    PS = pair_stride(D_PAD)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
     ROW_WORDS = 4 * ROW_CHUNKS                  # data words of a row-major tile's row
     CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
     ROW_UNITS = ROWS * ROW_CHUNKS
-    PAIR_UNITS = (ROWS // 2) * ROW_CHUNKS
     ROW_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS)
-    PAIR_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS, pairs=True)
     low_is_nan, high_is_nan = nan_tests(PRECISION)
     load_chunk = chunk_loader(PRECISION, VEC)
 
@@ -317,33 +312,6 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
                     store_vec4(smem, LO + at, l0, l1, l2, l3)
 
     @inlined_device_function
-    def fetch_pairs(regs, X, base, stride, rows_valid, head_dim, tid):
-        for i in range(PAIR_ITERS):
-            e = tid + i * THREADS
-            r = 2 * (e // ROW_CHUNKS)
-            c = (e % ROW_CHUNKS) * CHUNK
-            w0, w1, w2, w3 = load_chunk(X, base + r * stride, c, head_dim, e < PAIR_UNITS and r < rows_valid)
-            regs[i, 0], regs[i, 1], regs[i, 2], regs[i, 3] = w0, w1, w2, w3
-            w0, w1, w2, w3 = load_chunk(X, base + (r + 1) * stride, c, head_dim,
-                                        e < PAIR_UNITS and r + 1 < rows_valid)
-            regs[i, 4], regs[i, 5], regs[i, 6], regs[i, 7] = w0, w1, w2, w3
-
-    @inlined_device_function
-    def commit_pairs(smem, regs, AT, tid):
-        for i in range(PAIR_ITERS):
-            e = tid + i * THREADS
-            if e < PAIR_UNITS:
-                at = AT + (e // ROW_CHUNKS) * PS + 8 * (e % ROW_CHUNKS)
-                # a_w = regs[i, w] holds columns 2w (low) and 2w + 1 (high) of row 2r; b_w = regs[i, 4 + w] of 2r + 1.
-                for w in range(4):
-                    a = regs[i, w]
-                    b = regs[i, 4 + w]
-                    regs[i, w] = (a & uint32(0xFFFF)) | (b << uint32(16))                 # column 2w
-                    regs[i, 4 + w] = (a >> uint32(16)) | (b & uint32(0xFFFF0000))         # column 2w + 1
-                store_vec4(smem, at, regs[i, 0], regs[i, 4], regs[i, 1], regs[i, 5])
-                store_vec4(smem, at + 4, regs[i, 2], regs[i, 6], regs[i, 3], regs[i, 7])
-
-    @inlined_device_function
     def sanitize_rows(smem, HI, tid):
         """Thread r < ROWS: NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
 
@@ -366,25 +334,7 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
                 store_word(smem, HI + tid * RS + w, word)
         return found
 
-    @inlined_device_function
-    def sanitize_pairs(smem, AT, tid):
-        """Thread p < ROWS / 2: NaN elements of row pair p of the pairs tile at AT to 0; returns whether
-        rows 2p (low halves) and 2p + 1 (high halves) had any."""
-        found_low = uint32(0)
-        found_high = uint32(0)
-        if tid < ROWS // 2:
-            for w in range(D_PAD):  # one word per column of the pair, not the bank padding
-                word = load_word(smem, AT + tid * PS + w)
-                if low_is_nan(word):
-                    word &= uint32(0xFFFF0000)
-                    found_low = uint32(1)
-                if high_is_nan(word):
-                    word &= uint32(0xFFFF)
-                    found_high = uint32(1)
-                store_word(smem, AT + tid * PS + w, word)
-        return found_low, found_high
-
-    return ROW_ITERS, PAIR_ITERS, fetch_rows, commit_rows, fetch_pairs, commit_pairs, sanitize_rows, sanitize_pairs
+    return ROW_ITERS, fetch_rows, commit_rows, sanitize_rows
 
 
 @inlined_device_function

@@ -116,10 +116,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     V_HI = tiles.offset("V" if SIXTEEN else "V_HI")
     V_LO = V_HI if SIXTEEN else tiles.offset("V_LO")
     V_NAN = tiles.offset("V_NAN")
-    Q_ITERS, _, fetch_q, commit_q, _, _, _, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
-    K_ITERS, _, fetch_key_rows, commit_key_rows, _, _, sanitize_key_rows, _ = tile_movers(BLOCK_N, D_PAD, PRECISION,
-                                                                                         VEC, THREADS)
-    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, B_ROW_MAJOR=True)
+    Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
+    K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_rows = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
+    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
                                                                                                    VEC)

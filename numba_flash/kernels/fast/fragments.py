@@ -30,11 +30,10 @@ For 16-bit operands the accumulator layout is m16n8k16's A layout exactly.
 
 16-bit fragments leave shared memory through ``ldmatrix`` (one instruction
 for four or two 8x8 matrices, where each lane would issue as many 32-bit
-loads): A and B of ``rows_by_rows_t`` directly from their row-major tiles;
-B of ``accumulate_product`` either row-major through ``ldmatrix.trans``
-(B_ROW_MAJOR: the forward's V) or, in the backward for now, from a tile
-stored as interleaved row pairs (word (r, c) = B[2r, c], B[2r + 1, c]: m16n8k16's
-B layout) by 32-bit loads.  SASS before and after: results/ldmatrix_sass.md.
+loads), every tile row-major as it arrived: A and B of ``rows_by_rows_t``
+as they are, B of ``accumulate_product`` (k x d) transposed on the way
+(``ldmatrix.trans`` gives m16n8k16's B layout).  SASS before and after:
+results/ldmatrix_sass.md.
 
 float32 runs as 3xTF32: every operand is split once into tf32 hi and lo
 halves (stored in two tiles, at ``*_HI`` and ``*_LO``), and each product is
@@ -45,7 +44,7 @@ from functools import lru_cache
 from numba import cuda, float32, uint32
 
 from ...runtime.launch import inlined_device_function
-from ...tiling import pair_stride, row_stride
+from ...tiling import row_stride
 from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
                          store_word, tf32_round, u32_as_f32)
 
@@ -96,16 +95,10 @@ def widening(PRECISION):
 
 
 @lru_cache(maxsize=None)
-def tile_products(OTHER, D_PAD, PRECISION, B_ROW_MAJOR=False):
-    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD.
-
-    B_ROW_MAJOR: accumulate_product's 16-bit B is row-major in shared memory (as K and V arrive) and read
-    by ``ldmatrix.trans``; otherwise stored as interleaved row pairs and read 32 bits at a time (the
-    backward's operands, for now).  tf32's B is always row-major.
-    """
+def tile_products(OTHER, D_PAD, PRECISION):
+    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD."""
     SIXTEEN = PRECISION != "tf32x3"
     RS = row_stride(D_PAD, SIXTEEN)
-    PS = pair_stride(D_PAD)
     O_TILES = OTHER // 8            # 8-wide column tiles of a 16 x OTHER fragment
     D_TILES = D_PAD // 8
     QK_STEPS = D_PAD // (16 if SIXTEEN else 8)
@@ -171,19 +164,10 @@ def tile_products(OTHER, D_PAD, PRECISION, B_ROW_MAJOR=False):
                     a1 = pack(p[2 * ks, 2], p[2 * ks, 3])
                     a2 = pack(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
                     a3 = pack(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
-                    if B_ROW_MAJOR:
-                        for c in range(COUNT):
-                            b0, b1 = ldmatrix_x2_trans(smem, b_lane + ks * 16 * RS + c * 4)
-                            c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, tile[c, 0], tile[c, 1], tile[c, 2],
-                                                   tile[c, 3])
-                            tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
-                    else:
-                        for c in range(COUNT):
-                            b_row = B_HI + (ks * 8 + t) * PS + (FIRST + c) * 8 + g
-                            c0, c1, c2, c3 = mma16(a0, a1, a2, a3, load_word(smem, b_row),
-                                                   load_word(smem, b_row + 4 * PS), tile[c, 0], tile[c, 1],
-                                                   tile[c, 2], tile[c, 3])
-                            tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+                    for c in range(COUNT):
+                        b0, b1 = ldmatrix_x2_trans(smem, b_lane + ks * 16 * RS + c * 4)
+                        c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
+                        tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
             else:
                 for ks in range(O_TILES):
                     # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).
@@ -223,8 +207,8 @@ def tile_products(OTHER, D_PAD, PRECISION, B_ROW_MAJOR=False):
         return both
 
     #: acc[dt] = alpha acc[dt] + (P . B)[dt]: P (16 x OTHER) in accumulator fragments, B (OTHER x d) in shared
-    #: memory (row-major at B_HI/B_LO for tf32; at B_HI for 16-bit, row-major with B_ROW_MAJOR, else interleaved
-    #: pairs); alpha0 scales the lane's row g, alpha1 its row g + 8.
+    #: memory (row-major at B_HI/B_LO for tf32, at B_HI for 16-bit); alpha0 scales the lane's row g, alpha1 its
+    #: row g + 8.
     accumulate_product = chained([product_chunk(first, min(CHUNK, D_TILES - first))
                                   for first in range(0, D_TILES, CHUNK)])
 
