@@ -17,8 +17,8 @@ from ._checks import positive_int_pair
 from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_strides
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, decode_default_block_sizes, flash1_backward_block_sizes,
-                     flash1_backward_shared_bytes, flash1_shared_bytes, flash2_backward_shared_bytes,
+from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, decode_default_block_sizes,
+                     flash1_backward_block_sizes, flash1_backward_shared_bytes, flash1_shared_bytes, flash2_backward_shared_bytes,
                      flash2_default_block_sizes, flash2_forward_smem, flash2_threads, k_step, line1_block_sizes,
                      padded_head_dim)
 
@@ -530,4 +530,5 @@ def _packed_strides(name, x):
 
 
 __all__ = ["ALGORITHMS", "AttentionCall", "Operand", "PRECISION", "Strides", "Varlen", "check_attention_args",
-           "check_backward_operands", "check_block_sizes", "check_cache_args", "check_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]
+           "check_backward_operands", "check_block_sizes", "check_cache_args", "check_cache_seqlens", "check_new_keys",
+           "check_cu_seqlens", "check_varlen_args"]

@@ -15,9 +15,10 @@ empty row of blocks), dropout, both, gqa (two query heads per key/value
 head, bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
 views), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
-bottom-right causal, dropout), decode (a KV cache with appends, entries of different
-lengths, one query per head with the keys split between blocks, then three causal ones).  Every result is checked against the float64 reference too, so a run
-that the sanitizer passes but that computes garbage still fails.
+bottom-right causal, dropout), decode (a KV cache with appends, entries of
+different lengths, one query per head with the keys split between blocks, then
+three causal ones).  Every result is checked against the float64 reference too,
+so a run that the sanitizer passes but that computes garbage still fails.
 """
 import sys
 

@@ -45,8 +45,8 @@ from numba import cuda, float32, uint32
 
 from ...runtime.launch import inlined_device_function
 from ...tiling import row_stride
-from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
-                         store_word, tf32_round, u32_as_f32)
+from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16,
+                         mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round, u32_as_f32)
 
 #: Head-dim tiles that one fresh product fragment covers (4 registers each): 2 keeps flash2's forward
 #: at 128 registers up to d = 64 (ptxas, tests/gpu_compile_all.py), with no loss in the products.
