@@ -57,7 +57,9 @@ for s in $STEPS; do
         tail -30 "$LOGS/float32_accuracy.log" ;;
     experiments)
         step block_sparse 150 python3 experiments/block_sparse.py
-        tail -3 "$LOGS/block_sparse.log" ;;
+        tail -3 "$LOGS/block_sparse.log"
+        step block_sparse_float16 200 python3 experiments/block_sparse.py --dtype float16
+        tail -3 "$LOGS/block_sparse_float16.log" ;;
     decode)
         step decode 200 python3 experiments/decode_bandwidth.py
         tail -9 "$LOGS/decode.log" ;;

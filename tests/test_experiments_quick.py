@@ -97,13 +97,15 @@ def test_flash_memory_is_linear_in_n(results):
     assert standard == sorted(standard) and standard[-1] > standard[0]
 
 
-def test_block_sparse_experiment_runs_quick(tmp_path):
-    load_script("block_sparse").main(["--quick", "--out", str(tmp_path)])
-    with open(tmp_path / "block_sparse_quick.csv") as f:
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_block_sparse_experiment_runs_quick(tmp_path, dtype):
+    assert load_script("block_sparse").main(["--quick", "--dtype", dtype, "--out", str(tmp_path)]) == 0
+    stem = "block_sparse" + ("" if dtype == "float32" else f"_{dtype}") + "_quick"
+    with open(tmp_path / f"{stem}.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["pattern"] for r in rows} == {"random", "butterfly"}
     assert all(0.0 <= float(r["density"]) <= 1.0 and float(r["sparse_ms"]) > 0 for r in rows)
-    assert (tmp_path / "block_sparse_quick.md").read_text().startswith("# Block-sparse flash2")
+    assert (tmp_path / f"{stem}.md").read_text().startswith("# Block-sparse flash2")
 
 
 def test_dram_experiment_runs_quick_and_reports_the_model(tmp_path):

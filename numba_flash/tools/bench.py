@@ -86,9 +86,9 @@ def _inputs(shape, dtype, sets, torch):
 _FLEX = {}
 
 
-def flex_attention(torch, causal, n_q, n_k):
-    """FlexAttention compiled once per process, with a causal block mask (top-left) when ``causal``; None
-    when this torch has none."""
+def flex_attention(torch, causal, n_q, n_k, block_mask=None):
+    """FlexAttention compiled once per process, with a causal block mask (top-left) when ``causal``, or
+    numba-flash's ``block_mask`` (a 2-D layout) as FlexAttention's own; None when this torch has none."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention as flex
     except ImportError:
@@ -96,8 +96,15 @@ def flex_attention(torch, causal, n_q, n_k):
     if "compiled" not in _FLEX:
         _FLEX["compiled"] = torch.compile(flex)
     compiled = _FLEX["compiled"]
-    mask = (create_block_mask(lambda b, h, q, k: q >= k, None, None, n_q, n_k, device="cuda") if causal
-            else None)
+    if block_mask is not None:
+        layout = torch.as_tensor(block_mask.layout, device="cuda")
+        rows, cols = block_mask.block_size
+        mask = create_block_mask(lambda b, h, q, k: layout[q // rows, k // cols], None, None, n_q, n_k,
+                                 device="cuda", BLOCK_SIZE=(rows, cols))
+    elif causal:
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, n_q, n_k, device="cuda")
+    else:
+        mask = None
     return lambda q, k, v: compiled(q, k, v, block_mask=mask)
 
 
