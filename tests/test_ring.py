@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
@@ -249,16 +251,26 @@ def test_zigzag_positions_as_documented():
     assert ring_positions(8, 1, 2, "contiguous").tolist() == [4, 5, 6, 7]
 
 
-def test_merging_two_key_sets_gives_attention_over_both():
-    # In float64 the merge and the one-pass reference differ only by rounding order.  Rows 0-1 see keys in
-    # the first set only, rows 2-3 in the second only, rows 4-5 in both, row 6 in neither.
-    rng = np.random.default_rng(0)
-    q, k, v = rng.standard_normal((2, 7, 8)), rng.standard_normal((2, 10, 8)), rng.standard_normal((2, 10, 8))
-    allowed = rng.random((7, 10)) < 0.6
-    allowed[0:2, 4:] = allowed[2:4, :4] = allowed[6] = False
-    allowed[[0, 1], [0, 1]] = allowed[[2, 3], [5, 6]] = True
-    first, second = (reference.attention(q, k[:, keys], v[:, keys], mask=allowed[:, keys])
-                     for keys in (slice(None, 4), slice(4, None)))
+@given(heads=st.integers(1, 3), rows=st.integers(1, 8), keys=st.integers(1, 12), d=st.integers(1, 8),
+       split=st.floats(0, 1), density=st.floats(0, 1), logit_scale=st.sampled_from([1.0, 1e3]),
+       seed=st.integers(0, 2**32 - 1))
+def test_merging_two_key_sets_gives_attention_over_both(heads, rows, keys, d, split, density, logit_scale, seed):
+    # In float64 the merge and the one-pass reference differ only by rounding order.  Any split of the keys
+    # (one side may be empty), any allowed pattern: rows that see keys on one side only, on both, on neither;
+    # logits in the thousands, where weights taken before subtracting the larger lse would overflow.
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((heads, n, d)) for n in (rows, keys, keys))
+    q *= logit_scale
+    allowed = rng.random((rows, keys)) < density
+    cut = round(split * keys)
+
+    def over(part):
+        """Attention over a part of the keys; over none, what numba-flash returns: O = 0, lse = -inf."""
+        if k[:, part].shape[1] == 0:
+            return np.zeros(q.shape), np.full(q.shape[:-1], -np.inf)
+        return reference.attention(q, k[:, part], v[:, part], mask=allowed[:, part])
+
+    first, second = over(slice(None, cut)), over(slice(cut, None))
     out, lse = (torch.tensor(x) for x in first)
     merge_by_lse(out, lse, *(torch.tensor(x) for x in second))
     want_out, want_lse = reference.attention(q, k, v, mask=allowed)
@@ -266,7 +278,7 @@ def test_merging_two_key_sets_gives_attention_over_both():
     assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(lse.numpy()[finite], want_lse[finite], rtol=FLOAT64_AGREEMENT)
-    assert torch.all(out[:, 6] == 0) and torch.all(lse[:, 6] == -np.inf)
+    assert np.all(out.numpy()[:, ~allowed.any(axis=1)] == 0)   # rows that see no key: O = 0
 
 
 def test_merging_with_an_empty_side_keeps_the_other_exactly():
