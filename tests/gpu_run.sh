@@ -2,8 +2,8 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments decode train ring (default: all but backward, decode,
-#                                        # train, ring; ring needs two GPUs)
+#                                        # experiments decode train ring hopper (default: all but backward,
+#                                        # decode, train, ring, hopper; ring needs two GPUs)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -70,9 +70,13 @@ for s in $STEPS; do
         CUDA_VISIBLE_DEVICES=0,1 step ring_scaling ${RING_SCALING_LIMIT:-420} torchrun --nproc-per-node 2 \
             experiments/ring_scaling.py ${RING_SCALING_ARGS:-}
         tail -12 "$LOGS/ring_scaling.log" ;;
+    hopper)  # Hopper's warpgroup MMA driven from Numba: TFLOP/s beside cuBLAS
+        step wgmma_probe 150 python3 experiments/wgmma_probe.py
+        tail -6 "$LOGS/wgmma_probe.log" ;;
     train)
         step train_gpt ${TRAIN_LIMIT:-300} python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;
-    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring)"; exit 2 ;;
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring, hopper)"
+       exit 2 ;;
     esac
 done
