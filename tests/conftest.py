@@ -10,10 +10,12 @@ Hypothesis profiles (pick one with HYPOTHESIS_PROFILE or --hypothesis-profile):
   the default in the simulator.
 * ``gpu``: larger shapes and more examples; the default on a GPU.
 * ``thorough``: the GPU sizes with many more examples (an opt-in slow tier).
-* ``gpu_smoke``: the GPU sizes with few examples, for a quick run on a GPU
-  (each new block size and head dim compiles a kernel, seconds each).
+* ``gpu_smoke``: the GPU sizes with few examples, six head dims and four
+  flash2 tiles, for a quick run on a GPU (each new block size and head dim
+  compiles a kernel, seconds each).
 
-The sizes each profile draws live in ``strategies.SIZES``.
+The sizes each profile draws live in ``strategies.SIZES`` (and
+``strategies.SMOKE_HEAD_DIMS``).
 """
 import os
 

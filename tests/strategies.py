@@ -1,10 +1,14 @@
 """Hypothesis strategies and the variants every test file shares: draw the problem's shape first, then its arrays.
 
 Sizes depend on where the tests run (the simulator runs every CUDA thread as
-a Python thread, so its shapes are tiny); ``SIZES`` holds both sets.
+a Python thread, so its shapes are tiny); ``SIZES`` holds both sets.  On a
+GPU most of a run is compilation, one kernel per (tiles, padded head dim,
+flags): the ``gpu_smoke`` profile therefore draws head dims from
+``SMOKE_HEAD_DIMS`` and fewer tiles, the ``gpu`` profile from everything.
 Arrays come from a drawn seed and a drawn distribution rather than element
 by element: shapes still shrink, and large arrays stay cheap to draw.
 """
+import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -45,10 +49,18 @@ class Sizes:
 # In the simulator every CUDA thread is a Python thread and every warp-level
 # instruction a barrier: Algorithm 0 (a block per row of S) and flash2 (two
 # warps) get smaller problems there.
+SMOKE = not in_simulator() and os.environ.get("HYPOTHESIS_PROFILE") == "gpu_smoke"
 SIZES = Sizes(max_n={"standard": 12, "flash1": 40, "flash2": 24}, max_d=16, max_batch_heads=3, max_block=16,
               flash2_rows=(16, 32), flash2_cols=(8, 16, 32)) if in_simulator() else \
     Sizes(max_n={"standard": 300, "flash1": 300, "flash2": 600}, max_d=128, max_batch_heads=12, max_block=64,
-          flash2_rows=(16, 48, 64, 128), flash2_cols=(8, 16, 48, 64))
+          flash2_rows=(16, 128) if SMOKE else (16, 48, 64, 128), flash2_cols=(16, 64) if SMOKE else (8, 16, 48, 64))
+#: Head dims of the smoke profile: the smallest, odd and padded ones, the common ones and the largest.
+SMOKE_HEAD_DIMS = (1, 12, 40, 64, 72, 128)
+
+
+def head_dims():
+    """The head dims a test draws: 1 .. SIZES.max_d, or ``SMOKE_HEAD_DIMS`` in the smoke profile."""
+    return st.sampled_from(SMOKE_HEAD_DIMS) if SMOKE else st.integers(1, SIZES.max_d)
 
 #: Distributions of q, k, v entries: (name, sampler(rng, shape)).
 DISTRIBUTIONS = {
@@ -137,7 +149,7 @@ def problems(draw, *, algorithm, dtype=np.float32, causal=None, max_n=None, back
         kv_batch = batch[:-1] + (kv_heads,)
     n_q = draw(st.integers(1, max_n))
     n_k = draw(st.integers(1, max_n))
-    d = draw(st.integers(1, SIZES.max_d))
+    d = draw(head_dims())
     tiles = None
     if algorithm != "standard":
         tiles = draw(st.one_of(st.none(), block_sizes(algorithm, d, dtype, backward)))
@@ -273,7 +285,7 @@ def packed_problems(draw, *, dtype=np.float32, backward=False, equal_lengths=Fal
         lengths_k = draw(st.lists(length, min_size=batch, max_size=batch).filter(any))
     heads = draw(st.integers(1, SIZES.max_batch_heads))
     kv_heads = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
-    d = draw(st.integers(1, SIZES.max_d))
+    d = draw(head_dims())
     tiles = draw(st.one_of(st.none(), block_sizes("flash2", d, dtype, backward)))
     scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0, allow_nan=False, allow_subnormal=False)))
     causal = draw(st.sampled_from(VARLEN_CAUSAL_CHOICES))

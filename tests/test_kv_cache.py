@@ -7,7 +7,7 @@ from numba import cuda
 
 import numba_flash
 import reference
-from strategies import SIZES, VARLEN_DTYPES, arrays, block_sizes, dtype_name
+from strategies import SIZES, VARLEN_DTYPES, arrays, block_sizes, dtype_name, head_dims
 from tolerances import assert_close_to_reference
 
 cache_dtypes = pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
@@ -27,7 +27,7 @@ def decoding_problems(draw, dtype):
     n_q = draw(st.one_of(st.just(1), st.integers(1, 4)))
     n_new = draw(st.integers(0, 3))
     n_max = draw(st.integers(max(1, n_new), SIZES.max_n["flash2"]))
-    d = draw(st.integers(1, SIZES.max_d))
+    d = draw(head_dims())
     seqlens = np.array([draw(st.integers(0, n_max - n_new)) for _ in range(batch)], np.int32)
     q = arrays(draw, (batch, heads, n_q, d), dtype)
     k_cache, v_cache = (arrays(draw, (batch, kv_heads, n_max, d), dtype) for _ in range(2))

@@ -13,7 +13,7 @@ import numba_flash
 import numba_flash.torch as nft
 import reference
 from numba_flash import BlockMask, dropout_mask
-from strategies import BFLOAT16, SIZES, VARLEN_DTYPES, dtype_name, packed_problems
+from strategies import BFLOAT16, SIZES, VARLEN_DTYPES, dtype_name, head_dims, packed_problems
 from tolerances import (FLOAT64_AGREEMENT, MODEL_GRADIENT_RTOL, MODEL_LOSS_RTOL, assert_close_to_reference,
                         backward_tolerance)
 
@@ -45,7 +45,7 @@ def check_gradients(q, k, v, do, grads, dtype, scale=None, causal=False, mask=No
 def test_forward_and_gradients_match_float64(dtype, data):
     batch, heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
     n_q, n_k = data.draw(st.integers(1, SIZES.max_n["flash2"])), data.draw(st.integers(1, SIZES.max_n["flash2"]))
-    d = data.draw(st.integers(1, SIZES.max_d))
+    d = data.draw(head_dims())
     causal = data.draw(st.booleans())
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
     q = rng.standard_normal((batch, heads, n_q, d)).astype(dtype)
