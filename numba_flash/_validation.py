@@ -150,6 +150,29 @@ def check_kinds_and_dtypes(q, k, v, algorithm):
         raise TypeError(f"q, k, v have dtype {q.dtype}; algorithm={algorithm!r} supports {supported}{hint}")
 
 
+def check_grouped_heads(heads, kv_heads, kv_names="k, v"):
+    """Query heads must come in whole groups per key/value head (grouped-query attention)."""
+    if heads % kv_heads:
+        raise ValueError(f"q has {heads} heads and {kv_names} {kv_heads}: grouped-query attention needs the query "
+                         f"heads to be a multiple of the key/value heads")
+
+
+def check_ranks(named, ndim, form):
+    """Each (name, ``Operand``) has ``ndim`` dimensions (``form`` names them) and none of them empty."""
+    for name, x in named:
+        if len(x.shape) != ndim:
+            raise ValueError(f"{name} must be {form}, got shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+
+
+def sixteen_byte_rows(operands, strides, head_dim, dtype):
+    """Whether every row of the operands starts on a 16-byte boundary (the kernels' VEC: 16-byte loads)."""
+    elements = 4 if dtype == "float32" else 8
+    return head_dim % elements == 0 and all(
+        x.aligned and all(s % elements == 0 for s in (st.batch, st.head, st.row)) for x, st in zip(operands, strides))
+
+
 def check_operands(q, k, v, algorithm):
     """Kinds, dtypes and shapes of q, k, v (``Operand``s); returns (batch_shape, heads, kv_heads, n_q, n_k, d)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -167,9 +190,7 @@ def check_operands(q, k, v, algorithm):
                          f"got {q.shape[:-2]}, {k.shape[:-2]}, {v.shape[:-2]}")
     heads = q.shape[-3] if len(q.shape) > 2 else 1
     kv_heads = k.shape[-3] if len(k.shape) > 2 else 1
-    if heads % kv_heads:
-        raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: grouped-query attention needs the query "
-                         f"heads to be a multiple of the key/value heads")
+    check_grouped_heads(heads, kv_heads, "k, v have")
     if heads != kv_heads and algorithm != "flash2":
         raise ValueError(f"grouped-query attention ({heads} query heads, {kv_heads} key/value heads) needs "
                          f"algorithm='flash2'; the literal kernels read equal heads")
@@ -324,10 +345,7 @@ def check_attention_args(q, k, v, *, causal, scale, block_mask, dropout_p, seed,
                              f"mask with any tiles) or smaller mask blocks") from None
     else:
         block_sizes = check_block_sizes(block_sizes, algorithm, head_dim, n_q, n_k, q.dtype, backward, is_causal)
-    vector_elements = 4 if q.dtype == "float32" else 8   # a 16-byte load
-    vec = head_dim % vector_elements == 0 and all(
-        x.aligned and all(s % vector_elements == 0 for s in (st.batch, st.head, st.row))
-        for x, st in zip((q, k, v), strides))
+    vec = sixteen_byte_rows((q, k, v), strides, head_dim, q.dtype)
     return AttentionCall(algorithm, tuple(batch_shape), heads, kv_heads, n_q, n_k, head_dim, q.dtype, scale,
                          is_causal, offset, block_sizes, q.kind, tuple(q.shape), tuple(k.shape), strides, vec,
                          block_mask, dropout_p)
@@ -378,21 +396,14 @@ def check_causal_varlen(causal):
 def check_varlen_args(q, k, v, lengths, *, causal, scale, dropout_p, seed, block_sizes, backward=False):
     """Validate a packed (variable-length) call: q (total_q, H_q, d), k, v (total_k, H_kv, d) ``Operand``s;
     ``lengths`` = (sequences, longest query sequence, longest key sequence), from ``check_cu_seqlens``."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) != 3:
-            raise ValueError(f"{name} must be packed as (total, heads, d) for variable-length attention, got shape "
-                             f"{x.shape}")
-        if 0 in x.shape:
-            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+    check_ranks((("q", q), ("k", k), ("v", v)), 3, "packed as (total, heads, d) for variable-length attention")
     check_kinds_and_dtypes(q, k, v, "flash2")
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         raise ValueError(f"q, k and v must have the same head dim d, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (total_k, H_kv, d), got {k.shape} and {v.shape}")
     (total_q, heads, head_dim), (total_k, kv_heads, _) = q.shape, k.shape
-    if heads % kv_heads:
-        raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: grouped-query attention needs the query "
-                         f"heads to be a multiple of the key/value heads")
+    check_grouped_heads(heads, kv_heads, "k, v have")
     strides = [_packed_strides(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
     is_causal, bottom_right = check_causal_varlen(causal)
     scale = check_scale(scale, head_dim)
@@ -400,10 +411,7 @@ def check_varlen_args(q, k, v, lengths, *, causal, scale, dropout_p, seed, block
     batch, longest_q, longest_k = lengths
     block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, longest_q, longest_k, q.dtype, backward,
                                     is_causal)
-    vector_elements = 4 if q.dtype == "float32" else 8   # a 16-byte load
-    vec = head_dim % vector_elements == 0 and all(
-        x.aligned and st.head % vector_elements == 0 and st.row % vector_elements == 0
-        for x, st in zip((q, k, v), strides))
+    vec = sixteen_byte_rows((q, k, v), strides, head_dim, q.dtype)   # packed: batch stride 0
     return AttentionCall("flash2", (batch,), heads, kv_heads, total_q, total_k, head_dim, q.dtype, scale, is_causal,
                          0, block_sizes, q.kind, tuple(q.shape), tuple(k.shape), tuple(strides), vec, None, dropout_p,
                          Varlen(batch, longest_q, longest_k, bottom_right, lse_strides=(0, total_q),
@@ -422,11 +430,7 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k_new is not None:
         named += [("k_new", k_new), ("v_new", v_new)]
-    for name, x in named:
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be (batch, heads, N, d), got shape {x.shape}")
-        if 0 in x.shape:
-            raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+    check_ranks(named, 4, "(batch, heads, N, d)")
     for name, x in named[1:]:
         if x.on_device != q.on_device or x.kind != q.kind:
             raise TypeError(f"{name} must be the same kind of array as q ({q.kind}), got {x.kind}")
@@ -449,9 +453,7 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
         if k_new.shape[:2] != (batch, kv_heads) or k_new.shape[3] != head_dim:
             raise ValueError(f"k_new must be (batch={batch}, H_kv={kv_heads}, N_new, d={head_dim}), got "
                              f"{k_new.shape}")
-    if heads % kv_heads:
-        raise ValueError(f"q has {heads} heads and the caches {kv_heads}: grouped-query attention needs the query "
-                         f"heads to be a multiple of the key/value heads")
+    check_grouped_heads(heads, kv_heads, "the caches")
     strides = [operand_strides(name, x, "flash2") for name, x in named[:3]]
     is_causal, bottom_right = check_causal_varlen(causal)
     scale = check_scale(scale, head_dim)
@@ -467,10 +469,7 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     if block_sizes is None:
         block_sizes = decode_default_block_sizes(n_q, head_dim, PRECISION[q.dtype])
     block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, n_q, n_max, q.dtype, False, is_causal)
-    vector_elements = 4 if q.dtype == "float32" else 8   # a 16-byte load
-    vec = head_dim % vector_elements == 0 and all(
-        x.aligned and all(s % vector_elements == 0 for s in (st.batch, st.head, st.row))
-        for x, st in zip((q, k_cache, v_cache), strides))
+    vec = sixteen_byte_rows((q, k_cache, v_cache), strides, head_dim, q.dtype)
     sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=2, lse_strides=(heads * n_q, n_q),
                        q_bounds_size=2, k_bounds_size=2 * batch, packed=False)
     return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,

@@ -446,9 +446,9 @@ class _CachePlan(_Plan):
                        decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
                                      device_limits().multiprocessors))
         self.launch = forward_launch(call, self.splits)
-        rows = call.batch_heads * call.n_q
+        self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
-        self.merge = (merge_launch(rows, self.splits, self.d_pad, call.head_dim, call.precision)
+        self.merge = (merge_launch(self.rows, self.splits, self.d_pad, call.head_dim, call.precision)
                       if self.splits > 1 else None)
         # Entry b's queries are rows 0 .. n_q - 1 (the bounds pair (0, n_q), read with step 0).
         self.q_bounds = _arrays.int32_on_device(None, np.array([0, self.call.n_q]), self.call.kind, self.device)
@@ -481,9 +481,8 @@ class _CachePlan(_Plan):
         if self.merge is None:
             self.launch(stream, q, k_cache, v_cache, o, lse, self.q_bounds, k_bounds, 0, 0)
         else:
-            rows = call.batch_heads * call.n_q
-            partial_o = self.empty((self.splits, rows, self.d_pad), "float32", stream)
-            partial_lse = self.empty((self.splits, rows), "float32", stream)
+            partial_o = self.empty((self.splits, self.rows, self.d_pad), "float32", stream)
+            partial_lse = self.empty((self.splits, self.rows), "float32", stream)
             self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
             self.merge(stream, partial_o, partial_lse, o, lse)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
