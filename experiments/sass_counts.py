@@ -23,15 +23,19 @@ import tempfile
 import types
 
 import numba_flash  # noqa: F401  (the NumPy compatibility fix, before compiling)
+import numba_flash.runtime.device  # noqa: E402
+import numba_flash.tiling  # noqa: E402
 from numba import cuda
 from numba.cuda import dispatcher
 
 # Device functions that Numba does not inline compile for the current device; without a driver, sm_90.
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+# Sizes that depend on the device's limits (flash2's K/V buffers) take the H200's.
+numba_flash.tiling.device_limits = lambda: numba_flash.runtime.device.SIMULATED_DEVICE
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 
-OPCODES = ("LDS", "LDSM", "HMMA", "STS", "LDG", "BAR", "FFMA", "MUFU", "F2FP", "SHFL")
+OPCODES = ("LDS", "LDSM", "HMMA", "STS", "LDG", "LDGSTS", "BAR", "FFMA", "MUFU", "F2FP", "SHFL")
 #: (head dim, forward tiles): the default tiles at both head dims (tiling.FORWARD_BLOCK_SIZES); backward (128, 64).
 CASES = ((64, (128, 64)), (128, (128, 64)))
 

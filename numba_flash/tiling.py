@@ -196,28 +196,47 @@ def _words(count):
     return cdiv(count, 4) * 4
 
 
-def flash2_forward_smem(block_m, block_n, d_pad, precision):
-    """Q_i (block_m rows), K_j and V_j (block_n rows each), all row-major, and one NaN flag per key of V_j
-    (set in masked tiles only; see forward.py)."""
-    return SharedTiles(_rows("Q", block_m, d_pad, precision) + _rows("K", block_n, d_pad, precision)
-                       + _rows("V", block_n, d_pad, precision) + (("V_NAN", _words(block_n)),))
+def _staged(tiles, stages):
+    """The streamed tiles once per buffer: stage 0 under their own names, stage s >= 1 as ``NAME_STAGE{s}``
+    (so a stage's tiles sit ``offset("X_STAGE1") - offset("X")`` words after the previous stage's)."""
+    return tiles + tuple((f"{name}_STAGE{s}", words) for s in range(1, stages) for name, words in tiles)
 
 
-def flash2_dkdv_smem(block_keys, block_queries, d_pad, precision):
-    """K_j, V_j (the block's keys); Q_i, dO_i (the streamed queries); lse and D of the streamed queries; a
-    NaN flag per streamed query (masked tiles only)."""
-    tiles = (_rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision)
-             + _rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision))
-    return SharedTiles(tiles + (("LSE2", _words(block_queries)), ("D_I", _words(block_queries)),
-                                 ("Q_NAN", _words(block_queries))))
+def flash2_forward_smem(block_m, block_n, d_pad, precision, stages=1):
+    """Q_i (block_m rows); K_j and V_j (block_n rows each) in ``stages`` buffers (``flash2_stages``), all
+    row-major; one NaN flag per key of V_j (set in masked tiles only; see forward.py)."""
+    streamed = _rows("K", block_n, d_pad, precision) + _rows("V", block_n, d_pad, precision)
+    return SharedTiles(_rows("Q", block_m, d_pad, precision) + _staged(streamed, stages)
+                       + (("V_NAN", _words(block_n)),))
 
 
-def flash2_dq_smem(block_queries, block_keys, d_pad, precision):
-    """Q_i, dO_i (the block's queries); K_j, V_j (the streamed keys); a NaN flag per streamed key (masked
-    tiles only)."""
-    tiles = (_rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision)
-             + _rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision))
-    return SharedTiles(tiles + (("K_NAN", _words(block_keys)),))
+def flash2_dkdv_smem(block_keys, block_queries, d_pad, precision, stages=1):
+    """K_j, V_j (the block's keys); Q_i, dO_i (the streamed queries) with their lse and D, in ``stages``
+    buffers; a NaN flag per streamed query (masked tiles only)."""
+    streamed = (_rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision)
+                + (("LSE2", _words(block_queries)), ("D_I", _words(block_queries))))
+    return SharedTiles(_rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision)
+                       + _staged(streamed, stages) + (("Q_NAN", _words(block_queries)),))
+
+
+def flash2_dq_smem(block_queries, block_keys, d_pad, precision, stages=1):
+    """Q_i, dO_i (the block's queries); K_j, V_j (the streamed keys) in ``stages`` buffers; a NaN flag per
+    streamed key (masked tiles only)."""
+    streamed = _rows("K", block_keys, d_pad, precision) + _rows("V", block_keys, d_pad, precision)
+    return SharedTiles(_rows("Q", block_queries, d_pad, precision) + _rows("DO", block_queries, d_pad, precision)
+                       + _staged(streamed, stages) + (("K_NAN", _words(block_keys)),))
+
+
+def flash2_stages(layout, *sizes, precision, vec):
+    """Buffers for the streamed tiles of a flash2 kernel whose shared memory is ``layout(*sizes, precision,
+    stages)``: two when the tiles can travel by cp.async (16-bit operands whose rows start on 16-byte
+    boundaries, ``vec``) and two fit in shared memory, so that tile j + 1 lands in one while the block
+    computes on the other (and one barrier per tile suffices); otherwise one, filled through registers
+    (3xTF32 splits each element on the way)."""
+    if precision == "tf32x3" or not vec:
+        return 1
+    two = layout(*sizes, precision, stages=2).bytes
+    return 2 if two <= device_limits().shared_bytes_per_block_optin else 1
 
 
 def flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision):

@@ -24,6 +24,8 @@ import types
 
 import numpy as np
 import numba_flash  # noqa: F401  (the NumPy compatibility fix, before compiling)
+import numba_flash.runtime.device  # noqa: E402
+import numba_flash.tiling  # noqa: E402
 from numba import cuda
 from numba import types as T
 from numba.cuda import dispatcher
@@ -31,6 +33,8 @@ from numba.cuda import dispatcher
 # Device functions that are not inlined by Numba compile for the current
 # device's compute capability; without a driver, say sm_90.
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+# Sizes that depend on the device's limits (flash2's K/V buffers) take the H200's.
+numba_flash.tiling.device_limits = lambda: numba_flash.runtime.device.SIMULATED_DEVICE
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq, make_preprocess  # noqa: E402
 from numba_flash.kernels.fast.cache import make_append, make_merge  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402

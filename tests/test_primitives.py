@@ -9,8 +9,8 @@ import pytest
 from numba import cuda
 
 from numba_flash.kernels.fast.primitives import (
-    bf16_to_f32, exp2, f32_as_u32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2,
-    shfl_xor, tf32_round, u32_as_f32,
+    bf16_to_f32, copy_async16, copy_async_wait_all, exp2, f32_as_u32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans,
+    ldmatrix_x4, mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_half2, shfl_xor, tf32_round, u32_as_f32,
 )
 from strategies import BFLOAT16
 from tolerances import EX2_APPROX_ATOL, EX2_APPROX_RTOL, SPLIT_TF32_EXTRA, product_tolerance
@@ -231,3 +231,33 @@ def test_ldmatrix_gives_each_lane_its_rows_words(variant):
             else:                       # .trans: elements (2t, g) and (2t + 1, g)
                 expected = _half(words, rows[8 * j + 2 * t], g) | (_half(words, rows[8 * j + 2 * t + 1], g) << 16)
             assert out[lane, j] == expected, (lane, j)
+
+
+CHUNKS = 96        # 16-byte chunks of the copy test: three per thread of one warp
+
+
+@cuda.jit
+def _copy_async_kernel(source, sources, valid, out):
+    # Thread l copies chunks l, l + 32, l + 64 of the shared tile from the chunks ``sources`` names (or zeros),
+    # then the tile goes back out through ordinary loads after the wait and a barrier.
+    tile = cuda.shared.array(4 * CHUNKS, dtype=np.uint32)
+    for i in range(cuda.threadIdx.x, 4 * CHUNKS, cuda.blockDim.x):
+        tile[i] = 0xDEADBEEF              # what a copy that never lands leaves behind
+    cuda.syncthreads()
+    for c in range(cuda.threadIdx.x, CHUNKS, cuda.blockDim.x):
+        copy_async16(tile, 4 * c, source, 4 * sources[c], valid[c] != 0)
+    copy_async_wait_all()
+    cuda.syncthreads()
+    for i in range(cuda.threadIdx.x, 4 * CHUNKS, cuda.blockDim.x):
+        out[i] = tile[i]
+
+
+def test_copy_async_lands_each_chunk_or_zeros():
+    rng = np.random.default_rng(5)
+    source = rng.integers(0, 2**32, 4 * 4 * CHUNKS, dtype=np.uint64).astype(np.uint32)
+    sources = rng.permutation(4 * CHUNKS)[:CHUNKS].astype(np.int64)   # any chunk of the source, shuffled
+    valid = (rng.random(CHUNKS) < 0.7).astype(np.int32)
+    out = np.zeros(4 * CHUNKS, np.uint32)
+    _copy_async_kernel[1, 32](source, sources, valid, out)
+    expected = np.where(valid[:, None] != 0, source.reshape(-1, 4)[sources], 0).ravel()
+    np.testing.assert_array_equal(out, expected)

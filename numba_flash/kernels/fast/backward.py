@@ -29,7 +29,8 @@ Three launches, none with atomics, so every run gives the same bits:
 
 One step per streamed tile, in each pass::
 
-    load tile       Q_i, dO_i (dkdv) or K_j, V_j (dq) into shared memory
+    land tile       Q_i, dO_i (dkdv) or K_j, V_j (dq) complete in shared memory, then a barrier
+    start next      the next tile on its way by cp.async (16-bit, 16-byte rows: the forward's pipeline)
     sanitize        in partly masked tiles only: NaN to 0 and flagged (common.py)
     S, dP           two ``rows_by_rows_t`` products
     gradient_terms  P = exp2(S c - lse) masked, Z, dS = P o (dP o Z - D), 0 where masked
@@ -55,10 +56,11 @@ from numba import cuda, float32, uint32, uint64
 from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
-from ...tiling import ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_threads, padded_head_dim
+from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
+                       padded_head_dim)
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
-                     lane_flags, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates, tile_movers,
-                     warp_lane, word_extent)
+                     lane_flags, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates, tile_copier,
+                     tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
 from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
@@ -112,44 +114,78 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_KEYS)
     WORD = uint32 if SIXTEEN else float32
-    tiles = flash2_dkdv_smem(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION)
+    STAGES = flash2_stages(flash2_dkdv_smem, BLOCK_KEYS, BLOCK_QUERIES, D_PAD, precision=PRECISION, vec=VEC)
+    ASYNC = STAGES == 2                          # Q_i, dO_i by cp.async into the other buffer
+    tiles = flash2_dkdv_smem(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, STAGES)
     K_HI, K_LO = _tile_offsets(tiles, "K", SIXTEEN)
     V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
     Q_HI, Q_LO = _tile_offsets(tiles, "Q", SIXTEEN)
     DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
     LSE2, D_I, Q_NAN = tiles.offset("LSE2"), tiles.offset("D_I"), tiles.offset("Q_NAN")
+    QS_STAGE = tiles.offset("Q_STAGE1") - Q_HI if ASYNC else 0   # words from buffer 0 to buffer 1
+    SCALAR_ITERS = cdiv(BLOCK_QUERIES, THREADS)  # lse and D values per thread
     Q_TILES = BLOCK_QUERIES // 8
     D_TILES = D_PAD // 8
     OWN_ITERS, fetch_own, commit_own, _ = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
     ROW_ITERS, fetch_rows, commit_rows, sanitize_rows = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
+    copy_rows, wait_rows = tile_copier(BLOCK_QUERIES, D_PAD, THREADS) if ASYNC else (None, None)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_QUERIES, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     query_flags = lane_flags(Q_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def load_query_tile(smem, rows, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_first, q0, n_q, head_dim, tid):
-        """Q_i and dO_i (row-major), their log2 lse and D, into shared memory."""
-        fetch_rows(rows, Q, q_row, q_sn, n_q - q0, head_dim, tid)
-        commit_rows(smem, rows, Q_HI, Q_LO, tid)
-        fetch_rows(rows, dO, do_row, do_sn, n_q - q0, head_dim, tid)
-        commit_rows(smem, rows, DO_HI, DO_LO, tid)
-        for r in range(tid, BLOCK_QUERIES, THREADS):
-            # Queries past N_q get lse = +inf (P = 0) and D = 0: they add nothing.
-            valid = q0 + r < n_q
-            store_word(smem, LSE2 + r, f32_as_u32(log2_lse(LSE[lse_first + q0 + r]) if valid else float32(math.inf)))
-            store_word(smem, D_I + r, f32_as_u32(D[lse_first + q0 + r] if valid else float32(0)))
+    def fetch_query_scalars(scalars, LSE, D, lse_first, q0, n_q, tid):
+        """The streamed queries' lse (log2 units) and D into registers.  Queries past N_q get lse = +inf
+        (P = 0) and D = 0: they add nothing."""
+        for i in range(SCALAR_ITERS):
+            r = tid + i * THREADS
+            valid = r < BLOCK_QUERIES and q0 + r < n_q
+            scalars[i, 0] = log2_lse(LSE[lse_first + q0 + r]) if valid else float32(math.inf)
+            scalars[i, 1] = D[lse_first + q0 + r] if valid else float32(0)
 
     @inlined_device_function
-    def sanitize_queries(smem, tid):
+    def commit_query_scalars(smem, stage, scalars, tid):
+        for i in range(SCALAR_ITERS):
+            r = tid + i * THREADS
+            if r < BLOCK_QUERIES:
+                store_word(smem, LSE2 + stage + r, f32_as_u32(scalars[i, 0]))
+                store_word(smem, D_I + stage + r, f32_as_u32(scalars[i, 1]))
+
+    @inlined_device_function
+    def start_query_tile(smem, stage, scalars, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_first, q0, n_q,
+                         head_dim, tid):
+        """(cp.async only) Q_i and dO_i (row-major) on their way into buffer ``stage``, lse and D into registers."""
+        copy_rows(smem, Q_HI + stage, Q, q_row, q_sn, n_q - q0, head_dim, tid)
+        copy_rows(smem, DO_HI + stage, dO, do_row, do_sn, n_q - q0, head_dim, tid)
+        fetch_query_scalars(scalars, LSE, D, lse_first, q0, n_q, tid)
+
+    @inlined_device_function
+    def land_query_tile(smem, stage, rows, scalars, Q, dO, LSE, D, q_row, do_row, q_sn, do_sn, lse_first, q0, n_q,
+                        head_dim, tid):
+        """This thread's part of Q_i, dO_i, their log2 lse and D in buffer ``stage``: the copies waited for, or
+        loaded and stored through registers (no pipeline: the loads' latency is exposed)."""
+        if ASYNC:
+            wait_rows()
+        else:
+            fetch_rows(rows, Q, q_row, q_sn, n_q - q0, head_dim, tid)
+            commit_rows(smem, rows, Q_HI, Q_LO, tid)
+            fetch_rows(rows, dO, do_row, do_sn, n_q - q0, head_dim, tid)
+            commit_rows(smem, rows, DO_HI, DO_LO, tid)
+            fetch_query_scalars(scalars, LSE, D, lse_first, q0, n_q, tid)
+        commit_query_scalars(smem, stage, scalars, tid)
+
+    @inlined_device_function
+    def sanitize_queries(smem, stage, tid):
         """NaN in Q_i, dO_i to 0, a flag per query at Q_NAN (partly masked tiles only: see common.py)."""
-        found = sanitize_rows(smem, Q_HI, tid) | sanitize_rows(smem, DO_HI, tid)
+        found = sanitize_rows(smem, Q_HI + stage, tid) | sanitize_rows(smem, DO_HI + stage, tid)
         if tid < BLOCK_QUERIES:
             store_word(smem, Q_NAN + tid, found)
 
     @inlined_device_function
     def gradient_terms(st, dpt, masked, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset, partly_masked, M,
-                       bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1, smem):
+                       bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1, smem,
+                       stage):
         """st: S^T -> (P o Z)^T, dpt: dP^T -> dS^T = P^T o (dP^T o Z - D), 0 where the query may not see the key;
         NaN where it may and its Q or dO row held one (q_nan: the lane's query flags, ``lane_flags``)."""
         for half in range(2):
@@ -158,7 +194,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 for e in range(2):
                     r = mt * 8 + 2 * t + e
                     q = q0 + r
-                    p = exp2(st[mt, 2 * half + e] * c_log2 - u32_as_f32(load_word(smem, LSE2 + r)))
+                    p = exp2(st[mt, 2 * half + e] * c_log2 - u32_as_f32(load_word(smem, LSE2 + stage + r)))
                     dp = dpt[mt, 2 * half + e]
                     visible = True
                     if masked:
@@ -172,7 +208,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                     z = (dropout_weight(bh, q, key, keep_threshold, keep_scale, seed0, seed1) if HAS_DROPOUT
                          else float32(1))
                     st[mt, 2 * half + e] = p * z
-                    ds = p * (dp * z - u32_as_f32(load_word(smem, D_I + r)))
+                    ds = p * (dp * z - u32_as_f32(load_word(smem, D_I + stage + r)))
                     dpt[mt, 2 * half + e] = ds if visible else float32(0)
 
     def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
@@ -207,6 +243,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
         st = cuda.local.array((Q_TILES, 4), float32)    # S^T, then (P o Z)^T
         dpt = cuda.local.array((Q_TILES, 4), float32)   # dP^T, then dS^T
         rows = cuda.local.array((ROW_ITERS, 4), WORD)
+        scalars = cuda.local.array((SCALAR_ITERS, 2), float32)   # lse (log2 units) and D of the next queries
         _zero(dk_acc)
         _zero(dv_acc)
 
@@ -219,33 +256,47 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 # causal: only query tiles whose last query reaches this tile's first key.
                 first = max(0, k0 - causal_offset) // BLOCK_QUERIES if CAUSAL else 0
                 n_visits = max(0, ceil_div(n_q, BLOCK_QUERIES) - first)
+            q_row = b * q_sb + h * q_sh + q_first * q_sn      # row 0 of this head's Q (and dO, lse below)
+            do_row = b * do_sb + h * do_sh + q_first * do_sn
+            lse_first = lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)
+            if ASYNC and n_visits > 0:
+                q0 = listed_tile(tile_entries, first, BLOCK_QUERIES)[0] if HAS_MASK else first * BLOCK_QUERIES
+                cuda.syncthreads()  # every warp is done with the previous head's last tile (it may be in buffer 0)
+                start_query_tile(smem, 0, scalars, Q, dO, LSE, D, q_row + q0 * q_sn, do_row + q0 * do_sn, q_sn,
+                                 do_sn, lse_first, q0, n_q, head_dim, tid)
             for j in range(n_visits):
                 if HAS_MASK:
                     q0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_QUERIES)
                 else:
                     q0, partly_masked = (first + j) * BLOCK_QUERIES, False
-                cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i (and K_j, V_j are stored)
-                load_query_tile(smem, rows, Q, dO, LSE, D, b * q_sb + h * q_sh + (q_first + q0) * q_sn,
-                                b * do_sb + h * do_sh + (q_first + q0) * do_sn, q_sn, do_sn,
-                                lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), q0, n_q, head_dim, tid)
-                cuda.syncthreads()  # Q_i, dO_i, lse and D complete
+                stage = (j % 2) * QS_STAGE        # the word offset of tile j's buffer
+                if not ASYNC:
+                    cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i, which this one overwrites
+                land_query_tile(smem, stage, rows, scalars, Q, dO, LSE, D, q_row + q0 * q_sn, do_row + q0 * do_sn,
+                                q_sn, do_sn, lse_first, q0, n_q, head_dim, tid)
+                # Q_i, dO_i, lse and D (and K_j, V_j) complete; with cp.async, every warp done with tile j - 1.
+                cuda.syncthreads()
+                if ASYNC and j + 1 < n_visits:
+                    q1 = listed_tile(tile_entries, first + j + 1, BLOCK_QUERIES)[0] if HAS_MASK else q0 + BLOCK_QUERIES
+                    start_query_tile(smem, QS_STAGE - stage, scalars, Q, dO, LSE, D, q_row + q1 * q_sn,
+                                     do_row + q1 * do_sn, q_sn, do_sn, lse_first, q1, n_q, head_dim, tid)
                 mixed = partly_masked or (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset)
                 if mixed:  # the same for every thread of the block, so all reach the barriers
-                    sanitize_queries(smem, tid)
+                    sanitize_queries(smem, stage, tid)
                     cuda.syncthreads()  # sanitized tiles and flags before any warp reads them
 
                 # S^T = K_j Q_i^T and dP^T = V_j dO_i^T for this warp's 16 keys.
-                rows_by_rows_t(st, smem, K_HI, K_LO, Q_HI, Q_LO, warp * ROWS_PER_WARP, g, t)
-                rows_by_rows_t(dpt, smem, V_HI, V_LO, DO_HI, DO_LO, warp * ROWS_PER_WARP, g, t)
+                rows_by_rows_t(st, smem, K_HI, K_LO, Q_HI + stage, Q_LO + stage, warp * ROWS_PER_WARP, g, t)
+                rows_by_rows_t(dpt, smem, V_HI, V_LO, DO_HI + stage, DO_LO + stage, warp * ROWS_PER_WARP, g, t)
                 # Keys past N_k need no mask (their rows of dK, dV are never written); queries past N_q
                 # have P = 0 (lse = +inf) and D = 0.
                 q_nan = query_flags(smem, Q_NAN, t) if mixed else uint64(0)
                 gradient_terms(st, dpt, mixed, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset,
                                partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold,
-                               keep_scale, seed0, seed1, smem)
+                               keep_scale, seed0, seed1, smem, stage)
                 # dV_j += (P o Z)^T dO_i and dK_j += dS^T Q_i, from the registers.
-                accumulate_product(dv_acc, float32(1), float32(1), st, smem, DO_HI, DO_LO, g, t)
-                accumulate_product(dk_acc, float32(1), float32(1), dpt, smem, Q_HI, Q_LO, g, t)
+                accumulate_product(dv_acc, float32(1), float32(1), st, smem, DO_HI + stage, DO_LO + stage, g, t)
+                accumulate_product(dk_acc, float32(1), float32(1), dpt, smem, Q_HI + stage, Q_LO + stage, g, t)
 
         for half in range(2):
             key = key0 + 8 * half
@@ -269,34 +320,48 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_QUERIES)
     WORD = uint32 if SIXTEEN else float32
-    tiles = flash2_dq_smem(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION)
+    STAGES = flash2_stages(flash2_dq_smem, BLOCK_QUERIES, BLOCK_KEYS, D_PAD, precision=PRECISION, vec=VEC)
+    ASYNC = STAGES == 2                          # K_j, V_j by cp.async into the other buffer
+    tiles = flash2_dq_smem(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, STAGES)
     Q_HI, Q_LO = _tile_offsets(tiles, "Q", SIXTEEN)
     DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
     K_HI, K_LO = _tile_offsets(tiles, "K", SIXTEEN)
     V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
     K_NAN = tiles.offset("K_NAN")
+    KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
     K_TILES = BLOCK_KEYS // 8
     D_TILES = D_PAD // 8
     OWN_ITERS, fetch_own, commit_own, _ = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
     ROW_ITERS, fetch_rows, commit_rows, sanitize_rows = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
+    copy_rows, wait_rows = tile_copier(BLOCK_KEYS, D_PAD, THREADS) if ASYNC else (None, None)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_KEYS, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(K_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def load_key_tile(smem, rows, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
-        """K_j and V_j (row-major) into shared memory."""
-        fetch_rows(rows, K, k_row, k_sn, keys, head_dim, tid)
-        commit_rows(smem, rows, K_HI, K_LO, tid)
-        fetch_rows(rows, V, v_row, v_sn, keys, head_dim, tid)
-        commit_rows(smem, rows, V_HI, V_LO, tid)
+    def start_key_tile(smem, stage, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
+        """(cp.async only) K_j and V_j (row-major) on their way into buffer ``stage``."""
+        copy_rows(smem, K_HI + stage, K, k_row, k_sn, keys, head_dim, tid)
+        copy_rows(smem, V_HI + stage, V, v_row, v_sn, keys, head_dim, tid)
 
     @inlined_device_function
-    def sanitize_keys(smem, tid):
+    def land_key_tile(smem, stage, rows, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
+        """This thread's part of K_j and V_j (row-major) in buffer ``stage``: the copies waited for, or
+        loaded and stored through registers (no pipeline: the load's latency is exposed)."""
+        if ASYNC:
+            wait_rows()
+        else:
+            fetch_rows(rows, K, k_row, k_sn, keys, head_dim, tid)
+            commit_rows(smem, rows, K_HI, K_LO, tid)
+            fetch_rows(rows, V, v_row, v_sn, keys, head_dim, tid)
+            commit_rows(smem, rows, V_HI, V_LO, tid)
+
+    @inlined_device_function
+    def sanitize_keys(smem, stage, tid):
         """NaN in K_j to 0 and a flag per key (partly masked tiles only: see common.py).  V_j needs none:
         dP = dO V^T keeps a NaN value in its own column, and dS is 0 where masked."""
-        found = sanitize_rows(smem, K_HI, tid)
+        found = sanitize_rows(smem, K_HI + stage, tid)
         if tid < BLOCK_KEYS:
             store_word(smem, K_NAN + tid, found)
 
@@ -378,29 +443,39 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             n_tiles = ceil_div(n_k, BLOCK_KEYS)
             if CAUSAL:  # no key beyond the last row's diagonal
                 n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_QUERIES, n_q) + causal_offset, BLOCK_KEYS)))
+        if ASYNC and n_tiles > 0:
+            k0 = listed_tile(tile_entries, first, BLOCK_KEYS)[0] if HAS_MASK else 0
+            start_key_tile(smem, 0, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0, head_dim, tid)
         for j in range(n_tiles):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_KEYS)
             else:
                 k0, partly_masked = j * BLOCK_KEYS, False
-            cuda.syncthreads()  # every warp is done with the previous K_j, V_j (and Q_i, dO_i are stored)
-            load_key_tile(smem, rows, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0,
+            stage = (j % 2) * KV_STAGE            # the word offset of tile j's buffer
+            if not ASYNC:
+                cuda.syncthreads()  # every warp is done with the previous K_j, V_j, which this one overwrites
+            land_key_tile(smem, stage, rows, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0,
                           head_dim, tid)
-            cuda.syncthreads()  # K_j, V_j complete
+            cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i) complete; with cp.async, every warp done with tile j - 1
+            if ASYNC and j + 1 < n_tiles:
+                k1 = listed_tile(tile_entries, first + j + 1, BLOCK_KEYS)[0] if HAS_MASK else k0 + BLOCK_KEYS
+                start_key_tile(smem, KV_STAGE - stage, K, V, k_row + k1 * k_sn, v_row + k1 * v_sn, k_sn, v_sn,
+                               n_k - k1, head_dim, tid)
             mixed = (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block, so all reach the barrier
-                sanitize_keys(smem, tid)
+                sanitize_keys(smem, stage, tid)
                 cuda.syncthreads()  # sanitized K_j and its flags before any warp reads them
 
             # S = Q_i K_j^T and dP = dO_i V_j^T for this warp's 16 queries.
-            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI, K_LO, warp * ROWS_PER_WARP, g, t)
-            rows_by_rows_t(dp, smem, DO_HI, DO_LO, V_HI, V_LO, warp * ROWS_PER_WARP, g, t)
+            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * ROWS_PER_WARP, g, t)
+            rows_by_rows_t(dp, smem, DO_HI, DO_LO, V_HI + stage, V_LO + stage, warp * ROWS_PER_WARP, g, t)
             # Keys past N_k must be masked here (they would add to dQ).
             k_nan = key_flags(smem, K_NAN, t) if mixed else uint64(0)
             gradient_terms(s, dp, mixed or k0 + BLOCK_KEYS > n_k, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q,
                            n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c,
                            keep_threshold, keep_scale, seed0, seed1)
-            accumulate_product(dq_acc, float32(1), float32(1), s, smem, K_HI, K_LO, g, t)   # dQ_i += dS K_j
+            # dQ_i += dS K_j
+            accumulate_product(dq_acc, float32(1), float32(1), s, smem, K_HI + stage, K_LO + stage, g, t)
 
         for half in range(2):
             row = q0 + row0 + 8 * half
@@ -462,9 +537,10 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
 
     k_tiles = cdiv(call.longest_k, own)
     dkdv = make_dkdv(own, streamed, *flags)
+    dkdv_stages = flash2_stages(flash2_dkdv_smem, own, streamed, d_pad, precision=call.precision, vec=vec)
     dkdv_launch = Launch(
-        dkdv, k_tiles * call.batch * call.kv_heads, threads, flash2_dkdv_smem(own, streamed, d_pad,
-                                                                                call.precision).bytes,
+        dkdv, k_tiles * call.batch * call.kv_heads, threads,
+        flash2_dkdv_smem(own, streamed, d_pad, call.precision, dkdv_stages).bytes,
         dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch, dv_sh=dkv_s.head,
              dv_sn=dkv_s.row, k_tiles=k_tiles, q_tiles=cdiv(call.longest_q, streamed),
              **block_mask_arguments(call, (own, streamed), "dkdv")),
@@ -473,9 +549,12 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
 
     q_tiles = cdiv(call.longest_q, own)
     dq = make_dq(own, streamed, *flags)
+    dq_stages = flash2_stages(flash2_dq_smem, own, streamed, d_pad, precision=call.precision, vec=vec)
     dq_launch = Launch(
-        dq, q_tiles * call.batch_heads, threads, flash2_dq_smem(own, streamed, d_pad, call.precision).bytes,
+        dq, q_tiles * call.batch_heads, threads,
+        flash2_dq_smem(own, streamed, d_pad, call.precision, dq_stages).bytes,
         dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, q_tiles=q_tiles,
              **block_mask_arguments(call, (own, streamed), "dq")),
-        ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + ("seed0", "seed1"), dict(extents, dQ=words(q_shape, dq_s)))
+        ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + ("seed0", "seed1"),
+        dict(extents, dQ=words(q_shape, dq_s)))
     return preprocess_launch, dkdv_launch, dq_launch

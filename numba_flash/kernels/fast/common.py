@@ -16,7 +16,11 @@ element ``b * s_b + h * s_h + r * s_n``.  With grouped-query attention, query
 head h reads key/value head ``h // group``.
 
 A 16-byte "chunk" is four words: 4 float32, or 8 16-bit elements.  Tiles move
-chunk by chunk, every thread of the block taking every THREADS-th chunk.
+chunk by chunk, every thread of the block taking every THREADS-th chunk:
+through registers (``tile_movers``: a tile in flight while the block computes
+on the previous one; 3xTF32 splits it on the way), or, for 16-bit pairs, by
+``cp.async`` straight into shared memory (``tile_copier``: no registers held,
+one instruction per chunk instead of a load and a store).
 
 NaN
 ---
@@ -43,7 +47,7 @@ from ...runtime.launch import inlined_device_function
 from ...sparsity.tile_lists import mask_arguments
 from ...tiling import ROWS_PER_WARP, cdiv, row_stride
 from .fragments import split_tf32
-from .primitives import load_vec4, load_word, store_vec4, store_word
+from .primitives import copy_async16, copy_async_wait_all, load_vec4, load_word, store_vec4, store_word
 
 NEG_INF = -math.inf
 LOG2_E = 1.4426950408889634
@@ -337,6 +341,36 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
     return ROW_ITERS, fetch_rows, commit_rows, sanitize_rows
 
 
+@lru_cache(maxsize=None)
+def tile_copier(ROWS, D_PAD, THREADS):
+    """(copy_rows, wait_rows): a tile of ROWS rows of 16-bit pairs (``VEC``) from device memory into a
+    row-major tile in shared memory by ``cp.async``.
+
+    * ``copy_rows(smem, AT, X, base, stride, rows_valid, head_dim, tid)``: start the thread's chunks of
+      rows base, base + stride, ... (zeros past ``rows_valid`` and past ``head_dim``) on their way to the
+      tile at word AT; nothing waits for them;
+    * ``wait_rows()``: the thread's copies have landed (the block's, after the next barrier).
+    """
+    RS = row_stride(D_PAD, True)
+    ROW_CHUNKS = words_per_chunk_row(D_PAD, True)
+    ROW_UNITS = ROWS * ROW_CHUNKS
+    ITERS = chunk_iterations(ROWS, D_PAD, True, THREADS)
+
+    @inlined_device_function
+    def copy_rows(smem, AT, X, base, stride, rows_valid, head_dim, tid):
+        for i in range(ITERS):
+            e = tid + i * THREADS
+            if e < ROW_UNITS:
+                r = e // ROW_CHUNKS
+                c = (e % ROW_CHUNKS) * 8
+                inside = r < rows_valid and c < head_dim
+                # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
+                copy_async16(smem, AT + r * RS + 4 * (e % ROW_CHUNKS), X, (base + r * stride + c) // 2 if inside
+                             else base // 2, inside)
+
+    return copy_rows, copy_async_wait_all
+
+
 @inlined_device_function
 def warp_lane(tid):
     """(warp, g, t) of a thread: its warp, and its lane as 4 g + t (the fragment layouts' names)."""
@@ -346,5 +380,5 @@ def warp_lane(tid):
 
 __all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
            "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
-           "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_movers", "warp_lane",
+           "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane",
            "words_per_chunk_row"]

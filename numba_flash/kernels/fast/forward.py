@@ -11,8 +11,8 @@ host lists, per query tile, the key tiles to visit.
 
 The inner loop, one key tile K_j, V_j per iteration::
 
-    commit_kv        tile j (fetched into registers last iteration) into shared memory
-    fetch_kv         global loads of tile j + 1 into registers, in flight while we compute
+    land_kv          tile j (started last iteration) complete in shared memory, then a barrier
+    start_kv         tile j + 1 on its way, in flight while we compute on tile j
     S = Q K^T        ``rows_by_rows_t``: each warp its 16 query rows
     scale_and_mask   logits to log2 units; -inf where a query may not see a key
     online_softmax   m_new, P = exp2(S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
@@ -49,8 +49,15 @@ How it is fast, and what each trick costs in clarity:
   (one ``ex2.approx`` instruction); lse is converted back to natural log.
 * **Row statistics by shuffles**: the four lanes that share a row reduce
   max and sum with two ``shfl_xor`` (simulated in the simulator).
-* **Software pipeline**: tile j + 1's global loads are issued before tile j
-  is computed on, so memory latency hides behind the products.
+* **Software pipeline**: tile j + 1's loads are issued before tile j is
+  computed on, so memory latency hides behind the products.  16-bit tiles
+  with 16-byte rows travel by ``cp.async`` straight into the second of two
+  shared buffers (``tiling.flash2_stages``): no registers hold them on the
+  way, and one barrier per tile suffices, because the buffer being refilled
+  was last read before that barrier.  Otherwise (3xTF32 splits each element
+  on the way; unaligned 16-bit rows) the tile waits in registers and is
+  stored to shared memory at the top of the next iteration, between two
+  barriers.
 * **ldmatrix** (16-bit): fragments leave shared memory as whole 8x8
   matrices, Q's and K's for S = Q K^T directly, V's for P V transposed on
   the way (``ldmatrix.trans``): K_j and V_j sit in shared memory row-major,
@@ -80,10 +87,10 @@ from numba import cuda, float32, uint32, uint64
 from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
-from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_threads, padded_head_dim
+from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_stages, flash2_threads, padded_head_dim
 from .common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, dropout_arguments,
                      dropout_words, kernel_name, lane_flags, sequence_arguments, sequence_bounds, tile_coordinates,
-                     tile_movers, warp_lane, word_extent)
+                     tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import exp2, shfl_xor, store_word
 
@@ -107,7 +114,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     POISON_WORDS = -(-N_TILES // 16)  # a bit per entry of a lane's S fragment
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
     WORD = uint32 if SIXTEEN else float32
-    tiles = flash2_forward_smem(BLOCK_M, BLOCK_N, D_PAD, PRECISION)
+    STAGES = flash2_stages(flash2_forward_smem, BLOCK_M, BLOCK_N, D_PAD, precision=PRECISION, vec=VEC)
+    ASYNC = STAGES == 2                          # K_j, V_j by cp.async into the other buffer
+    tiles = flash2_forward_smem(BLOCK_M, BLOCK_N, D_PAD, PRECISION, STAGES)
     # Where the tiles sit in shared memory (16-bit tiles have no lo half: LO = HI is never read).
     Q_HI = tiles.offset("Q" if SIXTEEN else "Q_HI")
     Q_LO = Q_HI if SIXTEEN else tiles.offset("Q_LO")
@@ -116,8 +125,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     V_HI = tiles.offset("V" if SIXTEEN else "V_HI")
     V_LO = V_HI if SIXTEEN else tiles.offset("V_LO")
     V_NAN = tiles.offset("V_NAN")
+    KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_rows = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
+    copy_key_rows, wait_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS) if ASYNC else (None, None)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
@@ -126,21 +137,30 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def fetch_kv(k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
-        """Global loads of K_j, V_j (``keys`` valid rows from k_row, v_row) into registers."""
-        fetch_key_rows(k_regs, K, k_row, k_sn, keys, head_dim, tid)
-        fetch_key_rows(v_regs, V, v_row, v_sn, keys, head_dim, tid)
+    def start_kv(smem, stage, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
+        """K_j, V_j (``keys`` valid rows from k_row, v_row) on their way: by cp.async into buffer ``stage``
+        (its word offset), or as global loads into registers."""
+        if ASYNC:
+            copy_key_rows(smem, K_HI + stage, K, k_row, k_sn, keys, head_dim, tid)
+            copy_key_rows(smem, V_HI + stage, V, v_row, v_sn, keys, head_dim, tid)
+        else:
+            fetch_key_rows(k_regs, K, k_row, k_sn, keys, head_dim, tid)
+            fetch_key_rows(v_regs, V, v_row, v_sn, keys, head_dim, tid)
 
     @inlined_device_function
-    def commit_kv(smem, k_regs, v_regs, tid):
-        """K_j and V_j row-major into shared memory (tf32: hi and lo halves; 16-bit V is read by ldmatrix.trans)."""
-        commit_key_rows(smem, k_regs, K_HI, K_LO, tid)
-        commit_key_rows(smem, v_regs, V_HI, V_LO, tid)
+    def land_kv(smem, stage, k_regs, v_regs, tid):
+        """This thread's part of K_j, V_j in buffer ``stage``, row-major (tf32: hi and lo halves; 16-bit V
+        is read by ldmatrix.trans): the copies waited for, or the registers stored."""
+        if ASYNC:
+            wait_key_rows()
+        else:
+            commit_key_rows(smem, k_regs, K_HI + stage, K_LO + stage, tid)
+            commit_key_rows(smem, v_regs, V_HI + stage, V_LO + stage, tid)
 
     @inlined_device_function
-    def sanitize_v(smem, tid):
+    def sanitize_v(smem, stage, tid):
         """NaN in V_j to 0, and a flag per key at V_NAN (partly masked tiles only: see common.py)."""
-        found = sanitize_key_rows(smem, V_HI, tid)
+        found = sanitize_key_rows(smem, V_HI + stage, tid)
         if tid < BLOCK_N:
             store_word(smem, V_NAN + tid, found)
 
@@ -287,28 +307,33 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         k_first_tile = 0 if HAS_MASK else first * BLOCK_N   # the key of the first visited tile, unmasked
         if n_tiles > 0:
             k0 = listed_tile(tile_entries, first, BLOCK_N)[0] if HAS_MASK else k_first_tile
-            fetch_kv(k_regs, v_regs, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0, head_dim, tid)
+            start_kv(smem, 0, k_regs, v_regs, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0,
+                     head_dim, tid)
 
         for j in range(n_tiles):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_N)
             else:
                 k0, partly_masked = k_first_tile + j * BLOCK_N, False
-            cuda.syncthreads()  # every warp is done with tile j - 1 (and Q_i is complete)
-            commit_kv(smem, k_regs, v_regs, tid)
-            cuda.syncthreads()  # tile j is complete in shared memory
+            stage = (j % 2) * KV_STAGE            # the word offset of tile j's buffer
+            if not ASYNC:
+                cuda.syncthreads()  # every warp is done with tile j - 1, which tile j overwrites
+            land_kv(smem, stage, k_regs, v_regs, tid)
+            # Tile j (and Q_i) complete in shared memory; with cp.async, also every warp done with
+            # tile j - 1, so that start_kv may refill its buffer.
+            cuda.syncthreads()
+            if j + 1 < n_tiles:
+                k1 = listed_tile(tile_entries, first + j + 1, BLOCK_N)[0] if HAS_MASK else k0 + BLOCK_N
+                start_kv(smem, KV_STAGE - stage, k_regs, v_regs, K, V, k_row + k1 * k_sn, v_row + k1 * v_sn, k_sn,
+                         v_sn, n_k - k1, head_dim, tid)
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
             mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block, so all reach the barrier
-                sanitize_v(smem, tid)
+                sanitize_v(smem, stage, tid)
                 cuda.syncthreads()  # V_j without NaN, and its flags, before any warp reads them
-            if j + 1 < n_tiles:
-                k1 = listed_tile(tile_entries, first + j + 1, BLOCK_N)[0] if HAS_MASK else k0 + BLOCK_N
-                fetch_kv(k_regs, v_regs, K, V, k_row + k1 * k_sn, v_row + k1 * v_sn, k_sn, v_sn, n_k - k1,
-                         head_dim, tid)
 
-            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI, K_LO, warp * ROWS_PER_WARP, g, t)   # S = Q_i K_j^T
+            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * ROWS_PER_WARP, g, t)  # S = Q_i K_j^T
             v_nan = key_flags(smem, V_NAN, t) if mixed else uint64(0)
             scale_and_mask(s, poison, mixed or k0 + BLOCK_N > n_k, v_nan, c_log2, q0, row0, k0, t, n_q, n_k,
                            causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
@@ -318,7 +343,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if mixed:
                 poison_weights(s, poison)
-            accumulate_product(acc, alpha0, alpha1, s, smem, V_HI, V_LO, g, t)            # O = alpha O + P V_j
+            accumulate_product(acc, alpha0, alpha1, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,
                      split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim)
@@ -349,6 +374,7 @@ def forward_launch(call, splits=1):
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
+    stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
                           call.varlen is not None, splits > 1)
     q_tiles = cdiv(call.longest_q, block_m)
@@ -375,4 +401,4 @@ def forward_launch(call, splits=1):
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
     return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m),
-                  flash2_forward_smem(block_m, block_n, d_pad, call.precision).bytes, fixed, per_call, extents)
+                  flash2_forward_smem(block_m, block_n, d_pad, call.precision, stages).bytes, fixed, per_call, extents)

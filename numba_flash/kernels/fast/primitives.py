@@ -29,6 +29,12 @@ ldmatrix .trans             register j: elements (2t, g) low and (2t+1, g) high 
                             fragment of a row-major (k x n) tile, e.g. V for P V
 ==========================  ============================================
 
+``copy_async16`` is ``cp.async``: a 16-byte copy from device to shared memory
+that runs in the background (no register holds the data on the way) and is
+complete, for the thread that issued it, after ``copy_async_wait_all``; other
+threads see it after a barrier that follows that wait.  The simulator copies
+at once, which is one of the orders the GPU may choose.
+
 ``ldmatrix_x4`` / ``ldmatrix_x2`` (/ ``ldmatrix_x2_trans``) are how 16-bit
 fragments leave shared memory: one instruction for four (two) 8x8 matrices,
 where a lane would otherwise issue four (two) 32-bit loads.  The docstring of each: lane l gives
@@ -67,6 +73,8 @@ __all__ = [
     "ldmatrix_x2",
     "ldmatrix_x4",
     "ldmatrix_x2_trans",
+    "copy_async16",
+    "copy_async_wait_all",
 ]
 
 WARP_SIZE = 32
@@ -292,6 +300,42 @@ if not config.ENABLE_CUDASIM:
     ldmatrix_x4 = _ldmatrix_intrinsic(4)
     ldmatrix_x2_trans = _ldmatrix_intrinsic(2, trans=True)
 
+    @intrinsic
+    def copy_async16(typingctx, dst, dst_index, src, src_index, valid):
+        """Start copying ``src[src_index:src_index + 4]`` to ``dst[dst_index:dst_index + 4]`` (32-bit words;
+        dst in shared memory, src in device memory, both 16-byte aligned); 16 zero bytes instead when not
+        ``valid`` (``src_index`` must still be an address inside ``src``: nothing is read from it)."""
+        if not (_flat_words(dst, dst_index, 32) and _flat_words(src, src_index, 32)
+                and isinstance(valid, types.Boolean)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            to = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            to = builder.ptrtoint(builder.addrspacecast(to, ir.PointerType(to.type.pointee, 3)), _I32)
+            origin = _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            origin = builder.ptrtoint(builder.addrspacecast(origin, ir.PointerType(origin.type.pointee, 1)),
+                                      ir.IntType(64))
+            # The source size operand: 16 bytes, or 0 (the hardware fills the 16 bytes with zeros).
+            size = builder.select(args[4], ir.Constant(_I32, 16), ir.Constant(_I32, 0))
+            # .cg: the tile goes to shared memory through L2 only (every block reads it once from there).
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32]),
+                               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [to, origin, size])
+            return context.get_dummy_value()
+
+        return types.void(dst, dst_index, src, src_index, valid), codegen
+
+    @intrinsic
+    def copy_async_wait_all(typingctx):
+        """Wait until every ``copy_async16`` this thread issued has landed in shared memory."""
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
     @inlined_device_function
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
@@ -450,6 +494,17 @@ else:
     ldmatrix_x2 = _ldmatrix(2)
     ldmatrix_x4 = _ldmatrix(4)
     ldmatrix_x2_trans = _ldmatrix(2, trans=True)
+
+    def copy_async16(dst, dst_index, src, src_index, valid):
+        """Start copying ``src[src_index:src_index + 4]`` to ``dst[dst_index:dst_index + 4]`` (here: copy now);
+        16 zero bytes instead when not ``valid``."""
+        _check_index("copy_async16 (shared)", dst_index, 4)
+        _check_index("copy_async16 (device)", src_index, 4)
+        words = load_vec4(src, src_index) if valid else (0, 0, 0, 0)   # nothing is read when not valid
+        store_vec4(dst, dst_index, *words)
+
+    def copy_async_wait_all():
+        """Wait until every ``copy_async16`` this thread issued has landed (here: they all have)."""
 
     # Where each lane's registers sit in the warp's matrices (PTX ISA layouts).
     _LANES = np.arange(WARP_SIZE)
