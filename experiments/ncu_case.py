@@ -1,18 +1,31 @@
-"""One flash2 call on random float32 inputs, for profiling with ncu.
+"""One flash2 forward on random inputs, for profiling with ncu.
 
     ncu --clock-control none --kernel-name regex:flash2 --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python3 experiments/ncu_case.py B H N D
+        python3 experiments/ncu_case.py B H N D [--dtype float16] [--causal] [--package DIR]
 
-The first call compiles (and is skipped by --launch-skip 1); ncu profiles the second.
+The first call compiles (and is skipped by --launch-skip 1); ncu profiles the second.  ``--package``
+profiles another copy of numba-flash instead (a package folder, as ``numba-flash bench --baseline``
+takes), so that two versions of a kernel can be profiled on the same inputs.
 """
-import sys
+import argparse
+
 import numpy as np
 from numba import cuda
-import numba_flash
-b, h, n, d = (int(x) for x in sys.argv[1:5])
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("shape", nargs=4, type=int, metavar="B H N D")
+parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+parser.add_argument("--causal", action="store_true")
+parser.add_argument("--package", default=None, help="a numba-flash package folder to profile instead")
+args = parser.parse_args()
+if args.package:
+    from numba_flash.tools.bench import load_baseline
+    flash = load_baseline(args.package)
+else:
+    import numba_flash as flash
 rng = np.random.default_rng(0)
-q, k, v = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(3))
+q, k, v = (cuda.to_device(rng.standard_normal(args.shape).astype(args.dtype)) for _ in range(3))
 for _ in range(2):  # the first call compiles; ncu profiles the second
-    numba_flash.attention(q, k, v)
+    flash.attention(q, k, v, causal=args.causal)
 cuda.synchronize()

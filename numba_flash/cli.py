@@ -110,8 +110,9 @@ def main(argv=None):
     p.add_argument("--host", action="store_true",
                    help="time what a call costs the host: a loop of --calls calls, one synchronisation")
     p.add_argument("--calls", type=int, default=1000, help="calls in the --host loop")
-    p.add_argument("--baseline", default=None, metavar="PACKAGE_DIR",
-                   help="also time another copy of numba-flash (its package folder), in the same process")
+    p.add_argument("--baseline", action="append", metavar="PACKAGE_DIR",
+                   help="also time another copy of numba-flash (its package folder), in the same process; "
+                        "repeat for several")
     p.add_argument("--out", default=None, help="folder for the CSV and markdown results")
     p.add_argument("--tag", default="bench", help="file name stem of the results")
     p.add_argument("--command", default=None, help="the command line to record in the results")

@@ -197,14 +197,15 @@ def _ldmatrix_kernel(words, row_starts, out, variant):
         tile[i] = words[i]
     cuda.syncthreads()
     lane = cuda.threadIdx.x
+    # The address in two parts (index + offset), as the kernels give it.
     if variant == 4:
-        r0, r1, r2, r3 = ldmatrix_x4(tile, row_starts[lane])
+        r0, r1, r2, r3 = ldmatrix_x4(tile, row_starts[lane] - 4 * variant, 4 * variant)
         out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = r0, r1, r2, r3
     elif variant == 2:
-        r0, r1 = ldmatrix_x2(tile, row_starts[lane])
+        r0, r1 = ldmatrix_x2(tile, row_starts[lane] - 4 * variant, 4 * variant)
         out[lane, 0], out[lane, 1] = r0, r1
     else:
-        r0, r1 = ldmatrix_x2_trans(tile, row_starts[lane])
+        r0, r1 = ldmatrix_x2_trans(tile, row_starts[lane], 0)
         out[lane, 0], out[lane, 1] = r0, r1
 
 
@@ -234,21 +235,22 @@ def test_ldmatrix_gives_each_lane_its_rows_words(variant):
 
 
 CHUNKS = 96        # 16-byte chunks of the copy test: three per thread of one warp
+TILE_WORDS = 4 * CHUNKS
 
 
 @cuda.jit
 def _copy_async_kernel(source, sources, valid, out):
     # Thread l copies chunks l, l + 32, l + 64 of the shared tile from the chunks ``sources`` names (or zeros),
     # then the tile goes back out through ordinary loads after the wait and a barrier.
-    tile = cuda.shared.array(4 * CHUNKS, dtype=np.uint32)
-    for i in range(cuda.threadIdx.x, 4 * CHUNKS, cuda.blockDim.x):
+    tile = cuda.shared.array(TILE_WORDS, dtype=np.uint32)
+    for i in range(cuda.threadIdx.x, TILE_WORDS, cuda.blockDim.x):
         tile[i] = 0xDEADBEEF              # what a copy that never lands leaves behind
     cuda.syncthreads()
     for c in range(cuda.threadIdx.x, CHUNKS, cuda.blockDim.x):
         copy_async16(tile, 4 * c, source, 4 * sources[c], valid[c] != 0)
     copy_async_wait_all()
     cuda.syncthreads()
-    for i in range(cuda.threadIdx.x, 4 * CHUNKS, cuda.blockDim.x):
+    for i in range(cuda.threadIdx.x, TILE_WORDS, cuda.blockDim.x):
         out[i] = tile[i]
 
 

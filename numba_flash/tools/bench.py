@@ -20,7 +20,8 @@ where torch has it; its compilation happens in the warm-up.
 
 ``--baseline DIR`` also times another copy of the package (a source tree
 whose package folder is DIR, e.g. an earlier commit unpacked by ``git
-archive``) in the same process: before/after numbers of one run.
+archive``) in the same process: before/after numbers of one run.  Repeat it
+to time several copies (variants of one change) side by side.
 ``--host`` measures what a call costs the host instead: a loop of
 ``--calls`` calls with one synchronisation at the end (``run_host``).
 """
@@ -117,14 +118,14 @@ def _time_rotating(fn, triples, repeats):
     return time_ms(lambda: fn(*triples[state["i"]]), repeats=repeats, warmup=3, setup=setup)
 
 
-def run_case(shape, dtype, causal, algorithms, repeats, torch, baseline=None):
+def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=()):
     triples = _inputs(shape, dtype, 3, torch)
     rows = []
     for algorithm in algorithms:
         ms = _time_rotating(lambda q, k, v: attention(q, k, v, causal=causal, algorithm=algorithm),
                             triples, repeats)
         rows.append(Row(shape, dtype, causal, algorithm, ms))
-    if baseline is not None:
+    for baseline in baselines:
         name = f"flash2@{baseline.label}"
         try:
             ms = _time_rotating(lambda q, k, v: baseline.attention(q, k, v, causal=causal), triples, repeats)
@@ -159,7 +160,7 @@ BACKWARD_TARGETS = (("torch-math", 1.5), ("torch-efficient", 1.0))
 BACKWARD_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION")
 
 
-def run_backward_case(shape, dtype, causal, repeats, torch, baseline=None):
+def run_backward_case(shape, dtype, causal, repeats, torch, baselines=()):
     """Backward and forward + backward through autograd: flash2 (numba_flash.torch) and torch's backends."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -170,8 +171,9 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baseline=None):
     q, k, v = (torch.randn(shape, device="cuda", dtype=tdtype, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device="cuda", dtype=tdtype)
     implementations = [("flash2", lambda: nft.attention(q, k, v, causal=causal))]
-    if baseline is not None:
-        implementations.append((f"flash2@{baseline.label}", lambda: baseline.torch.attention(q, k, v, causal=causal)))
+    for baseline in baselines:
+        implementations.append((f"flash2@{baseline.label}",
+                                partial(lambda base: base.torch.attention(q, k, v, causal=causal), baseline)))
     for backend in BACKWARD_BACKENDS:
         def call(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
@@ -209,12 +211,12 @@ class HostRow:
     total_us: float      # per call, until the GPU has finished too
 
 
-def run_host(shape, dtype, calls, torch, baseline=None):
+def run_host(shape, dtype, calls, torch, baselines=()):
     """Host time per call: ``calls`` calls back to back, one synchronisation at the end.
 
     numba-flash's forward on torch tensors and on Numba arrays, forward and
     backward through ``numba_flash.torch``, and torch's flash backend the same
-    ways (its fastest path); the baseline's where given.
+    ways (its fastest path); the baselines' where given.
     """
     import time
 
@@ -243,8 +245,8 @@ def run_host(shape, dtype, calls, torch, baseline=None):
         ("torch-flash forward", lambda: sdpa(q, k, v), SDPBackend.FLASH_ATTENTION),
         ("torch-flash forward+backward", step(sdpa), SDPBackend.FLASH_ATTENTION),
     ]
-    if baseline is not None:
-        cases += [(f"flash2@{baseline.label} forward, torch tensors", lambda: baseline.attention(q, k, v), None),
+    for baseline in baselines:
+        cases += [(f"flash2@{baseline.label} forward, torch tensors", partial(baseline.attention, q, k, v), None),
                   (f"flash2@{baseline.label} forward+backward", step(baseline.torch.attention), None)]
     rows = []
     for name, call, backend in cases:
@@ -406,12 +408,12 @@ def main(args):
     if args.backward and torch is None:
         print("The backward benchmark runs through autograd: it needs torch with CUDA.")
         return 2
-    baseline = load_baseline(args.baseline) if args.baseline else None
+    baselines = [load_baseline(path) for path in args.baseline or ()]
     if args.host:
         rows = []
         for shape in [tuple(s) for s in args.shape] if args.shape else HOST_SHAPES:
             for dtype in args.dtypes.split(","):
-                new = run_host(shape, dtype, args.calls, torch, baseline)
+                new = run_host(shape, dtype, args.calls, torch, baselines)
                 rows.extend(new)
                 print(format_host_table(new).split("\n", 2)[2], flush=True)
         table = format_host_table(rows)
@@ -431,9 +433,9 @@ def main(args):
         for shape in shapes:
             for causal in (False, True):
                 if args.backward:
-                    rows.extend(run_backward_case(shape, dtype, causal, args.repeats, torch, baseline))
+                    rows.extend(run_backward_case(shape, dtype, causal, args.repeats, torch, baselines))
                 else:
-                    rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch, baseline))
+                    rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch, baselines))
                 print(format_table([r for r in rows if r.shape == shape and r.dtype == dtype
                                     and r.causal == causal]).split("\n", 2)[2], flush=True)
     table = format_table(rows)

@@ -350,23 +350,35 @@ def tile_copier(ROWS, D_PAD, THREADS):
       rows base, base + stride, ... (zeros past ``rows_valid`` and past ``head_dim``) on their way to the
       tile at word AT; nothing waits for them;
     * ``wait_rows()``: the thread's copies have landed (the block's, after the next barrier).
+
+    A thread keeps one column of chunks and walks down the rows, ``ROWS_PER_PASS`` at a time, so that
+    each copy costs one address increment (the 64-bit index arithmetic of a general chunk number
+    would cost some thirty instructions per 16 bytes).  When the chunks of a row do not divide the
+    threads (d = 80: 10 chunks), the last few threads copy nothing.
     """
     RS = row_stride(D_PAD, True)
-    ROW_CHUNKS = words_per_chunk_row(D_PAD, True)
-    ROW_UNITS = ROWS * ROW_CHUNKS
-    ITERS = chunk_iterations(ROWS, D_PAD, True, THREADS)
+    ROW_CHUNKS = words_per_chunk_row(D_PAD, True)   # at most 32 (d <= 256): never more than the threads
+    ROWS_PER_PASS = THREADS // ROW_CHUNKS
+    COPYING = ROWS_PER_PASS * ROW_CHUNKS             # threads that copy
+    PASSES = cdiv(ROWS, ROWS_PER_PASS)
 
     @inlined_device_function
     def copy_rows(smem, AT, X, base, stride, rows_valid, head_dim, tid):
-        for i in range(ITERS):
-            e = tid + i * THREADS
-            if e < ROW_UNITS:
-                r = e // ROW_CHUNKS
-                c = (e % ROW_CHUNKS) * 8
-                inside = r < rows_valid and c < head_dim
+        if COPYING < THREADS and tid >= COPYING:
+            return
+        r = tid // ROW_CHUNKS
+        c = (tid % ROW_CHUNKS) * 8                     # the thread's column of chunks, in elements
+        at = AT + r * RS + c // 2
+        # Words of X (pairs): rows are 16-byte aligned, so base, stride and c are even.
+        chunk = (base + r * stride + c) >> 1
+        step = (ROWS_PER_PASS * stride) >> 1
+        for i in range(PASSES):
+            row = r + i * ROWS_PER_PASS
+            if ROWS % ROWS_PER_PASS == 0 or row < ROWS:
+                inside = row < rows_valid and c < head_dim
                 # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
-                copy_async16(smem, AT + r * RS + 4 * (e % ROW_CHUNKS), X, (base + r * stride + c) // 2 if inside
-                             else base // 2, inside)
+                copy_async16(smem, at + i * ROWS_PER_PASS * RS, X, chunk + i * step if inside else base >> 1,
+                             inside)
 
     return copy_rows, copy_async_wait_all
 

@@ -355,11 +355,13 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
                               k_bounds=np.int32),
                   floats=("scale_log2", "keep_scale"),
-                  # Dense 16-bit at d <= 64: two blocks per multiprocessor (128 registers for 2 x 8 warps);
-                  # left alone, ptxas takes 129 and leaves room for one.  Masks, dropout and packed
-                  # sequences need more, and would spill under the cap (tests/gpu_compile_all.py prints them).
-                  launch_bounds=((THREADS, 2) if SIXTEEN and D_PAD <= 64 and not (HAS_MASK or HAS_DROPOUT or VARLEN)
-                                 else None))
+                  # Dense 16-bit: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
+                  # and at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas then fits
+                  # d = 128 in 128 registers with 28 bytes of spills, against 168 left alone, one block).
+                  # Masks, dropout and packed sequences need more, and would spill under the cap
+                  # (tests/gpu_compile_all.py prints them).
+                  launch_bounds=((THREADS, 2) if SIXTEEN and (D_PAD <= 64 or ASYNC and D_PAD <= 128)
+                                 and not (HAS_MASK or HAS_DROPOUT or VARLEN) else None))
 
 
 def forward_launch(call, splits=1):

@@ -120,11 +120,16 @@ def tile_products(OTHER, D_PAD, PRECISION):
         b_lane = B_HI + row_in_matrix * RS + (matrix & 1) * 4
         for ks in range(QK_STEPS):
             if SIXTEEN:
-                a0, a1, a2, a3 = ldmatrix_x4(smem, a_lane + ks * 8)
+                a0, a1, a2, a3 = ldmatrix_x4(smem, a_lane, ks * 8)
+                # Each B fragment is loaded one product ahead, so that no mma waits on its own load.
+                b0, b1 = ldmatrix_x2(smem, b_lane, ks * 8)
                 for ot in range(O_TILES):
-                    b0, b1 = ldmatrix_x2(smem, b_lane + ot * 8 * RS + ks * 8)
+                    if ot + 1 < O_TILES:
+                        n0, n1 = ldmatrix_x2(smem, b_lane, (ot + 1) * 8 * RS + ks * 8)
                     c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
                     acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
+                    if ot + 1 < O_TILES:
+                        b0, b1 = n0, n1
             else:
                 a_row = (a_row0 + g) * RS + ks * 8 + t
                 ah0 = load_word(smem, A_HI + a_row)
@@ -164,10 +169,14 @@ def tile_products(OTHER, D_PAD, PRECISION):
                     a1 = pack(p[2 * ks, 2], p[2 * ks, 3])
                     a2 = pack(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
                     a3 = pack(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
-                    for c in range(COUNT):
-                        b0, b1 = ldmatrix_x2_trans(smem, b_lane + ks * 16 * RS + c * 4)
+                    b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS)
+                    for c in range(COUNT):   # B one product ahead, as in rows_by_rows_t
+                        if c + 1 < COUNT:
+                            n0, n1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS + (c + 1) * 4)
                         c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
                         tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+                        if c + 1 < COUNT:
+                            b0, b1 = n0, n1
             else:
                 for ks in range(O_TILES):
                     # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).

@@ -37,8 +37,10 @@ at once, which is one of the orders the GPU may choose.
 
 ``ldmatrix_x4`` / ``ldmatrix_x2`` (/ ``ldmatrix_x2_trans``) are how 16-bit
 fragments leave shared memory: one instruction for four (two) 8x8 matrices,
-where a lane would otherwise issue four (two) 32-bit loads.  The docstring of each: lane l gives
-``index``, the word where row l % 8 of matrix l // 8 starts; it returns
+where a lane would otherwise issue four (two) 32-bit loads.  Lane l gives
+``index + offset``, the word where row l % 8 of matrix l // 8 starts (``offset``:
+the part known when compiling, e.g. a k step's, which becomes the instruction's
+immediate); it returns
 register j of the lane, the pair of elements (2t, 2t + 1) of row g of matrix j.
 An A fragment is its matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
 (8-15, 8-15) of a row-major tile; B fragments of two 8-key tiles of a
@@ -271,8 +273,8 @@ if not config.ENABLE_CUDASIM:
 
     def _ldmatrix_intrinsic(count, trans=False):
         @intrinsic
-        def ldmatrix(typingctx, arr, index):
-            if not _flat_words(arr, index, 32):
+        def ldmatrix(typingctx, arr, index, offset):
+            if not (_flat_words(arr, index, 32) and isinstance(offset, types.Integer)):
                 return None
 
             def codegen(context, builder, sig, args):
@@ -281,7 +283,12 @@ if not config.ENABLE_CUDASIM:
                 # pass a 32-bit address, as NVVM's own shared loads use (a 64-bit generic address and a cvta
                 # in the asm cost two registers per address and spilled flash2 at its register cap).
                 shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
-                address = builder.ptrtoint(shared, _I32)
+                # The offset is added to the finished address, so that a constant one becomes the
+                # instruction's immediate: added to the index instead, LLVM regroups it with whatever
+                # else the index holds (a buffer's runtime offset) and ptxas spends two adds per load.
+                offset_bytes = builder.mul(builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2],
+                                           ir.Constant(_I32, 4))
+                address = builder.add(builder.ptrtoint(shared, _I32), offset_bytes)
                 registers = ", ".join(f"${i}" for i in range(count))
                 # Side effects: never hoisted out of a loop or merged across the barrier that publishes a tile.
                 asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * count), [_I32]),
@@ -292,7 +299,7 @@ if not config.ENABLE_CUDASIM:
                 return context.make_tuple(builder, sig.return_type,
                                           [builder.extract_value(words, i) for i in range(count)])
 
-            return types.UniTuple(types.uint32, count)(arr, index), codegen
+            return types.UniTuple(types.uint32, count)(arr, index, offset), codegen
 
         return ldmatrix
 
@@ -470,7 +477,8 @@ else:
         return _warp_op(value, lambda posts: [posts[lane ^ lane_mask] for lane in range(WARP_SIZE)])
 
     def _ldmatrix(count, trans=False):
-        def ldmatrix(arr, index):
+        def ldmatrix(arr, index, offset):
+            index += offset
             _check_index(f"ldmatrix_x{count}", index, 4)   # a row starts 16-byte aligned
 
             def half(row, column):
