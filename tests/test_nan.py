@@ -181,3 +181,30 @@ def test_a_row_that_may_see_no_key_is_zero_even_with_nan_in_its_query(algorithm)
     out, lse = numba_flash.attention(q, k, v, causal="bottom_right", return_lse=True, algorithm=algorithm)
     assert np.all(out[0, :14] == 0) and np.all(np.isneginf(lse[0, :14]))
     assert np.isnan(out[0, 14:]).any(-1).tolist() == [False] * 9 + [True]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("poisoned", ["q", "k", "v"])
+def test_nan_in_streamed_rows_beyond_the_thread_count(dtype, poisoned):
+    """Tiles of 16 own rows (32 threads) stream 64 rows: the NaN pass must clean and flag rows 32-63 too.
+
+    On the H200 (2026-12-01) it did not: with (16, 64) tiles the rows past the thread count were neither
+    sanitized nor flagged, so a NaN value row there leaked into rows masked from it, and the flags were
+    whatever shared memory held (a flaky failure).  Row 40 of the poisoned operand is in the first
+    streamed tile, which the causal diagonal crosses for every 16-row tile above it.
+    """
+    n, d = 80, 16
+    rng = np.random.default_rng(7)
+    q, k, v, do = (rng.standard_normal((1, 1, n, d)).astype(dtype) for _ in range(4))
+    named = dict(q=q, k=k, v=v)
+    named[poisoned][0, 0, 40, 3] = np.nan
+    options = dict(causal=True, algorithm="flash2", block_sizes=(16, 64))
+    out, lse = numba_flash.attention(q, k, v, return_lse=True, **options)
+    grads = numba_flash.attention_backward(q, k, v, out, lse, do, **options)
+    allowed = np.tril(np.ones((1, n, n), bool))
+    bad = Poisoned(flags_of(q), flags_of(k), flags_of(v), flags_of(do))
+    expected = dict(zip(("o", "lse", "dq", "dk", "dv"), nan_pattern(allowed, bad, 1)))
+    for name, got in zip(("o", "dq", "dk", "dv"), (out,) + tuple(grads)):
+        got_rows = np.isnan(np.asarray(got, np.float64)).any(-1).reshape(1, n)
+        wrong = np.argwhere(got_rows != expected[name])
+        assert not len(wrong), f"NaN rows of {name} differ at {wrong}"

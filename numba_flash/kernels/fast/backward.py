@@ -124,10 +124,11 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     LSE2, D_I, Q_NAN = tiles.offset("LSE2"), tiles.offset("D_I"), tiles.offset("Q_NAN")
     QS_STAGE = tiles.offset("Q_STAGE1") - Q_HI if ASYNC else 0   # words from buffer 0 to buffer 1
     SCALAR_ITERS = cdiv(BLOCK_QUERIES, THREADS)  # lse and D values per thread
+    NAN_PASSES = SCALAR_ITERS                    # streamed queries per thread in the NaN pass
     Q_TILES = BLOCK_QUERIES // 8
     D_TILES = D_PAD // 8
     OWN_ITERS, fetch_own, commit_own, _ = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
-    ROW_ITERS, fetch_rows, commit_rows, sanitize_rows = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
+    ROW_ITERS, fetch_rows, commit_rows, sanitize_row = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
     copy_rows, wait_rows = tile_copier(BLOCK_QUERIES, D_PAD, THREADS) if ASYNC else (None, None)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_QUERIES, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
@@ -178,9 +179,11 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     @inlined_device_function
     def sanitize_queries(smem, stage, tid):
         """NaN in Q_i, dO_i to 0, a flag per query at Q_NAN (partly masked tiles only: see common.py)."""
-        found = sanitize_rows(smem, Q_HI + stage, tid) | sanitize_rows(smem, DO_HI + stage, tid)
-        if tid < BLOCK_QUERIES:
-            store_word(smem, Q_NAN + tid, found)
+        for i in range(NAN_PASSES):
+            query = tid + i * THREADS
+            if query < BLOCK_QUERIES:
+                store_word(smem, Q_NAN + query, sanitize_row(smem, Q_HI + stage, query)
+                           | sanitize_row(smem, DO_HI + stage, query))
 
     @inlined_device_function
     def gradient_terms(st, dpt, masked, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset, partly_masked, M,
@@ -329,10 +332,11 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     V_HI, V_LO = _tile_offsets(tiles, "V", SIXTEEN)
     K_NAN = tiles.offset("K_NAN")
     KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
+    NAN_PASSES = cdiv(BLOCK_KEYS, THREADS)       # streamed keys per thread in the NaN pass
     K_TILES = BLOCK_KEYS // 8
     D_TILES = D_PAD // 8
     OWN_ITERS, fetch_own, commit_own, _ = tile_movers(BLOCK_QUERIES, D_PAD, PRECISION, VEC, THREADS)
-    ROW_ITERS, fetch_rows, commit_rows, sanitize_rows = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
+    ROW_ITERS, fetch_rows, commit_rows, sanitize_row = tile_movers(BLOCK_KEYS, D_PAD, PRECISION, VEC, THREADS)
     copy_rows, wait_rows = tile_copier(BLOCK_KEYS, D_PAD, THREADS) if ASYNC else (None, None)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_KEYS, D_PAD, PRECISION)
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
@@ -361,9 +365,10 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     def sanitize_keys(smem, stage, tid):
         """NaN in K_j to 0 and a flag per key (partly masked tiles only: see common.py).  V_j needs none:
         dP = dO V^T keeps a NaN value in its own column, and dS is 0 where masked."""
-        found = sanitize_rows(smem, K_HI + stage, tid)
-        if tid < BLOCK_KEYS:
-            store_word(smem, K_NAN + tid, found)
+        for i in range(NAN_PASSES):
+            key = tid + i * THREADS
+            if key < BLOCK_KEYS:
+                store_word(smem, K_NAN + key, sanitize_row(smem, K_HI + stage, key))
 
     @inlined_device_function
     def gradient_terms(s, dp, masked, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q, n_k, causal_offset,

@@ -29,7 +29,7 @@ through a logit (q, k) or through an *allowed* weight times a value.  The
 one leak is a masked weight: it is exactly 0, and the tensor cores compute
 0 * NaN = NaN, so a NaN value row would reach rows that may not attend to it
 whenever they share a partly masked tile (the diagonal of a causal mask, a
-block mask's partial tiles).  In such tiles only, ``sanitize_rows``
+block mask's partial tiles).  In such tiles only, ``sanitize_row``
 replaces NaN elements of the streamed operand by 0 in
 shared memory and flag their rows, and the mask step turns the allowed
 entries of flagged rows into NaN: exactly the rows allowed to see a NaN get
@@ -269,7 +269,7 @@ def chunk_loader(PRECISION, VEC):
 
 @lru_cache(maxsize=None)
 def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
-    """(ITERS, fetch_rows, commit_rows, sanitize_rows): device functions that move a tile of ROWS rows
+    """(ITERS, fetch_rows, commit_rows, sanitize_row): device functions that move a tile of ROWS rows
     between device and shared memory (see the module docstring), row-major in shared memory.
 
     * ``fetch_rows(regs, X, base, stride, rows_valid, head_dim, tid)``: each thread's chunks of rows
@@ -277,8 +277,10 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
       ((ITERS, 4) words): global loads that can be in flight while the block computes;
     * ``commit_rows(smem, regs, HI, LO, tid)``: those chunks into a row-major tile (tf32: split into
       hi and lo halves at HI and LO; 16-bit: pairs along d at HI);
-    * ``sanitize_rows``: NaN elements of a tile in shared memory to 0; it returns whether the thread's
-      row had any, for the caller's flags (the module docstring says why).
+    * ``sanitize_row(smem, HI, r)``: NaN elements of row r of a tile in shared memory to 0; it returns
+      whether there were any, for the caller's flags (the module docstring says why).  Callers give
+      every row to some thread, rows tid, tid + THREADS, ... (a tile may have more rows than the block
+      has threads: 64 keys for the 32 threads of 16 query rows).
     """
     SIXTEEN = PRECISION != "tf32x3"
     RS = row_stride(D_PAD, SIXTEEN)
@@ -316,29 +318,28 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
                     store_vec4(smem, LO + at, l0, l1, l2, l3)
 
     @inlined_device_function
-    def sanitize_rows(smem, HI, tid):
-        """Thread r < ROWS: NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
+    def sanitize_row(smem, HI, r):
+        """NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
 
         For 3xTF32 only the hi half needs it: a NaN's lo half is 0 (``split_tf32``).
         """
         found = uint32(0)
-        if tid < ROWS:
-            for w in range(ROW_WORDS):  # the data words of the row, not its bank padding
-                word = load_word(smem, HI + tid * RS + w)
-                if SIXTEEN:
-                    if low_is_nan(word):
-                        word &= uint32(0xFFFF0000)
-                        found = uint32(1)
-                    if high_is_nan(word):
-                        word &= uint32(0xFFFF)
-                        found = uint32(1)
-                elif low_is_nan(word):
-                    word = uint32(0)
+        for w in range(ROW_WORDS):  # the data words of the row, not its bank padding
+            word = load_word(smem, HI + r * RS + w)
+            if SIXTEEN:
+                if low_is_nan(word):
+                    word &= uint32(0xFFFF0000)
                     found = uint32(1)
-                store_word(smem, HI + tid * RS + w, word)
+                if high_is_nan(word):
+                    word &= uint32(0xFFFF)
+                    found = uint32(1)
+            elif low_is_nan(word):
+                word = uint32(0)
+                found = uint32(1)
+            store_word(smem, HI + r * RS + w, word)
         return found
 
-    return ROW_ITERS, fetch_rows, commit_rows, sanitize_rows
+    return ROW_ITERS, fetch_rows, commit_rows, sanitize_row
 
 
 @lru_cache(maxsize=None)

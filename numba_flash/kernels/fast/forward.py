@@ -125,9 +125,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     V_HI = tiles.offset("V" if SIXTEEN else "V_HI")
     V_LO = V_HI if SIXTEEN else tiles.offset("V_LO")
     V_NAN = tiles.offset("V_NAN")
+    NAN_PASSES = cdiv(BLOCK_N, THREADS)  # keys per thread in the NaN pass (16 x 64 tiles: 64 keys, 32 threads)
     KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
-    K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_rows = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
+    K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
     copy_key_rows, wait_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS) if ASYNC else (None, None)
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
@@ -160,9 +161,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     @inlined_device_function
     def sanitize_v(smem, stage, tid):
         """NaN in V_j to 0, and a flag per key at V_NAN (partly masked tiles only: see common.py)."""
-        found = sanitize_key_rows(smem, V_HI + stage, tid)
-        if tid < BLOCK_N:
-            store_word(smem, V_NAN + tid, found)
+        for i in range(NAN_PASSES):
+            key = tid + i * THREADS
+            if key < BLOCK_N:
+                store_word(smem, V_NAN + key, sanitize_key_row(smem, V_HI + stage, key))
 
     @inlined_device_function
     def scale_and_mask(s, poison, masked, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked,
