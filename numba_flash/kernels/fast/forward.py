@@ -56,8 +56,8 @@ How it is fast, and what each trick costs in clarity:
   way, and one barrier per tile suffices, because the buffer being refilled
   was last read before that barrier.  Otherwise (3xTF32 splits each element
   on the way; unaligned 16-bit rows) the tile waits in registers and is
-  stored to shared memory at the top of the next iteration, between two
-  barriers.
+  stored to shared memory at the top of the iteration that uses it, between
+  two barriers.
 * **ldmatrix** (16-bit): fragments leave shared memory as whole 8x8
   matrices, Q's and K's for S = Q K^T directly, V's for P V transposed on
   the way (``ldmatrix.trans``): K_j and V_j sit in shared memory row-major,
@@ -284,8 +284,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         acc = cuda.local.array((D_TILES, 4), float32)
         s = cuda.local.array((N_TILES, 4), float32)
         poison = cuda.local.array(POISON_WORDS, uint64)     # weights to make NaN (see scale_and_mask)
-        k_regs = cuda.local.array((K_ITERS, 4), WORD)       # the next K tile, in flight
-        v_regs = cuda.local.array((K_ITERS, 4), WORD)       # the next V tile, in flight
+        # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
+        k_regs = cuda.local.array((K_ITERS, 4), WORD)
+        v_regs = cuda.local.array((K_ITERS, 4), WORD)
         for half in range(2):
             m_i[half] = float32(NEG_INF)
             l_i[half] = float32(0)
