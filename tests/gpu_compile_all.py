@@ -132,6 +132,10 @@ def main(argv):
         for vec, c, d in itertools.product((True, False), (False, True), (False, True)):  # packed: no block masks
             flash2(precision, vec, c, False, d, head_dim=args.head_dim, varlen=True)
         decode(precision, args.head_dim)
+        for vec, causal in itertools.product((True, False), (False, True)):  # the kernel for a scale <= 0
+            fast(make_forward(*tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"],
+                                                  args.head_dim), args.head_dim, precision, vec, causal, False, False,
+                              POSITIVE_SCALE=False))
     for element in (np.float32, np.uint16):
         fast(make_append(element))
     return f"{len(failures)} failed: {failures}" if failures else 0

@@ -201,3 +201,16 @@ def test_dropout_drops_exactly_the_generated_mask(algorithm, dtype, data, dropou
     check_against_reference(p, out, lse, dtype, mask=dense, dropout_keep=keep, dropout_p=dropout_p)
     again, _ = attend(p, algorithm, dropout_p=dropout_p, seed=seed, block_mask=bm, block_sizes=blocks)
     np.testing.assert_array_equal(out, again)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1e-112, 1e-3, 2.5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_flash2_takes_any_real_scale(scale, dtype):
+    """A positive scale rides in the exponent's FMA with the row max taken over unscaled scores; zero
+    and negative scales (which would flip or flatten that max) get the kernel that scales first, and so
+    does a positive scale that rounds to 0 in float32 (1e-112: masked scores would be -inf * 0)."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 3, 37, 16)).astype(dtype) for _ in range(3))
+    out, lse = numba_flash.attention(q, k, v, causal=True, scale=scale, return_lse=True, algorithm="flash2")
+    ref_out, ref_lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), scale=scale, causal=True)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype)

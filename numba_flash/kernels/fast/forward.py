@@ -14,8 +14,8 @@ The inner loop, one key tile K_j, V_j per iteration::
     land_kv          tile j (started last iteration) complete in shared memory, then a barrier
     start_kv         tile j + 1 on its way, in flight while we compute on tile j
     S = Q K^T        ``rows_by_rows_t``: each warp its 16 query rows
-    scale_and_mask   logits to log2 units; -inf where a query may not see a key
-    online_softmax   m_new, P = exp2(S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
+    mask_scores      -inf where a query may not see a key
+    online_softmax   m_new = c max S, P = exp2(c S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
     dropout          Algorithm 2's Z on P (after l: l and m see the undropped weights)
     poison_weights   (partly masked tiles) NaN where an allowed key's value row held one
     O = alpha O + P V ``accumulate_product``: P straight from the S registers
@@ -47,6 +47,8 @@ How it is fast, and what each trick costs in clarity:
   the same renumbering.  A sum over keys does not care about their order.
 * **exp2**: logits are scaled by scale*log2(e) so that softmax uses exp2
   (one ``ex2.approx`` instruction); lse is converted back to natural log.
+  The scale rides in the exponent's FMA, exp2(c S - m), and the row max is
+  taken over the unscaled scores (``online_softmax``).
 * **Row statistics by shuffles**: the four lanes that share a row reduce
   max and sum with two ``shfl_xor`` (simulated in the simulator).
 * **Software pipeline**: tile j + 1's loads are issued before tile j is
@@ -96,8 +98,10 @@ from .primitives import exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
-def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False):
-    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split).
+def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
+                 POSITIVE_SCALE=True):
+    """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
+    sign of the scale).
 
     D_PAD is the head dim rounded up to the mma depth: head dims that round to
     the same D_PAD share one compiled kernel, which is told the true d and
@@ -106,7 +110,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.  VARLEN: per-batch lengths
     (``common.sequence_bounds``).  SPLIT (flash-decoding, for few queries and many keys): ``splits`` blocks
     share a query tile's keys, each writing its partial O (float32, normalised by its own l) and lse at
-    ``split * o_split`` and ``split * lse_split``; ``cache.py`` merges them by their lse.
+    ``split * o_split`` and ``split * lse_split``; ``cache.py`` merges them by their lse.  POSITIVE_SCALE:
+    the scale goes into the exponent's FMA (see ``online_softmax``); a scale <= 0 gets a kernel that
+    scales the scores first.
     """
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_M)
@@ -167,18 +173,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 store_word(smem, V_NAN + key, sanitize_key_row(smem, V_HI + stage, key))
 
     @inlined_device_function
-    def scale_and_mask(s, poison, masked, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked,
-                       M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
-        """Logits in log2 units, -inf where the query may not see the key; ``poison`` marks the allowed
-        entries whose value row held a NaN (v_nan: the lane's key flags, ``lane_flags``), bit
-        4 (nt % 16) + 2 half + e of poison[nt // 16]."""
+    def mask_scores(s, poison, masked, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked,
+                    M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
+        """-inf where the query may not see the key (a scale <= 0 first scales the scores to log2 units);
+        ``poison`` marks the allowed entries whose value row held a NaN (v_nan: the lane's key flags,
+        ``lane_flags``), bit 4 (nt % 16) + 2 half + e of poison[nt // 16]."""
         for w in range(POISON_WORDS):
             poison[w] = uint64(0)
         for nt in range(N_TILES):
             for half in range(2):
                 row = q0 + row0 + 8 * half
                 for e in range(2):
-                    x = s[nt, 2 * half + e] * c_log2
+                    x = s[nt, 2 * half + e] if POSITIVE_SCALE else s[nt, 2 * half + e] * c_log2
                     if masked:
                         if not allowed(row, k0 + nt * 8 + 2 * t + e, n_q, n_k, CAUSAL, causal_offset, partly_masked,
                                        M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
@@ -189,21 +195,28 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     @inlined_device_function
     def poison_weights(s, poison):
-        """P = NaN where ``scale_and_mask`` marked it: O is NaN there, l and lse stay those of the logits."""
+        """P = NaN where ``mask_scores`` marked it: O is NaN there, l and lse stay those of the logits."""
         for nt in range(N_TILES):
             for i in range(4):
                 if (poison[nt // 16] >> uint64(4 * (nt % 16) + i)) & uint64(1):
                     s[nt, i] = float32(math.nan)
 
     @inlined_device_function
-    def online_softmax(s, m_i, l_i, half):
-        """Row ``half`` of the lane (g or g + 8): new max, P = exp2(S - m) in place, l updated; returns alpha."""
+    def online_softmax(s, m_i, l_i, half, c_log2):
+        """Row ``half`` of the lane (g or g + 8): new max, P = exp2(c S - m) in place, l updated; returns alpha.
+
+        With a positive scale c the row max is taken over the unscaled scores and scaled once (c > 0
+        keeps their order), and c S - m is one FMA per entry: a multiply per entry fewer than scaling
+        the scores first, as FlashAttention-2 does.  m, l and lse are in log2 units either way.
+        """
         m_tile = float32(NEG_INF)
         for nt in range(N_TILES):
             m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
         # The four lanes of a row hold different columns: combine them.
         m_tile = max(m_tile, shfl_xor(m_tile, 1))
         m_tile = max(m_tile, shfl_xor(m_tile, 2))
+        if POSITIVE_SCALE:
+            m_tile *= c_log2
         m_new = max(m_i[half], m_tile)
         # A row that has seen no allowed key keeps m = -inf; shifting by 0
         # instead makes every exp2 below exactly 0 rather than NaN.
@@ -212,7 +225,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         row_sum = float32(0)
         for nt in range(N_TILES):
             for e in range(2):
-                p = exp2(s[nt, 2 * half + e] - shift)
+                p = exp2(cuda.fma(s[nt, 2 * half + e], c_log2, -shift) if POSITIVE_SCALE
+                         else s[nt, 2 * half + e] - shift)
                 s[nt, 2 * half + e] = p
                 row_sum += p
         l_i[half] = alpha * l_i[half] + row_sum
@@ -283,7 +297,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         l_i = cuda.local.array(2, float32)       # running sum, this lane's columns only
         acc = cuda.local.array((D_TILES, 4), float32)
         s = cuda.local.array((N_TILES, 4), float32)
-        poison = cuda.local.array(POISON_WORDS, uint64)     # weights to make NaN (see scale_and_mask)
+        poison = cuda.local.array(POISON_WORDS, uint64)     # weights to make NaN (see mask_scores)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
         k_regs = cuda.local.array((K_ITERS, 4), WORD)
         v_regs = cuda.local.array((K_ITERS, 4), WORD)
@@ -338,10 +352,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
             rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * ROWS_PER_WARP, g, t)  # S = Q_i K_j^T
             v_nan = key_flags(smem, V_NAN, t) if mixed else uint64(0)
-            scale_and_mask(s, poison, mixed or k0 + BLOCK_N > n_k, v_nan, c_log2, q0, row0, k0, t, n_q, n_k,
-                           causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
-            alpha0 = online_softmax(s, m_i, l_i, 0)
-            alpha1 = online_softmax(s, m_i, l_i, 1)
+            mask_scores(s, poison, mixed or k0 + BLOCK_N > n_k, v_nan, c_log2, q0, row0, k0, t, n_q, n_k,
+                        causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
+            alpha0 = online_softmax(s, m_i, l_i, 0, c_log2)
+            alpha1 = online_softmax(s, m_i, l_i, 1, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if mixed:
@@ -353,7 +367,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
-                                      HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else ""),
+                                      HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else "")
+                  + ("" if POSITIVE_SCALE else "_nonpositive_scale"),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
                               k_bounds=np.int32),
@@ -380,8 +395,10 @@ def forward_launch(call, splits=1):
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
     stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
+    # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
+    positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None, splits > 1)
+                          call.varlen is not None, splits > 1, positive_scale)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
