@@ -320,7 +320,9 @@ def decode_block_sizes(n_q, head_dim, precision):
     needs (16 per warp, so often one warp), and the widest key tile (at most 64) whose register
     prefetch stays within ``DECODE_CHUNKS_PER_THREAD`` chunks per thread.  On the H200 at d = 128,
     float16 (experiments/results/decode_h200.md, best split each): (16, 16) 0.25 ms, (32, 32) 0.29 ms,
-    (16, 32) 0.63 ms, (16, 64) 1.49 ms: wider key tiles spill (ptxas: 3.4 KB at (16, 64)).
+    (16, 32) 0.63 ms, (16, 64) 1.49 ms: wider key tiles spill (ptxas: 3.4 KB at (16, 64)).  Those
+    numbers predate cp.async: aligned 16-bit tiles now travel without registers, and ptxas fits
+    (16, 32) at d = 128 in 251 registers and (16, 64) in 255 with 20 bytes of spills (to be re-timed).
     """
     rows = min(128, cdiv(n_q, ROWS_PER_WARP) * ROWS_PER_WARP)
     chunk = 4 if precision == "tf32x3" else 8        # elements per 16-byte chunk
