@@ -11,7 +11,8 @@
 # short Hypothesis profile for the tests.  With BASELINE set to a package folder (an earlier commit,
 # e.g. .baseline/numba_flash_a449d24), the benchmarks and the accuracy experiment measure it beside
 # this tree in the same process.  GPU=i puts the steps on GPU i; TEST_FILES narrows the tests step
-# (to split the suite between device calls).  Clocks are never touched.
+# (to split the suite between device calls), SANITIZE_WORDS the sanitizer runs (e.g. "flash2 float16":
+# the runs whose names hold every word).  Clocks are never touched.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export CUDA_VISIBLE_DEVICES=${GPU:-0}
@@ -37,7 +38,7 @@ for s in $STEPS; do
         for tool in memcheck racecheck; do
             [ "$s" = sanitize ] || [ "$s" = $tool ] || continue
             step $tool ${SANITIZE_LIMIT:-200} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
-                python3 tests/gpu_sanitize.py quick
+                python3 tests/gpu_sanitize.py quick ${SANITIZE_WORDS:-}
             grep -hE "SUMMARY|rror" "$LOGS/$tool.log" | tail -4
         done ;;
     bench)
