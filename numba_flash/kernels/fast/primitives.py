@@ -283,9 +283,9 @@ if not config.ENABLE_CUDASIM:
                 # pass a 32-bit address, as NVVM's own shared loads use (a 64-bit generic address and a cvta
                 # in the asm cost two registers per address and spilled flash2 at its register cap).
                 shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
-                # The offset is added to the finished address, so that a constant one becomes the
-                # instruction's immediate: added to the index instead, LLVM regroups it with whatever
-                # else the index holds (a buffer's runtime offset) and ptxas spends two adds per load.
+                # The offset is added to the finished 32-bit address, where a constant one can become the
+                # instruction's immediate whatever the index holds (a buffer's runtime offset, say).  In the
+                # kernels of 2026-12-01 NVVM had already folded the constants: the SASS was the same.
                 offset_bytes = builder.mul(builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2],
                                            ir.Constant(_I32, 4))
                 address = builder.add(builder.ptrtoint(shared, _I32), offset_bytes)
