@@ -178,7 +178,7 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baselines=()):
     implementations = [("flash2", lambda: nft.attention(q, k, v, causal=causal))]
     for baseline in baselines:
         implementations.append((f"flash2@{baseline.label}",
-                                partial(lambda base: base.torch.attention(q, k, v, causal=causal), baseline)))
+                                partial(baseline.torch.attention, q, k, v, causal=causal)))
     for backend in BACKWARD_BACKENDS:
         def call(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):

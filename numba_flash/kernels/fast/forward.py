@@ -64,7 +64,7 @@ How it is fast, and what each trick costs in clarity:
   matrices, Q's and K's for S = Q K^T directly, V's for P V transposed on
   the way (``ldmatrix.trans``): K_j and V_j sit in shared memory row-major,
   as they arrive.  One instruction where a lane issued two or four 32-bit
-  loads (``experiments/results/ldmatrix_sass.md``; not yet timed on a GPU).
+  loads (``experiments/results/ldmatrix_sass.md``: 1.01-1.17x on the H200).
 * **No bank conflicts**: shared rows are padded so that the 32 lanes of a
   fragment load (or ldmatrix's 8 rows) hit different banks
   (``tiling.row_stride``).
