@@ -74,6 +74,7 @@ RUNS = [
     ("backward", "flash2", np.float16, (32, 32), "nan"),
     # Streamed tiles of more rows than the block has threads (64 for 32): the NaN pass must reach them all.
     ("forward", "flash2", np.float32, (16, 64), "nan"),
+    ("backward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float16, (16, 64), "nan"),
 ]
 MASK_BLOCK = 16

@@ -17,9 +17,11 @@ from tolerances import EX2_APPROX_ATOL, EX2_APPROX_RTOL, SPLIT_TF32_EXTRA, produ
 
 
 def _tf32(x):
-    """NumPy model of tf32_round: nearest, ties away from zero, low 13 bits cleared."""
+    """NumPy model of tf32_round (cvt.rna.tf32.f32): finite values to nearest, ties away from zero;
+    infinities and NaN unrounded; the low 13 bits cleared."""
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return (np.where(finite, bits + 0x1000, bits) & 0xFFFFE000).astype(np.uint32).view(np.float32)
 
 
 @cuda.jit
@@ -174,15 +176,28 @@ def _round_kernel(x, out):
         out[i] = tf32_round(x[i])
 
 
-def test_tf32_round_is_nearest_ties_away():
+#: Non-finite bit patterns: the GPU's canonical NaN (what arithmetic on a NaN returns; a rounding
+#: add once carried it into the sign bit, giving -0), a negative NaN, numpy's NaN, the infinities.
+NON_FINITE_BITS = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800000, 0xFF800000]
+
+
+def test_tf32_round_is_nearest_ties_away_and_keeps_non_finite_values():
     rng = np.random.default_rng(3)
-    x = np.concatenate([rng.standard_normal(200).astype(np.float32),
-                        # exact ties: the dropped bits are 0x1000
-                        (np.array([1.0, -3.0], np.float32).view(np.uint32) | 0x1000).view(np.float32)])
+    finite = np.concatenate([rng.standard_normal(200).astype(np.float32),
+                             # exact ties: the dropped bits are 0x1000
+                             (np.array([1.0, -3.0], np.float32).view(np.uint32) | 0x1000).view(np.float32),
+                             # the largest float32 rounds up to infinity, as cvt.rna does
+                             np.array([np.finfo(np.float32).max], np.float32)])
+    x = np.concatenate([finite, np.array(NON_FINITE_BITS, np.uint32).view(np.float32)])
     out = np.zeros(x.size, np.uint32)
     _round_kernel[1, 256](x, out)
-    np.testing.assert_array_equal(out.view(np.float32), _tf32(x))
-    assert np.all(np.abs(out.view(np.float32) - x) <= np.abs(x) * 2.0 ** -11)
+    np.testing.assert_array_equal(out.view(np.uint32), _tf32(x).view(np.uint32))
+    rounded = out.view(np.float32)
+    ordinary = np.abs(finite) < np.finfo(np.float32).max
+    assert np.all(np.abs(rounded[:finite.size][ordinary] - finite[ordinary]) <= np.abs(finite[ordinary]) * 2.0 ** -11)
+    assert np.isinf(rounded[finite.size - 1])
+    tail = rounded[finite.size:]
+    assert np.isnan(tail[:3]).all() and list(tail[3:]) == [np.inf, -np.inf]
 
 
 ROW_WORDS = 4      # an ldmatrix row: 8 16-bit elements

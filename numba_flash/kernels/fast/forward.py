@@ -373,12 +373,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
                               k_bounds=np.int32),
                   floats=("scale_log2", "keep_scale"),
-                  # Dense 16-bit: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
-                  # and at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas then fits
-                  # d = 128 in 128 registers with 28 bytes of spills, against 168 left alone, one block).
+                  # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
+                  # and for 16-bit at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas
+                  # then fits d = 128 in 128 registers with 28 bytes of spills, against 168 left alone, one
+                  # block).  float32 at d = 64 used exactly 128 until tf32 rounding kept NaN (130 without
+                  # the cap: one block per multiprocessor; 128 with 4 bytes of spills under it).
                   # Masks, dropout and packed sequences need more, and would spill under the cap
                   # (tests/gpu_compile_all.py prints them).
-                  launch_bounds=((THREADS, 2) if SIXTEEN and (D_PAD <= 64 or ASYNC and D_PAD <= 128)
+                  launch_bounds=((THREADS, 2) if (D_PAD <= 64 or ASYNC and D_PAD <= 128)
                                  and not (HAS_MASK or HAS_DROPOUT or VARLEN) else None))
 
 

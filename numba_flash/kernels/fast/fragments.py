@@ -46,7 +46,8 @@ from numba import cuda, float32, uint32
 from ...runtime.launch import inlined_device_function
 from ...tiling import row_stride
 from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16,
-                         mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round, u32_as_f32)
+                         mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round, f32_as_u32,
+                         u32_as_f32)
 
 #: Head-dim tiles that one fresh product fragment covers (4 registers each): 2 keeps flash2's forward
 #: at 128 registers up to d = 64 (ptxas, tests/gpu_compile_all.py), with no loss in the products.
@@ -57,12 +58,17 @@ PRODUCT_CHUNK = 2
 def split_tf32(x):
     """x = hi + lo, both as tf32 bit patterns (3xTF32).
 
-    For x = +-inf, x - hi is NaN; lo is then 0 so that hi carries the
-    infinity through the product as IEEE arithmetic would.
+    hi is ``tf32_round`` (cvt.rna.tf32.f32), which keeps NaN and infinities.
+    lo = x - hi is finite, or NaN when x is not finite: then lo is 0, so that
+    hi alone carries the infinity or NaN through the product as IEEE
+    arithmetic would.  A finite lo is rounded by adding half an ulp to its
+    bits, which is exact for finite values and lets the compiler fold the
+    NaN test into the select (with the instruction, SASS showed ~60% more
+    instructions in the float32 forward's key-tile loop).
     """
     hi = tf32_round(x)
     rest = x - u32_as_f32(hi)
-    return hi, tf32_round(rest) if rest == rest else uint32(0)
+    return hi, (f32_as_u32(rest) + uint32(0x1000)) & uint32(0xFFFFE000) if rest == rest else uint32(0)
 
 
 @inlined_device_function

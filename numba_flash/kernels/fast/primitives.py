@@ -349,10 +349,20 @@ if not config.ENABLE_CUDASIM:
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
 
-    @inlined_device_function
-    def tf32_round(x):
-        """``x`` rounded to tf32 (nearest, ties away, as ``cvt.rna.tf32.f32``): the bits ``mma_tf32`` takes."""
-        return uint32((f32_as_u32(x) + uint32(0x1000)) & uint32(0xFFFFE000))
+    @intrinsic
+    def tf32_round(typingctx, x):
+        """``x`` rounded to tf32 (nearest, ties away), ``cvt.rna.tf32.f32``: the bits ``mma_tf32`` takes.
+
+        The instruction leaves infinities and NaN unrounded.  An integer add of half an ulp,
+        which this once was, carries the GPU's canonical NaN (0x7FFFFFFF, what arithmetic on a
+        NaN returns) into the sign bit and gives -0: a NaN vanished from float32 gradients.
+        """
+        def codegen(context, builder, sig, args):
+            (x,) = _cast_all(context, builder, sig, args, [types.float32])
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+            return builder.call(asm, [x])
+
+        return types.uint32(x), codegen
 
     @inlined_device_function
     def bf16_to_f32(bits):
@@ -414,8 +424,11 @@ else:
         return np.float32(np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
 
     def tf32_round(x):
-        """``x`` rounded to tf32 (nearest, ties away, as ``cvt.rna.tf32.f32``): the bits ``mma_tf32`` takes."""
-        return np.uint32((int(f32_as_u32(x)) + 0x1000) & 0xFFFFE000)
+        """``x`` rounded to tf32 (nearest, ties away); infinities and NaN unrounded, as cvt.rna.tf32.f32."""
+        bits = int(f32_as_u32(x))
+        if bits & 0x7F800000 != 0x7F800000:
+            bits += 0x1000
+        return np.uint32(bits & 0xFFFFE000)
 
     def pack_half2(lo, hi):
         """Round two float32 to float16 and pack them: ``lo`` in bits 0-15."""
