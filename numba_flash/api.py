@@ -246,10 +246,16 @@ def _option_key(option):
 
 def _plan(build, arrays, options):
     """The cached plan for these arrays' summaries and options, built (and checked) on first use."""
-    signatures = tuple(_signature(x) for x in arrays)
+    signatures = tuple(map(_signature, arrays))
     try:
-        key = (build, signatures) + tuple(_option_key(option) for option in options)
-        plan = None if None in signatures else _PLANS.get(key)
+        try:  # options as given (a BlockMask hashes by identity); lists need _option_key
+            key = (build, signatures, *options)
+            plan = _PLANS.get(key)
+        except TypeError:
+            key = (build, signatures, *map(_option_key, options))
+            plan = _PLANS.get(key)
+        if None in signatures:
+            plan = None
     except TypeError:  # an option that cannot be hashed: the checks name it
         return build(arrays, options)
     if plan is None:

@@ -31,7 +31,7 @@ from typing import Tuple
 import numpy as np
 from numba import cuda
 
-from .device import in_simulator
+from .device import current_context, in_simulator
 
 try:  # torch is optional; when present its tensors are the fast path
     import torch as _torch
@@ -338,7 +338,7 @@ class _OutputPool:
             if free:
                 self._cached -= nbytes
                 return free.pop(), nbytes
-        cuda.current_context()  # the primary context, current on this thread
+        current_context()  # the primary context, current on this thread
         err, pointer = cuda_driver.cuMemAlloc(nbytes)
         if err != cuda_driver.CUresult.CUDA_SUCCESS:
             raise MemoryError(f"numba-flash: cuMemAlloc of {nbytes} bytes failed: {err!r}")
@@ -363,7 +363,7 @@ class _OutputPool:
         address, nbytes = self._take(stream, math.prod(shape) * dtype.itemsize)
         # The array's memory is a plain pointer owned by a lease: when the array and every view
         # of it are gone, the lease returns the block here.
-        memory = MemoryPointer(cuda.current_context(), binding.CUdeviceptr(address), nbytes,
+        memory = MemoryPointer(current_context(), binding.CUdeviceptr(address), nbytes,
                                owner=_Lease(self, address, stream, nbytes))
         key = (tuple(shape), dtype.str)
         template = self._templates.get(key)

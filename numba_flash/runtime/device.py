@@ -5,6 +5,8 @@ simulator there is no device to ask, so the simulator reports the H200's
 numbers: tests that check "too large for shared memory" then behave the same
 in CI as on the real card.
 """
+import ctypes
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -63,3 +65,45 @@ def device_limits() -> DeviceLimits:
     if in_simulator():
         return SIMULATED_DEVICE
     return _limits_of_device(cuda.get_current_device().id)
+
+
+# ---------------------------------------------------------------- the driver, called directly
+
+@lru_cache(maxsize=None)
+def libcuda():
+    """The CUDA driver library through ctypes' ``PyDLL`` (calls keep the GIL), or None if it cannot be loaded.
+
+    For the few calls made on every attention call (the launch, the current context): cuda-python's
+    binding checks and wraps each argument on every call, which a profile of a small call showed as
+    its largest host cost (experiments/host_profile.py).
+    """
+    try:
+        library = ctypes.PyDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        launch, get_context = library.cuLaunchKernel, library.cuCtxGetCurrent
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    get_context.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    launch.restype = get_context.restype = ctypes.c_int
+    return library
+
+
+_CONTEXTS = {}
+
+
+def current_context():
+    """Numba's object for the CUDA context current on this thread (creating the primary one if none is).
+
+    ``numba.cuda.current_context()`` asks the driver twice through cuda-python and walks Numba's
+    context stack on every call; here one direct driver call gives the handle, and each handle's
+    Numba object is looked up once.
+    """
+    library = libcuda()
+    if library is not None:
+        handle = ctypes.c_void_p()
+        if library.cuCtxGetCurrent(ctypes.byref(handle)) == 0 and handle.value:
+            context = _CONTEXTS.get(handle.value)
+            if context is None:
+                context = _CONTEXTS[handle.value] = cuda.current_context()
+            return context
+    return cuda.current_context()

@@ -12,7 +12,9 @@ Two ways to launch the same kernels:
   caller's stream.  Measured on the H200 (2026-11-30): 4.7 us per launch,
   against 29 us through ``_Kernel.launch`` with Numba arrays and 85 us
   through Numba's dispatcher with torch tensors, which types every argument
-  on every call.  This relies on numba-cuda internals (the compiled
+  on every call.  ``cuLaunchKernel`` itself is called through ctypes
+  (``device.libcuda``), not cuda-python's binding, which checks and wraps
+  each argument on every call.  This relies on numba-cuda internals (the compiled
   overload's ``_codelibrary.get_cufunc().handle``); setup.cfg pins the
   numba-cuda versions it was written against, and if they change shape the
   launch falls back to the dispatcher with a warning.
@@ -22,6 +24,7 @@ Two ways to launch the same kernels:
   bits).
 """
 import ctypes
+import functools
 import inspect
 import os
 import struct
@@ -33,7 +36,7 @@ from functools import cached_property
 import numpy as np
 from numba import cuda, from_dtype, types
 
-from .device import device_limits, in_simulator
+from .device import device_limits, in_simulator, libcuda
 
 _STATIC_SHARED_LIMIT = 48 * 1024
 #: "direct" or "dispatcher": how ``Launch`` starts kernels on a GPU (read once; tests may change it).
@@ -180,8 +183,13 @@ class Launch:
         self._handle = compiled._codelibrary.get_cufunc().handle
         if self.shared_bytes > _STATIC_SHARED_LIMIT:
             _opt_in_shared_memory(compiled, self.shared_bytes)
-        self._cuLaunchKernel = cuda_driver.cuLaunchKernel
-        self._success = cuda_driver.CUresult.CUDA_SUCCESS
+        library = libcuda()
+        shape = (self.grid, 1, 1, self.block, 1, 1, self.shared_bytes)
+        if library is not None:  # launch(stream, params, extra) -> CUresult as an int
+            self._launch = functools.partial(library.cuLaunchKernel, int(self._handle), *shape)
+        else:
+            binding, handle = cuda_driver.cuLaunchKernel, self._handle
+            self._launch = lambda stream, params, extra: int(binding(handle, *shape, stream, params, 0)[0])
         values, self._call_slots, self._keep = [], [], []
         for param in self.kernel.params:
             if param in self.kernel.arrays:
@@ -231,10 +239,9 @@ class Launch:
                     slots[slot] = value & _UINT64
                 else:
                     doubles[slot] = value
-            (err,) = self._cuLaunchKernel(self._handle, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes,
-                                          stream, self._params, 0)
-        if err != self._success:
-            raise RuntimeError(f"cuLaunchKernel of {self.kernel.name} failed: {err!r}")
+            err = self._launch(stream, self._params, None)
+        if err:  # CUDA_SUCCESS is 0
+            raise RuntimeError(f"cuLaunchKernel of {self.kernel.name} failed: error {int(err)}")
 
     # ---- fallback: Numba's dispatcher -------------------------------------------------------------
 
