@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import numba_flash
 import reference
-from strategies import BACKWARD_VARIANTS, FORWARD_VARIANTS, block_masks, causal_mask, problems, variants
+from strategies import (BACKWARD_VARIANTS, FORWARD_VARIANTS, block_masks, causal_mask, flash1_fits, problems,
+                        variants)
 from tolerances import assert_close_to_reference, backward_tolerance
 
 
@@ -91,7 +92,12 @@ def draw_case(data, algorithm, dtype):
     p = data.draw(problems(algorithm=algorithm, dtype=dtype, backward=True))
     bm = None
     if data.draw(st.booleans()):
-        bm = data.draw(block_masks(p.q.shape[-2], p.k.shape[-2], p.block_sizes if algorithm == "flash1" else None))[0]
+        # flash1 runs with tiles equal to the mask's blocks: the problem's tiles, or (default tiles) any
+        # blocks that its forward and backward can run.
+        d = p.q.shape[-1]
+        fits = (lambda blocks: flash1_fits(blocks, d, backward=True)) if algorithm == "flash1" else None
+        bm = data.draw(block_masks(p.q.shape[-2], p.k.shape[-2], p.block_sizes if algorithm == "flash1" else None,
+                                   fits=fits))[0]
     which = data.draw(st.sampled_from(["q", "k", "v", "all"]))
     for name in ("q", "k", "v"):
         if which in (name, "all"):

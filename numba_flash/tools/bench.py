@@ -223,6 +223,7 @@ def run_host(shape, dtype, calls, torch, baselines=()):
     backward through ``numba_flash.torch``, and torch's flash backend the same
     ways (its fastest path); the baselines' where given.
     """
+    import gc
     import time
 
     from numba import cuda
@@ -264,6 +265,11 @@ def run_host(shape, dtype, calls, torch, baselines=()):
                 rows.append(HostRow(shape, dtype, f"{name} ({note})", float("nan"), float("nan")))
                 continue
             torch.cuda.synchronize()
+            # A full garbage collection now, not inside the loop: after the first calls compiled
+            # kernels (many new objects), one would land in the first timed loop and cost more
+            # than its 1000 calls (seen on the H200: the first loop of a run at 184 us per call, every
+            # later one at 18-27 us).
+            gc.collect()
             start = time.perf_counter()
             for _ in range(calls):
                 call()
