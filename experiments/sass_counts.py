@@ -36,14 +36,16 @@ from numba_flash.kernels.fast.backward import make_dkdv, make_dq  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 
 OPCODES = ("LDS", "LDSM", "HMMA", "STS", "LDG", "LDGSTS", "BAR", "FFMA", "MUFU", "F2FP", "SHFL")
-#: (head dim, forward tiles): the default tiles at both head dims (tiling.FORWARD_BLOCK_SIZES); backward (128, 64).
+#: (head dim, forward tiles): the default tiles at both head dims (tiling.FORWARD_BLOCK_SIZES), the forward with
+#: warps of 16 and of 32 query rows; backward (128, 64).
 CASES = ((64, (128, 64)), (128, (128, 64)))
 
 
 def kernels(precision):
     for d, tiles in CASES:
-        yield make_forward(*tiles, d, precision, True, False, False, False)
-        yield make_forward(*tiles, d, precision, True, True, False, False)
+        for warp_rows in (16, 32):  # tiling.FORWARD_WARP_ROWS
+            yield make_forward(*tiles, d, precision, True, False, False, False, WARP_ROWS=warp_rows)
+            yield make_forward(*tiles, d, precision, True, True, False, False, WARP_ROWS=warp_rows)
         yield make_dkdv(128, 64, d, precision, True, False, False, False)
         yield make_dq(128, 64, d, precision, True, False, False, False)
 
@@ -63,20 +65,36 @@ def sass_counts(kernel, folder):
     sass = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
                                                                sass))
-    return registers, spills, ops
+    return registers, spills, ops, hot_loop(sass)
+
+
+def hot_loop(sass):
+    """(instructions, HMMA) of the body of the backward branch whose body holds the most HMMA: the
+    inner loop, counted once per iteration (at d = 128 the compiler may split an iteration over more
+    than one such body, so compare kernels of the same d)."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = (0, 0)
+    for address, text in lines:
+        branch = re.search(r"BRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
+            hmma = sum("HMMA" in t for t in body)
+            if (hmma, -len(body)) > (best[1], -best[0]):
+                best = (len(body), hmma)
+    return best
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
-    lines = ["| kernel | registers | spill bytes | " + " | ".join(OPCODES) + " |",
-             "|---|---|---|" + "---|" * len(OPCODES)]
+    lines = ["| kernel | registers | spill bytes | loop instructions | loop HMMA | " + " | ".join(OPCODES) + " |",
+             "|---|---|---|---|---|" + "---|" * len(OPCODES)]
     with tempfile.TemporaryDirectory() as folder:
         for precision in ("f16", "bf16"):
             for kernel in kernels(precision):
-                registers, spills, ops = sass_counts(kernel, folder)
-                lines.append(f"| {kernel.name} | {registers} | {spills} | "
+                registers, spills, ops, (loop, loop_hmma) = sass_counts(kernel, folder)
+                lines.append(f"| {kernel.name} | {registers} | {spills} | {loop} | {loop_hmma} | "
                              + " | ".join(str(ops.get(op, 0)) for op in OPCODES) + " |")
                 print(lines[-1], flush=True)
     if args.out:

@@ -154,9 +154,10 @@ def row_stride(d_pad, sixteen_bit):
     return padded_stride(d_pad // 2 if sixteen_bit else d_pad, 4)
 
 
-def flash2_threads(block_rows):
-    """Threads of a flash2 block: one warp per 16 rows of the tile it owns."""
-    return 32 * (block_rows // ROWS_PER_WARP)
+def flash2_threads(block_rows, warp_rows=ROWS_PER_WARP):
+    """Threads of a flash2 block: one warp per ``warp_rows`` rows of the tile it owns (16 unless the
+    forward's ``flash2_forward_warp_rows`` says 32)."""
+    return 32 * (block_rows // warp_rows)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,21 @@ FORWARD_BLOCK_SIZES = {
     "tf32x3": [(64, (128, 32)), (128, (128, 32)), (256, (32, 32))],
     "f16": [(64, (128, 64)), (128, (128, 64)), (256, (64, 32))],
 }
+#: Query rows a warp of flash2's forward owns, per precision: 16 (one mma fragment of rows) or 32 (two,
+#: which share every K_j and V_j fragment the warp loads from shared memory: half the shared-memory
+#: reads per product, as FlashAttention-2's warps have, for twice the accumulator registers).  32 is
+#: built and tested (the simulator suite with this table set to 32: tests/test_forward.py) but not
+#: yet timed on the H200, so 16 stays until a run says otherwise.
+FORWARD_WARP_ROWS = {"tf32x3": ROWS_PER_WARP, "f16": ROWS_PER_WARP}
+
+
+def flash2_forward_warp_rows(block_m, precision):
+    """The query rows per warp of flash2's forward for B_r = block_m (``FORWARD_WARP_ROWS``, when B_r is a
+    multiple of it)."""
+    rows = FORWARD_WARP_ROWS["f16" if precision == "bf16" else precision]
+    return rows if block_m % rows == 0 else ROWS_PER_WARP
+
+
 #: Default backward (B_r, B_c) per (precision, causal), for head dims up to each bound.  Chosen on
 #: the H200 by ``experiments/tune_flash2.py --backward`` ((B,H,N,d) = (4,16,4096,d), non-causal;
 #: experiments/results/tune_flash2_backward.md) and checked by interleaved timings of the

@@ -63,6 +63,26 @@ def inlined_device_function(fn):
     return cuda.jit(device=True)(fn) if in_simulator() else cuda.jit(device=True, forceinline=True)(fn)
 
 
+def unrolled(functions):
+    """One inlined device function that calls ``functions`` in order, each with the same arguments.
+
+    For a loop over a compile-time range whose body is long (a row of scores per step, say): NVVM
+    leaves such a loop rolled, and then the index is not a compile-time constant, which sends every
+    local array it indexes to local memory (ptxas: a stack frame of the array's size).  Each function
+    here has its step baked in (a closure), so the chain is straight-line code.
+    """
+    if len(functions) == 1:
+        return functions[0]
+    head, rest = functions[0], unrolled(functions[1:])
+
+    @inlined_device_function
+    def both(*args):
+        head(*args)
+        rest(*args)
+
+    return both
+
+
 _opted_in = set()
 
 
@@ -265,4 +285,4 @@ class Launch:
                stream=numba_stream(stream))
 
 
-__all__ = ["Kernel", "Launch", "cuda_kernel", "inlined_device_function", "launch", "LAUNCH_MODE"]
+__all__ = ["Kernel", "Launch", "cuda_kernel", "inlined_device_function", "launch", "unrolled", "LAUNCH_MODE"]

@@ -298,8 +298,8 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                                partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold,
                                keep_scale, seed0, seed1, smem, stage)
                 # dV_j += (P o Z)^T dO_i and dK_j += dS^T Q_i, from the registers.
-                accumulate_product(dv_acc, float32(1), float32(1), st, smem, DO_HI + stage, DO_LO + stage, g, t)
-                accumulate_product(dk_acc, float32(1), float32(1), dpt, smem, Q_HI + stage, Q_LO + stage, g, t)
+                accumulate_product(dv_acc, (float32(1), float32(1)), st, smem, DO_HI + stage, DO_LO + stage, g, t)
+                accumulate_product(dk_acc, (float32(1), float32(1)), dpt, smem, Q_HI + stage, Q_LO + stage, g, t)
 
         for half in range(2):
             key = key0 + 8 * half
@@ -480,7 +480,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                            n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c,
                            keep_threshold, keep_scale, seed0, seed1)
             # dQ_i += dS K_j
-            accumulate_product(dq_acc, float32(1), float32(1), s, smem, K_HI + stage, K_LO + stage, g, t)
+            accumulate_product(dq_acc, (float32(1), float32(1)), s, smem, K_HI + stage, K_LO + stage, g, t)
 
         for half in range(2):
             row = q0 + row0 + 8 * half

@@ -169,17 +169,30 @@ def sequence_bounds(VARLEN):
 
 
 @inlined_device_function
-def allowed(row, key, n_q, n_k, causal, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
-            mask_t_c):
-    """Whether query ``row`` may attend to ``key``: inside both sequences, causal (key <= row + causal_offset),
-    and the block mask's element (i, j) where the tile is only partly covered by it."""
-    if row >= n_q or key >= n_k:
-        return False
-    if causal and key > row + causal_offset:
+def keys_end(row, n_q, n_k, causal, causal_offset):
+    """The keys that query ``row`` may see by the sequence bounds and the causal mask: 0 .. keys_end - 1."""
+    if row >= n_q:
+        return 0
+    return min(n_k, row + causal_offset + 1) if causal else n_k
+
+
+@inlined_device_function
+def allowed_below(end, row, key, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
+    """``allowed`` with the row's ``keys_end`` computed once for all its keys."""
+    if key >= end:
         return False
     if partly_masked:
         return load_word(M, (bh * mask_t_r + row // mask_rows) * mask_t_c + key // mask_cols) != 0
     return True
+
+
+@inlined_device_function
+def allowed(row, key, n_q, n_k, causal, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
+            mask_t_c):
+    """Whether query ``row`` may attend to ``key``: inside both sequences, causal (key <= row + causal_offset),
+    and the block mask's element (i, j) where the tile is only partly covered by it."""
+    return allowed_below(keys_end(row, n_q, n_k, causal, causal_offset), row, key, partly_masked, M, bh, mask_rows,
+                         mask_cols, mask_t_r, mask_t_c)
 
 
 @inlined_device_function

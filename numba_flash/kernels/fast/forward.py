@@ -13,19 +13,28 @@ The inner loop, one key tile K_j, V_j per iteration::
 
     land_kv          tile j (started last iteration) complete in shared memory, then a barrier
     start_kv         tile j + 1 on its way, in flight while we compute on tile j
-    S = Q K^T        ``rows_by_rows_t``: each warp its 16 query rows
-    mask_scores      -inf where a query may not see a key
+    S = Q K^T        ``rows_by_rows_t``: each warp its 16 (or 32) query rows
+    mask_scores      (tiles some query may not fully see) -inf where a query may not see a key
     online_softmax   m_new = c max S, P = exp2(c S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
     dropout          Algorithm 2's Z on P (after l: l and m see the undropped weights)
-    poison_weights   (partly masked tiles) NaN where an allowed key's value row held one
+    poison_weights   (a lane's keys of a partly masked tile with a NaN value row) NaN where allowed
     O = alpha O + P V ``accumulate_product``: P straight from the S registers
 
 How it is fast, and what each trick costs in clarity:
 
 * **Tensor cores from Numba.**  numba-cuda exposes no matrix instructions,
   so ``primitives.py`` emits PTX ``mma.sync`` through intrinsics.  Each warp
-  owns 16 query rows and computes its 16 x BLOCK_N slice of S = Q K^T and its
-  16 x d slice of O += P V as 16x8 tiles, one ``mma`` per tile and k-step.
+  owns 16 query rows (or 32: ``WARP_ROWS``) and computes its 16 x BLOCK_N slice
+  of S = Q K^T and its 16 x d slice of O += P V as 16x8 tiles, one ``mma`` per
+  tile and k-step.
+* **32 rows per warp** (``tiling.FORWARD_WARP_ROWS``; built and tested, not
+  yet timed): two 16-row fragments per warp share every K_j and V_j fragment
+  the warp loads from shared memory, as FlashAttention-2's warps do, so the
+  block reads its tiles from shared memory half as often per product, for
+  twice the accumulator registers (255, and 4 warps per block).  SASS of the
+  key-tile loop at (128, 64), d = 64: 623 instructions for 64 mma per warp of
+  16 rows, 1000 for 128 per warp of 32 (4000 against 4984 per block and
+  tile; experiments/results/warp_rows_sass.md).
 * **float32 stays float32 (3xTF32).**  A tensor-core product of float32
   inputs rounds them to tf32 (10 mantissa bits, ~3e-4 relative error).  We
   split every operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi) and
@@ -89,17 +98,18 @@ from numba import cuda, float32, uint32, uint64
 from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
-from ...tiling import ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_stages, flash2_threads, padded_head_dim
-from .common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, dropout_arguments,
+from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
+                       flash2_threads, padded_head_dim)
+from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments,
                      dropout_words, kernel_name, lane_flags, sequence_arguments, sequence_bounds, tile_coordinates,
-                     tile_copier, tile_movers, warp_lane, word_extent)
+                     keys_end, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
-                 POSITIVE_SCALE=True):
+                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale).
 
@@ -112,13 +122,17 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     share a query tile's keys, each writing its partial O (float32, normalised by its own l) and lse at
     ``split * o_split`` and ``split * lse_split``; ``cache.py`` merges them by their lse.  POSITIVE_SCALE:
     the scale goes into the exponent's FMA (see ``online_softmax``); a scale <= 0 gets a kernel that
-    scales the scores first.
+    scales the scores first.  WARP_ROWS: the query rows a warp owns, 16 or 32 (two fragments that share
+    every K and V fragment loaded, as FlashAttention-2's warps do; ``tiling.flash2_forward_warp_rows``).
     """
     SIXTEEN = PRECISION != "tf32x3"
-    THREADS = flash2_threads(BLOCK_M)
+    THREADS = flash2_threads(BLOCK_M, WARP_ROWS)
+    WARP_TILES = WARP_ROWS // ROWS_PER_WARP   # 16-row fragments per warp
+    LANE_ROWS = 2 * WARP_TILES   # a lane's rows: g + 8 r (``fragments``: rows m X + x of s and acc)
     N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
-    POISON_WORDS = -(-N_TILES // 16)  # a bit per entry of a lane's S fragment
+    S_ROWS = WARP_TILES * N_TILES                  # rows of a lane's S (and P) fragments
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
+    O_ROWS = WARP_TILES * D_TILES  # rows of a lane's O fragments
     WORD = uint32 if SIXTEEN else float32
     STAGES = flash2_stages(flash2_forward_smem, BLOCK_M, BLOCK_N, D_PAD, precision=PRECISION, vec=VEC)
     ASYNC = STAGES == 2                          # K_j, V_j by cp.async into the other buffer
@@ -136,7 +150,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
     copy_key_rows, wait_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS) if ASYNC else (None, None)
-    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION)
+    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
                                                                                                    VEC)
@@ -173,90 +187,98 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 store_word(smem, V_NAN + key, sanitize_key_row(smem, V_HI + stage, key))
 
     @inlined_device_function
-    def mask_scores(s, poison, masked, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked,
-                    M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
-        """-inf where the query may not see the key (a scale <= 0 first scales the scores to log2 units);
-        ``poison`` marks the allowed entries whose value row held a NaN (v_nan: the lane's key flags,
-        ``lane_flags``), bit 4 (nt % 16) + 2 half + e of poison[nt // 16]."""
-        for w in range(POISON_WORDS):
-            poison[w] = uint64(0)
-        for nt in range(N_TILES):
-            for half in range(2):
-                row = q0 + row0 + 8 * half
+    def mask_scores(s, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols,
+                    mask_t_r, mask_t_c):
+        """-inf where the query may not see the key (a scale <= 0 first scales the scores to log2 units).
+        One compare per entry once the row's visible keys are known, so that NVVM unrolls the loops
+        (rolled, a run-time index would send s to local memory)."""
+        for r in range(LANE_ROWS):
+            row = q0 + row0 + 8 * r
+            end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
+            for nt in range(N_TILES):
+                x_row, half = (r // 2) * N_TILES + nt, r % 2
                 for e in range(2):
-                    x = s[nt, 2 * half + e] if POSITIVE_SCALE else s[nt, 2 * half + e] * c_log2
-                    if masked:
-                        if not allowed(row, k0 + nt * 8 + 2 * t + e, n_q, n_k, CAUSAL, causal_offset, partly_masked,
-                                       M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
-                            x = float32(NEG_INF)
-                        elif (v_nan >> uint64(2 * nt + e)) & uint64(1):
-                            poison[nt // 16] |= uint64(1) << uint64(4 * (nt % 16) + 2 * half + e)
-                    s[nt, 2 * half + e] = x
+                    x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
+                    if not allowed_below(end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows,
+                                         mask_cols, mask_t_r, mask_t_c):
+                        x = float32(NEG_INF)
+                    s[x_row, 2 * half + e] = x
 
     @inlined_device_function
-    def poison_weights(s, poison):
-        """P = NaN where ``mask_scores`` marked it: O is NaN there, l and lse stay those of the logits."""
-        for nt in range(N_TILES):
-            for i in range(4):
-                if (poison[nt // 16] >> uint64(4 * (nt % 16) + i)) & uint64(1):
-                    s[nt, i] = float32(math.nan)
+    def poison_weights(s, v_nan, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
+                       mask_cols, mask_t_r, mask_t_c):
+        """P = NaN where the key is allowed and its value row held a NaN (v_nan: the lane's key flags,
+        ``lane_flags``): O is NaN there, while l and lse stay those of the logits."""
+        for r in range(LANE_ROWS):
+            row = q0 + row0 + 8 * r
+            end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
+            for nt in range(N_TILES):
+                x_row, half = (r // 2) * N_TILES + nt, r % 2
+                for e in range(2):
+                    if (v_nan >> uint64(2 * nt + e)) & uint64(1) and allowed_below(
+                            end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
+                            mask_t_c):
+                        s[x_row, 2 * half + e] = float32(math.nan)
 
     @inlined_device_function
-    def online_softmax(s, m_i, l_i, half, c_log2):
-        """Row ``half`` of the lane (g or g + 8): new max, P = exp2(c S - m) in place, l updated; returns alpha.
+    def online_softmax(s, m_i, l_i, r, c_log2):
+        """The lane's row r (g + 8 r): new max, P = exp2(c S - m) in place, l updated; returns alpha.
 
         With a positive scale c the row max is taken over the unscaled scores and scaled once (c > 0
         keeps their order), and c S - m is one FMA per entry: a multiply per entry fewer than scaling
         the scores first, as FlashAttention-2 does.  m, l and lse are in log2 units either way.
         """
+        first, half = (r // 2) * N_TILES, r % 2     # the row's entries: s[first + nt, 2 half + e]
         m_tile = float32(NEG_INF)
         for nt in range(N_TILES):
-            m_tile = max(m_tile, max(s[nt, 2 * half], s[nt, 2 * half + 1]))
+            m_tile = max(m_tile, max(s[first + nt, 2 * half], s[first + nt, 2 * half + 1]))
         # The four lanes of a row hold different columns: combine them.
         m_tile = max(m_tile, shfl_xor(m_tile, 1))
         m_tile = max(m_tile, shfl_xor(m_tile, 2))
         if POSITIVE_SCALE:
             m_tile *= c_log2
-        m_new = max(m_i[half], m_tile)
+        m_new = max(m_i[r], m_tile)
         # A row that has seen no allowed key keeps m = -inf; shifting by 0
         # instead makes every exp2 below exactly 0 rather than NaN.
         shift = m_new if m_new != float32(NEG_INF) else float32(0)
-        alpha = exp2(m_i[half] - shift)
+        alpha = exp2(m_i[r] - shift)
         row_sum = float32(0)
         for nt in range(N_TILES):
             for e in range(2):
-                p = exp2(cuda.fma(s[nt, 2 * half + e], c_log2, -shift) if POSITIVE_SCALE
-                         else s[nt, 2 * half + e] - shift)
-                s[nt, 2 * half + e] = p
+                x = s[first + nt, 2 * half + e]
+                p = exp2(cuda.fma(x, c_log2, -shift) if POSITIVE_SCALE else x - shift)
+                s[first + nt, 2 * half + e] = p
                 row_sum += p
-        l_i[half] = alpha * l_i[half] + row_sum
-        m_i[half] = m_new
+        l_i[r] = alpha * l_i[r] + row_sum
+        m_i[r] = m_new
         return alpha
 
     @inlined_device_function
     def dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1):
         """Algorithm 2, lines 14-15: drop P entries (kept ones scaled by 1 / (1 - p))."""
-        for half in range(2):
-            row = q0 + row0 + 8 * half
+        for r in range(LANE_ROWS):
+            row = q0 + row0 + 8 * r
+            half = r % 2
             for nt in range(N_TILES):
+                x_row = (r // 2) * N_TILES + nt
                 first, second = dropout_words(row, k0 + nt * 8 + 2 * t, bh, seed0, seed1, t)
-                s[nt, 2 * half] *= float32(keep_scale) if first >= keep_threshold else float32(0)
-                s[nt, 2 * half + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
+                s[x_row, 2 * half] *= float32(keep_scale) if first >= keep_threshold else float32(0)
+                s[x_row, 2 * half + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
 
     @inlined_device_function
     def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim):
         """O_i = acc / l and lse = m + log l, once; a row with no allowed key gets O = 0, lse = -inf."""
-        for half in range(2):
-            l_row = l_i[half]
+        for r in range(LANE_ROWS):
+            l_row = l_i[r]
             l_row += shfl_xor(l_row, 1)
             l_row += shfl_xor(l_row, 2)
-            row = q0 + row0 + 8 * half
+            row = q0 + row0 + 8 * r
             # l is 0 only for a row that saw no allowed key; NaN stays NaN.
             inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
             if row < n_q:
-                store_fragment_row(O, acc, half, o_row + row * o_sn, head_dim, inv_l, t)
+                store_fragment_row(O, acc, r, o_row + row * o_sn, head_dim, inv_l, t)
                 if t == 0:
-                    LSE[lse_first + row] = (m_i[half] * float32(1 / LOG2_E) + math.log(l_row)
+                    LSE[lse_first + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
                                           if l_row != float32(0) else float32(NEG_INF))
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
@@ -282,7 +304,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             return
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
-        row0 = warp * ROWS_PER_WARP + g          # this lane's rows: row0 and row0 + 8
+        row0 = warp * WARP_ROWS + g              # this lane's rows: row0 + 8 r, r < LANE_ROWS
         k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn   # row 0 of this head's K (and V below)
         v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
@@ -293,20 +315,20 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
         commit_q(smem, q_regs, Q_HI, Q_LO, tid)
 
-        m_i = cuda.local.array(2, float32)       # running max (log2 units) of rows row0, row0 + 8
-        l_i = cuda.local.array(2, float32)       # running sum, this lane's columns only
-        acc = cuda.local.array((D_TILES, 4), float32)
-        s = cuda.local.array((N_TILES, 4), float32)
-        poison = cuda.local.array(POISON_WORDS, uint64)     # weights to make NaN (see mask_scores)
+        m_i = cuda.local.array(LANE_ROWS, float32)    # running max (log2 units) of the lane's rows
+        l_i = cuda.local.array(LANE_ROWS, float32)    # running sum, this lane's columns only
+        alpha = cuda.local.array(LANE_ROWS, float32)  # this tile's rescale of O, per row
+        acc = cuda.local.array((O_ROWS, 4), float32)
+        s = cuda.local.array((S_ROWS, 4), float32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
         k_regs = cuda.local.array((K_ITERS, 4), WORD)
         v_regs = cuda.local.array((K_ITERS, 4), WORD)
-        for half in range(2):
-            m_i[half] = float32(NEG_INF)
-            l_i[half] = float32(0)
-        for dt in range(D_TILES):
+        for r in range(LANE_ROWS):
+            m_i[r] = float32(NEG_INF)
+            l_i[r] = float32(0)
+        for x_row in range(O_ROWS):
             for e in range(4):
-                acc[dt, e] = float32(0)
+                acc[x_row, e] = float32(0)
 
         # ---- the key tiles this query tile visits ----
         if HAS_MASK:  # listed by the host
@@ -350,17 +372,19 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 sanitize_v(smem, stage, tid)
                 cuda.syncthreads()  # V_j without NaN, and its flags, before any warp reads them
 
-            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * ROWS_PER_WARP, g, t)  # S = Q_i K_j^T
+            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * WARP_ROWS, g, t)  # S = Q_i K_j^T
             v_nan = key_flags(smem, V_NAN, t) if mixed else uint64(0)
-            mask_scores(s, poison, mixed or k0 + BLOCK_N > n_k, v_nan, c_log2, q0, row0, k0, t, n_q, n_k,
-                        causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
-            alpha0 = online_softmax(s, m_i, l_i, 0, c_log2)
-            alpha1 = online_softmax(s, m_i, l_i, 1, c_log2)
+            if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
+                mask_scores(s, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
+                            mask_cols, mask_t_r, mask_t_c)
+            for r in range(LANE_ROWS):
+                alpha[r] = online_softmax(s, m_i, l_i, r, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
-            if mixed:
-                poison_weights(s, poison)
-            accumulate_product(acc, alpha0, alpha1, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
+            if v_nan != uint64(0):  # this lane's keys of a partly masked tile include a NaN value row
+                poison_weights(s, v_nan, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
+                               mask_cols, mask_t_r, mask_t_c)
+            accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,
                      split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim)
@@ -368,6 +392,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
                                       HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else "")
+                  + ("" if WARP_ROWS == ROWS_PER_WARP else f"_warp{WARP_ROWS}")
                   + ("" if POSITIVE_SCALE else "_nonpositive_scale"),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
@@ -399,8 +424,9 @@ def forward_launch(call, splits=1):
     stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
+    warp_rows = flash2_forward_warp_rows(block_m, call.precision)
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None, splits > 1, positive_scale)
+                          call.varlen is not None, splits > 1, positive_scale, warp_rows)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -424,5 +450,5 @@ def forward_launch(call, splits=1):
     per_call = ("Q", "K", "V", "O", "LSE") + (("q_bounds", "k_bounds") if call.varlen else ()) + ("seed0", "seed1")
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
-    return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m),
+    return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows),
                   flash2_forward_smem(block_m, block_n, d_pad, call.precision, stages).bytes, fixed, per_call, extents)

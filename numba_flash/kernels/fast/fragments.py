@@ -1,8 +1,13 @@
 """The warp-level tile products that flash2's forward and backward kernels share.
 
-A warp owns 16 rows of a 16 x OTHER fragment (OTHER: the width of the tile
-it streams, in 8-wide column tiles) and multiplies through the tensor cores
-(``primitives.py`` has the fragment layouts; lane = 4 g + t):
+A warp owns M_TILES fragments of 16 rows (one in the backward; one or two in
+the forward, ``tiling.flash2_forward_warp_rows``), each 16 x OTHER (OTHER:
+the width of the tile it streams, in 8-wide column tiles), and multiplies
+through the tensor cores (``primitives.py`` has the fragment layouts; lane =
+4 g + t).  A warp's fragments of X column tiles are one local array of
+M_TILES X rows: fragment m's column tile x is row m X + x, and the lane's
+rows of the tile are g + 16 m and g + 16 m + 8 (its row r = 0, 1, 2, ... is
+g + 8 r).
 
 * ``rows_by_rows_t``: acc += A B^T with A and B row-major tiles in shared
   memory, contracting over the head dim: S = Q K^T, dP = dO V^T and the
@@ -19,9 +24,9 @@ it streams, in 8-wide column tiles) and multiplies through the tensor cores
   error grow linearly in N.  One tile's chain is short; the adds across
   tiles round to nearest.  The fresh fragment covers CHUNK head-dim tiles at
   a time, so it costs 4 CHUNK registers, not d / 2.
-* ``store_fragment_row`` (from ``fragment_row_store``): one of a lane's two
-  rows of a 16 x d accumulator, scaled, to device memory: the forward's O_i
-  and the backward's dK, dV and dQ.
+* ``store_fragment_row`` (from ``fragment_row_store``): one of a lane's
+  rows of its d-wide accumulators, scaled, to device memory: the forward's
+  O_i and the backward's dK, dV and dQ.
 
 For tf32 (k = 8) ``accumulate_product`` renumbers the accumulator's columns
 (2t, 2t + 1) as k-indices t and t + 4 inside each k-step, and reads B with
@@ -43,7 +48,7 @@ from functools import lru_cache
 
 from numba import cuda, float32, uint32
 
-from ...runtime.launch import inlined_device_function
+from ...runtime.launch import inlined_device_function, unrolled
 from ...tiling import row_stride
 from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16,
                          mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round, f32_as_u32,
@@ -101,22 +106,30 @@ def widening(PRECISION):
 
 
 @lru_cache(maxsize=None)
-def tile_products(OTHER, D_PAD, PRECISION):
-    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD."""
+def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
+    """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD, for a warp
+    that owns M_TILES fragments of 16 rows (module docstring: ``fragment [m, x]`` is row ``m * X + x``)."""
     SIXTEEN = PRECISION != "tf32x3"
     RS = row_stride(D_PAD, SIXTEEN)
     O_TILES = OTHER // 8            # 8-wide column tiles of a 16 x OTHER fragment
     D_TILES = D_PAD // 8
     QK_STEPS = D_PAD // (16 if SIXTEEN else 8)
     CHUNK = min(D_TILES, PRODUCT_CHUNK)
+    ACC_ROWS = M_TILES * O_TILES    # rows of the warp's fragments of S-like products
     mma16, pack = sixteen_bit_ops(PRECISION) if SIXTEEN else (None, None)
 
     @inlined_device_function
     def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
-        """acc[ot] = A[a_row0 + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B)."""
-        for ot in range(O_TILES):
+        """acc[m, ot] = A[a_row0 + 16 m + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B).
+
+        Every B fragment loaded serves the warp's M_TILES row fragments: the reuse that lets a warp of 32
+        rows read K_j from shared memory half as often per product as a warp of 16.
+        """
+        for i in range(ACC_ROWS):
             for e in range(4):
-                acc[ot, e] = float32(0)
+                acc[i, e] = float32(0)
+        a = cuda.local.array((M_TILES, 4), uint32)      # A fragments (tf32: hi), one per 16 rows
+        a_lo = cuda.local.array((M_TILES, 4), uint32)   # tf32 only: the lo halves
         # 16-bit fragments through ldmatrix: lane l names row l % 8 of matrix l // 8 (``primitives``).  A's
         # four matrices are (rows 0-7 | 8-15) x (k 0-7 | 8-15), rows fastest; B's two, of 8-row tile ot, are
         # k 0-7 and 8-15 (two, not four: B's registers stay as few as with 32-bit loads).
@@ -126,44 +139,50 @@ def tile_products(OTHER, D_PAD, PRECISION):
         b_lane = B_HI + row_in_matrix * RS + (matrix & 1) * 4
         for ks in range(QK_STEPS):
             if SIXTEEN:
-                a0, a1, a2, a3 = ldmatrix_x4(smem, a_lane, ks * 8)
+                for m in range(M_TILES):
+                    a[m, 0], a[m, 1], a[m, 2], a[m, 3] = ldmatrix_x4(smem, a_lane, m * 16 * RS + ks * 8)
                 # Each B fragment is loaded one product ahead, so that no mma waits on its own load.
                 b0, b1 = ldmatrix_x2(smem, b_lane, ks * 8)
                 for ot in range(O_TILES):
                     if ot + 1 < O_TILES:
                         n0, n1 = ldmatrix_x2(smem, b_lane, (ot + 1) * 8 * RS + ks * 8)
-                    c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
-                    acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
+                    for m in range(M_TILES):
+                        i = m * O_TILES + ot
+                        c0, c1, c2, c3 = mma16(a[m, 0], a[m, 1], a[m, 2], a[m, 3], b0, b1,
+                                               acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3])
+                        acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3] = c0, c1, c2, c3
                     if ot + 1 < O_TILES:
                         b0, b1 = n0, n1
             else:
-                a_row = (a_row0 + g) * RS + ks * 8 + t
-                ah0 = load_word(smem, A_HI + a_row)
-                ah1 = load_word(smem, A_HI + a_row + 8 * RS)
-                ah2 = load_word(smem, A_HI + a_row + 4)
-                ah3 = load_word(smem, A_HI + a_row + 8 * RS + 4)
-                al0 = load_word(smem, A_LO + a_row)
-                al1 = load_word(smem, A_LO + a_row + 8 * RS)
-                al2 = load_word(smem, A_LO + a_row + 4)
-                al3 = load_word(smem, A_LO + a_row + 8 * RS + 4)
+                for m in range(M_TILES):
+                    a_row = (a_row0 + 16 * m + g) * RS + ks * 8 + t
+                    for e in range(4):  # rows g, g + 8; k t, t + 4
+                        at = a_row + (e & 1) * 8 * RS + (e >> 1) * 4
+                        a[m, e] = load_word(smem, A_HI + at)
+                        a_lo[m, e] = load_word(smem, A_LO + at)
                 for ot in range(O_TILES):
                     b_row = (ot * 8 + g) * RS + ks * 8 + t
-                    c0, c1, c2, c3 = mma_3xtf32(
-                        ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                        load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + 4),
-                        load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + 4),
-                        acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3])
-                    acc[ot, 0], acc[ot, 1], acc[ot, 2], acc[ot, 3] = c0, c1, c2, c3
+                    bh0, bh1 = load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + 4)
+                    bl0, bl1 = load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + 4)
+                    for m in range(M_TILES):
+                        i = m * O_TILES + ot
+                        c0, c1, c2, c3 = mma_3xtf32(a[m, 0], a[m, 1], a[m, 2], a[m, 3],
+                                                    a_lo[m, 0], a_lo[m, 1], a_lo[m, 2], a_lo[m, 3],
+                                                    bh0, bh1, bl0, bl1, acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3])
+                        acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3] = c0, c1, c2, c3
 
     def product_chunk(FIRST, COUNT):
-        """acc[FIRST:FIRST + COUNT] = alpha acc + (P . B)[FIRST:FIRST + COUNT], through a fresh fragment."""
+        """acc[m, FIRST:FIRST + COUNT] = alpha acc + (P . B)[m, FIRST:FIRST + COUNT], through a fresh fragment."""
+        TILE_ROWS = M_TILES * COUNT
 
         @inlined_device_function
-        def chunk(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t):
-            tile = cuda.local.array((COUNT, 4), float32)
-            for c in range(COUNT):
+        def chunk(acc, alpha, p, smem, B_HI, B_LO, g, t):
+            tile = cuda.local.array((TILE_ROWS, 4), float32)
+            for i in range(TILE_ROWS):
                 for e in range(4):
-                    tile[c, e] = float32(0)
+                    tile[i, e] = float32(0)
+            a = cuda.local.array((M_TILES, 4), uint32)      # P as the A operand (tf32: hi), per 16 rows
+            a_lo = cuda.local.array((M_TILES, 4), uint32)   # tf32 only: the lo halves
             if SIXTEEN:
                 # Row-major B through ldmatrix.trans: lane l < 16 names row l % 8 of matrix l // 8, the
                 # matrices (k 0-7 | 8-15) x (d tile FIRST + c): b0 and b1 of one d tile.  (x4 for two d tiles
@@ -171,70 +190,69 @@ def tile_products(OTHER, D_PAD, PRECISION):
                 row_in_matrix = 4 * (g & 1) + t
                 b_lane = B_HI + (((g >> 1) & 1) * 8 + row_in_matrix) * RS + FIRST * 4
                 for ks in range(O_TILES // 2):
-                    a0 = pack(p[2 * ks, 0], p[2 * ks, 1])
-                    a1 = pack(p[2 * ks, 2], p[2 * ks, 3])
-                    a2 = pack(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
-                    a3 = pack(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
+                    for m in range(M_TILES):
+                        k0, k1 = m * O_TILES + 2 * ks, m * O_TILES + 2 * ks + 1
+                        a[m, 0] = pack(p[k0, 0], p[k0, 1])
+                        a[m, 1] = pack(p[k0, 2], p[k0, 3])
+                        a[m, 2] = pack(p[k1, 0], p[k1, 1])
+                        a[m, 3] = pack(p[k1, 2], p[k1, 3])
                     b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS)
                     for c in range(COUNT):   # B one product ahead, as in rows_by_rows_t
                         if c + 1 < COUNT:
                             n0, n1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS + (c + 1) * 4)
-                        c0, c1, c2, c3 = mma16(a0, a1, a2, a3, b0, b1, tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
-                        tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+                        for m in range(M_TILES):
+                            i = m * COUNT + c
+                            c0, c1, c2, c3 = mma16(a[m, 0], a[m, 1], a[m, 2], a[m, 3], b0, b1,
+                                                   tile[i, 0], tile[i, 1], tile[i, 2], tile[i, 3])
+                            tile[i, 0], tile[i, 1], tile[i, 2], tile[i, 3] = c0, c1, c2, c3
                         if c + 1 < COUNT:
                             b0, b1 = n0, n1
             else:
                 for ks in range(O_TILES):
                     # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).
-                    ah0, al0 = split_tf32(p[ks, 0])
-                    ah1, al1 = split_tf32(p[ks, 2])
-                    ah2, al2 = split_tf32(p[ks, 1])
-                    ah3, al3 = split_tf32(p[ks, 3])
+                    for m in range(M_TILES):
+                        k = m * O_TILES + ks
+                        a[m, 0], a_lo[m, 0] = split_tf32(p[k, 0])
+                        a[m, 1], a_lo[m, 1] = split_tf32(p[k, 2])
+                        a[m, 2], a_lo[m, 2] = split_tf32(p[k, 1])
+                        a[m, 3], a_lo[m, 3] = split_tf32(p[k, 3])
                     for c in range(COUNT):
                         b_row = (ks * 8 + 2 * t) * RS + (FIRST + c) * 8 + g
-                        c0, c1, c2, c3 = mma_3xtf32(
-                            ah0, ah1, ah2, ah3, al0, al1, al2, al3,
-                            load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + RS),
-                            load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + RS),
-                            tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3])
-                        tile[c, 0], tile[c, 1], tile[c, 2], tile[c, 3] = c0, c1, c2, c3
+                        bh0, bh1 = load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + RS)
+                        bl0, bl1 = load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + RS)
+                        for m in range(M_TILES):
+                            i = m * COUNT + c
+                            c0, c1, c2, c3 = mma_3xtf32(a[m, 0], a[m, 1], a[m, 2], a[m, 3],
+                                                        a_lo[m, 0], a_lo[m, 1], a_lo[m, 2], a_lo[m, 3],
+                                                        bh0, bh1, bl0, bl1, tile[i, 0], tile[i, 1], tile[i, 2],
+                                                        tile[i, 3])
+                            tile[i, 0], tile[i, 1], tile[i, 2], tile[i, 3] = c0, c1, c2, c3
             # Promote the tile's product into acc with round-to-nearest adds (one FMA each).
-            for c in range(COUNT):
-                acc[FIRST + c, 0] = acc[FIRST + c, 0] * alpha0 + tile[c, 0]
-                acc[FIRST + c, 1] = acc[FIRST + c, 1] * alpha0 + tile[c, 1]
-                acc[FIRST + c, 2] = acc[FIRST + c, 2] * alpha1 + tile[c, 2]
-                acc[FIRST + c, 3] = acc[FIRST + c, 3] * alpha1 + tile[c, 3]
+            for m in range(M_TILES):
+                for c in range(COUNT):
+                    i, o = m * COUNT + c, m * D_TILES + FIRST + c
+                    acc[o, 0] = acc[o, 0] * alpha[2 * m] + tile[i, 0]
+                    acc[o, 1] = acc[o, 1] * alpha[2 * m] + tile[i, 1]
+                    acc[o, 2] = acc[o, 2] * alpha[2 * m + 1] + tile[i, 2]
+                    acc[o, 3] = acc[o, 3] * alpha[2 * m + 1] + tile[i, 3]
 
         return chunk
 
-    def chained(chunks):
-        """The chunks one after the other, as one device function.  Chained rather than looped over: NVVM
-        does not unroll a loop over chunks at d = 128, and a run-time chunk index sends acc to local memory."""
-        if len(chunks) == 1:
-            return chunks[0]
-        head, rest = chunks[0], chained(chunks[1:])
-
-        @inlined_device_function
-        def both(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t):
-            head(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t)
-            rest(acc, alpha0, alpha1, p, smem, B_HI, B_LO, g, t)
-
-        return both
-
-    #: acc[dt] = alpha acc[dt] + (P . B)[dt]: P (16 x OTHER) in accumulator fragments, B (OTHER x d) in shared
-    #: memory (row-major at B_HI/B_LO for tf32, at B_HI for 16-bit); alpha0 scales the lane's row g, alpha1 its
-    #: row g + 8.
-    accumulate_product = chained([product_chunk(first, min(CHUNK, D_TILES - first))
-                                  for first in range(0, D_TILES, CHUNK)])
+    #: acc[m, dt] = alpha acc[m, dt] + (P . B)[m, dt]: P (16 M_TILES x OTHER) in accumulator fragments, B
+    #: (OTHER x d) in shared memory (row-major at B_HI/B_LO for tf32, at B_HI for 16-bit); alpha[2 m] scales
+    #: the lane's row g of fragment m, alpha[2 m + 1] its row g + 8.
+    #: (Chained rather than looped over: NVVM does not unroll a loop over chunks at d = 128.)
+    accumulate_product = unrolled([product_chunk(first, min(CHUNK, D_TILES - first))
+                                   for first in range(0, D_TILES, CHUNK)])
 
     return rows_by_rows_t, accumulate_product
 
 
 @lru_cache(maxsize=None)
 def fragment_row_store(D_PAD, PRECISION, VEC):
-    """store_fragment_row(X, acc, h, out, head_dim, scale, t) for a 16 x D_PAD accumulator fragment.
+    """store_fragment_row(X, acc, r, out, head_dim, scale, t) for a warp's accumulator fragments of D_PAD columns.
 
-    Writes row h of the lane's two (0: row g, 1: row g + 8), times scale, to
+    Writes the lane's row r (rows g + 8 r: r = 0, 1 in fragment 0, 2, 3 in fragment 1, ...), times scale, to
     X[out + c] for the lane's columns c = 8 dt + 2t, 8 dt + 2t + 1 below head_dim.
     X is flat: float32 elements, or for 16-bit outputs packed pairs (uint32,
     with VEC: d even, so a pair never straddles head_dim) or single 16-bit
@@ -245,11 +263,12 @@ def fragment_row_store(D_PAD, PRECISION, VEC):
     pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
 
     @inlined_device_function
-    def store_fragment_row(X, acc, h, out, head_dim, scale, t):
+    def store_fragment_row(X, acc, r, out, head_dim, scale, t):
+        fragment, half = r // 2, r % 2
         for dt in range(D_TILES):
             col = dt * 8 + 2 * t
-            x0 = acc[dt, 2 * h] * scale
-            x1 = acc[dt, 2 * h + 1] * scale
+            x0 = acc[fragment * D_TILES + dt, 2 * half] * scale
+            x1 = acc[fragment * D_TILES + dt, 2 * half + 1] * scale
             if SIXTEEN:
                 pair = pack(x0, x1)
                 if VEC:  # columns col, col + 1 as one packed pair
