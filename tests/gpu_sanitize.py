@@ -20,6 +20,7 @@ different lengths, one query per head with the keys split between blocks, then
 three causal ones).  Every result is checked against the float64 reference too,
 so a run that the sanitizer passes but that computes garbage still fails.
 """
+import contextlib
 import sys
 
 import ml_dtypes
@@ -72,6 +73,9 @@ RUNS = [
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
     ("backward", "flash2", np.float16, (32, 32), "nan"),
+    # Warps of 32 query rows (tiling.FORWARD_WARP_ROWS; the default is 16 until timed).
+    ("forward", "flash2", np.float16, (128, 64), "warp32"),
+    ("forward", "flash2", BF16, (64, 32), "warp32_sparse_dropout"),
     # Streamed tiles of more rows than the block has threads (64 for 32): the NaN pass must reach them all.
     ("forward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float32, (16, 64), "nan"),
@@ -135,6 +139,21 @@ def check(name, got, want, dtype):
     return err
 
 
+@contextlib.contextmanager
+def warp_rows(rows):
+    """flash2's forward with warps of ``rows`` query rows (plans rebuilt before and after)."""
+    from numba_flash import api, tiling
+
+    saved = dict(tiling.FORWARD_WARP_ROWS)
+    tiling.FORWARD_WARP_ROWS.update({precision: rows for precision in saved})
+    api._PLANS.clear()
+    try:
+        yield
+    finally:
+        tiling.FORWARD_WARP_ROWS.update(saved)
+        api._PLANS.clear()
+
+
 def main(selected=()):
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -160,7 +179,8 @@ def main(selected=()):
             if variant == "nan":
                 ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
-                out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
+                with warp_rows(32 if "warp32" in variant else 16):
+                    out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype))
                 continue
             # The backward starts from the forward's O and lse (flash2 forward; same arguments).
