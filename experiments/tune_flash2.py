@@ -107,8 +107,9 @@ def device_inputs(shape, dtype):
     return [cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(4)]
 
 
-def confirm(out, quick):
-    """Interleaved rounds of the backward's candidate tiles in ``CONFIRM_CASES``, beside the default."""
+def confirm(out, quick, dtypes=None, causal_only=False):
+    """Interleaved rounds of the backward's candidate tiles in ``CONFIRM_CASES`` (those of ``dtypes``, causal
+    ones only if asked), beside the default."""
     import statistics
 
     from numba_flash.tools.report import markdown_table, pyplot, save_figure
@@ -118,7 +119,9 @@ def confirm(out, quick):
 
     rows = []
     # --quick: the first two cases' tiles on tiny problems, in the simulator: the pipeline, not the timing.
-    for dtype, shape, causal, candidates in progress(CONFIRM_CASES[:2] if quick else CONFIRM_CASES, "backward cases"):
+    chosen = [case for case in CONFIRM_CASES
+              if (dtypes is None or case[0] in dtypes) and (case[2] or not causal_only)]
+    for dtype, shape, causal, candidates in progress(chosen[:2] if quick else chosen, "backward cases"):
         if quick:
             shape = (1, 1, shape[2] // 128, shape[3] // 8)
         q, k, v, do = device_inputs(shape, dtype)
@@ -139,7 +142,8 @@ def confirm(out, quick):
     cases = list(dict.fromkeys((r["dtype"], r["shape"], r["causal"]) for r in rows))
     fastest = {case: min(float(r["median_ms"]) for r in rows if (r["dtype"], r["shape"], r["causal"]) == case)
                for case in cases}
-    command = "python3 experiments/tune_flash2.py --backward --confirm" + (" --quick" if quick else "")
+    command = ("python3 experiments/tune_flash2.py --backward --confirm" + (" --quick" if quick else "")
+               + (f" --dtypes {','.join(dtypes)}" if dtypes else "") + (" --causal-only" if causal_only else ""))
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("flash2 backward: candidate tiles in interleaved rounds", command,
                                 numba_flash.device_limits().name,
@@ -177,6 +181,7 @@ def main(argv=None):
     parser.add_argument("--backward", action="store_true", help="sweep the backward's tiles instead")
     parser.add_argument("--confirm", action="store_true",
                         help="with --backward: time CONFIRM_CASES (causal, N = 8192, odd d) in interleaved rounds")
+    parser.add_argument("--causal-only", action="store_true", help="with --confirm: only the causal cases")
     parser.add_argument("--out", default=RESULTS, help="directory for the outputs")
     parser.add_argument("--from-log", metavar="LOG", help="rebuild the outputs from the rows a run printed")
     parser.add_argument("--device", default=None, help="the device the logged run used (with --from-log)")
@@ -185,7 +190,7 @@ def main(argv=None):
         parser.error("--confirm times the backward's cases: give --backward too")
     os.makedirs(args.out, exist_ok=True)
     if args.confirm:
-        confirm(args.out, args.quick)
+        confirm(args.out, args.quick, args.dtypes.split(","), args.causal_only)
         return
     direction = "backward" if args.backward else "forward"
     command = "python3 experiments/tune_flash2.py" + (" --backward" if args.backward else "")

@@ -132,6 +132,12 @@ def test_backward_tile_confirmation_runs_quick_and_marks_the_defaults(tmp_path):
                   if (r["dtype"], r["shape"], r["causal"]) == (dtype, shape, causal) and r["default"] == "yes"]
         assert marked == [flash2_tuned_block_sizes(d, precision_of(dtype), backward=True, causal=causal == "True")]
     assert (tmp_path / "tune_flash2_backward_confirm_quick.md").read_text().startswith("# flash2 backward")
+    # The causal float16 cases alone (the re-tune of the pipelined backward's causal tiles).
+    load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--dtypes", "float16", "--causal-only",
+                                     "--out", str(tmp_path)])
+    with open(tmp_path / "tune_flash2_backward_confirm_quick.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["dtype"] == "float16" and r["causal"] == "True" for r in rows)
 
 
 NCU_CSV = '''==PROF== Connected to process 1
