@@ -298,7 +298,6 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
     SIXTEEN = PRECISION != "tf32x3"
     RS = row_stride(D_PAD, SIXTEEN)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
-    ROW_WORDS = 4 * ROW_CHUNKS                  # data words of a row-major tile's row
     CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
     ROW_UNITS = ROWS * ROW_CHUNKS
     ROW_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS)
@@ -331,25 +330,41 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
                     store_vec4(smem, LO + at, l0, l1, l2, l3)
 
     @inlined_device_function
+    def cleaned(word):
+        """``word`` with its NaN elements set to 0, and 1 if it had any (else 0)."""
+        found = uint32(0)
+        if SIXTEEN:
+            if low_is_nan(word):
+                word &= uint32(0xFFFF0000)
+                found = uint32(1)
+            if high_is_nan(word):
+                word &= uint32(0xFFFF)
+                found = uint32(1)
+        elif low_is_nan(word):
+            word = uint32(0)
+            found = uint32(1)
+        return word, found
+
+    @inlined_device_function
     def sanitize_row(smem, HI, r):
         """NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
 
+        The row's data words (not its bank padding) are read 16 bytes at a time and written back only
+        where a chunk held a NaN: each thread cleans whole rows while the block waits at the barrier
+        after this pass, so its length is the length of one row's (or two rows') cleaning.
         For 3xTF32 only the hi half needs it: a NaN's lo half is 0 (``split_tf32``).
         """
         found = uint32(0)
-        for w in range(ROW_WORDS):  # the data words of the row, not its bank padding
-            word = load_word(smem, HI + r * RS + w)
-            if SIXTEEN:
-                if low_is_nan(word):
-                    word &= uint32(0xFFFF0000)
-                    found = uint32(1)
-                if high_is_nan(word):
-                    word &= uint32(0xFFFF)
-                    found = uint32(1)
-            elif low_is_nan(word):
-                word = uint32(0)
+        for c in range(ROW_CHUNKS):
+            at = HI + r * RS + 4 * c
+            w0, w1, w2, w3 = load_vec4(smem, at)
+            w0, f0 = cleaned(w0)
+            w1, f1 = cleaned(w1)
+            w2, f2 = cleaned(w2)
+            w3, f3 = cleaned(w3)
+            if f0 | f1 | f2 | f3:
+                store_vec4(smem, at, w0, w1, w2, w3)
                 found = uint32(1)
-            store_word(smem, HI + r * RS + w, word)
         return found
 
     return ROW_ITERS, fetch_rows, commit_rows, sanitize_row
