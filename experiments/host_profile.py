@@ -5,12 +5,17 @@ script says where that time goes, for the three calls it times at the
 smallest size (1, 1, 128, 64) float16: the forward on torch tensors, the
 forward on Numba device arrays, and a training step (forward and backward
 through ``numba_flash.torch``).  Prints, per call, the 15 functions with the
-most time of their own.  Needs a GPU and torch; prints only.
+most time of their own; then, without the profiler (which inflates every
+Python call), microseconds per call of the pieces a forward is made of, each
+in a loop of its own: the plan lookup, a result from torch's allocator,
+torch's current stream, one kernel launch, and the whole call.  Needs a GPU
+and torch; prints only.
 
     PYTHONPATH=$PWD python3 experiments/host_profile.py
 """
 import cProfile
 import pstats
+import time
 
 import torch
 from numba import cuda
@@ -43,6 +48,41 @@ def main():
         torch.cuda.synchronize()
         print(f"==== {name}: {CALLS} calls", flush=True)
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    pieces(q, k, v)
+
+
+def per_call_us(call):
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / CALLS
+
+
+def pieces(q, k, v):
+    """The forward's pieces on torch tensors, each timed alone (host microseconds per call)."""
+    from numba_flash import api
+    from numba_flash.runtime import arrays
+
+    options = (False, None, None, 0.0, "flash2", None)
+    plan = api._plan(api._ForwardPlan, (q, k, v), options)
+    stream = arrays.current_torch_stream(q.device.index)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device="cuda", dtype=torch.float32)
+    rows = {
+        "plan lookup (signatures and key)": lambda: api._plan(api._ForwardPlan, (q, k, v), options),
+        "torch.empty (one result)": lambda: torch.empty(q.shape, device=q.device, dtype=q.dtype),
+        "torch's current stream": lambda: arrays.current_torch_stream(q.device.index),
+        "one launch (Launch.__call__)": lambda: plan.launch(stream, q, k, v, o, lse, 0, 0),
+        "the whole forward (numba_flash.attention)": lambda: numba_flash.attention(q, k, v),
+    }
+    print(f"==== pieces of a forward at {SHAPE} float16, {CALLS} calls each, no profiler", flush=True)
+    for name, call in rows.items():
+        print(f"{per_call_us(call):8.2f} us  {name}", flush=True)
 
 
 if __name__ == "__main__":
