@@ -265,15 +265,18 @@ FORWARD_BLOCK_SIZES = {
 #: which share every K_j and V_j fragment the warp loads from shared memory: half the shared-memory
 #: reads per product, as FlashAttention-2's warps have, for twice the accumulator registers).  32 is
 #: built and tested (the simulator suite with this table set to 32: tests/test_forward.py) but not
-#: yet timed on the H200, so 16 stays until a run says otherwise.
+#: yet timed on the H200, so 16 stays until a run says otherwise.  Plain calls only (no block mask,
+#: no dropout): ``flash2_forward_warp_rows``.
 FORWARD_WARP_ROWS = {"tf32x3": ROWS_PER_WARP, "f16": ROWS_PER_WARP}
 
 
-def flash2_forward_warp_rows(block_m, precision):
+def flash2_forward_warp_rows(block_m, precision, *, plain=True):
     """The query rows per warp of flash2's forward for B_r = block_m (``FORWARD_WARP_ROWS``, when B_r is a
-    multiple of it)."""
+    multiple of it).  ``plain``: no block mask and no dropout.  Their per-entry work (a mask lookup, a
+    generator call) keeps a 32-row warp's loops over its rows rolled, which sends its scores to local
+    memory (ptxas: stack frames of 128-304 bytes, tests/gpu_compile_all.py), so they keep warps of 16."""
     rows = FORWARD_WARP_ROWS["f16" if precision == "bf16" else precision]
-    return rows if block_m % rows == 0 else ROWS_PER_WARP
+    return rows if plain and block_m % rows == 0 else ROWS_PER_WARP
 
 
 #: Default backward (B_r, B_c) per (precision, causal), for head dims up to each bound.  Chosen on

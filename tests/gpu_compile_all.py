@@ -81,8 +81,8 @@ def fast(kernel):
 def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varlen=False):
     forward_tiles = tiles or tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"],
                                                 head_dim)
-    # A warp of 16 query rows, and of 32 (tiling.FORWARD_WARP_ROWS; the GPU tests run both).
-    for warp_rows in (16, 32) if forward_tiles[0] % 32 == 0 else (16,):
+    # A warp of 16 query rows, and of 32 where the library may choose it (tiling.flash2_forward_warp_rows).
+    for warp_rows in (16, 32) if forward_tiles[0] % 32 == 0 and not (mask or dropout) else (16,):
         fast(make_forward(*forward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen,
                           WARP_ROWS=warp_rows))
     backward_tiles = tiles or (128, 64)

@@ -235,7 +235,8 @@ def _with_warp_rows(rows, call):
 def test_a_warp_of_32_rows_gives_the_bits_of_two_warps_of_16(algorithm, dtype, data, masked, dropout_p):
     """With ``tiling.FORWARD_WARP_ROWS`` = 32 a warp owns two 16-row fragments that share every K and V
     fragment it loads; each row still sees the same instructions in the same order as in a warp of 16,
-    so the results are the same bits: causal, block masks, dropout and NaN included."""
+    so the results are the same bits: causal and NaN included (block masks and dropout keep warps of 16,
+    ``tiling.flash2_forward_warp_rows``: the same bits trivially, but through the rule)."""
     from strategies import block_sizes
 
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))

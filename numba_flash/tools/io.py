@@ -296,7 +296,7 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     """
     block_m, block_n = block_sizes
     element = np.dtype(dtype).itemsize
-    threads = flash2_threads(block_m, flash2_forward_warp_rows(block_m, precision_of(dtype)))
+    threads = flash2_threads(block_m, flash2_forward_warp_rows(block_m, precision_of(dtype), plain=mask is None))
     heads_each = batch_heads if mask is None else 1
     q_tile, k_tile, partly = _flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)
 

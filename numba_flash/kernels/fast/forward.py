@@ -424,7 +424,7 @@ def forward_launch(call, splits=1):
     stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
-    warp_rows = flash2_forward_warp_rows(block_m, call.precision)
+    warp_rows = flash2_forward_warp_rows(block_m, call.precision, plain=not (has_mask or has_dropout))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
                           call.varlen is not None, splits > 1, positive_scale, warp_rows)
     q_tiles = cdiv(call.longest_q, block_m)
