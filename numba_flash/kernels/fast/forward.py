@@ -186,39 +186,37 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if key < BLOCK_N:
                 store_word(smem, V_NAN + key, sanitize_key_row(smem, V_HI + stage, key))
 
-    @inlined_device_function
-    def mask_scores(s, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols,
-                    mask_t_r, mask_t_c):
-        """-inf where the query may not see the key (a scale <= 0 first scales the scores to log2 units).
-        One compare per entry once the row's visible keys are known, so that NVVM unrolls the loops
-        (rolled, a run-time index would send s to local memory)."""
-        for r in range(LANE_ROWS):
-            row = q0 + row0 + 8 * r
-            end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
-            for nt in range(N_TILES):
-                x_row, half = (r // 2) * N_TILES + nt, r % 2
-                for e in range(2):
-                    x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
-                    if not allowed_below(end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows,
-                                         mask_cols, mask_t_r, mask_t_c):
-                        x = float32(NEG_INF)
-                    s[x_row, 2 * half + e] = x
+    def entry_pass(POISON):
+        """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
+        row's visible keys computed once (one compare per entry, so that NVVM unrolls the loops: rolled,
+        a run-time index would send s to local memory)."""
 
-    @inlined_device_function
-    def poison_weights(s, v_nan, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                       mask_cols, mask_t_r, mask_t_c):
-        """P = NaN where the key is allowed and its value row held a NaN (v_nan: the lane's key flags,
-        ``lane_flags``): O is NaN there, while l and lse stay those of the logits."""
-        for r in range(LANE_ROWS):
-            row = q0 + row0 + 8 * r
-            end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
-            for nt in range(N_TILES):
-                x_row, half = (r // 2) * N_TILES + nt, r % 2
-                for e in range(2):
-                    if (v_nan >> uint64(2 * nt + e)) & uint64(1) and allowed_below(
-                            end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
-                            mask_t_c):
-                        s[x_row, 2 * half + e] = float32(math.nan)
+        @inlined_device_function
+        def walk(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
+                 mask_cols, mask_t_r, mask_t_c):
+            for r in range(LANE_ROWS):
+                row = q0 + row0 + 8 * r
+                end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
+                for nt in range(N_TILES):
+                    x_row, half = (r // 2) * N_TILES + nt, r % 2
+                    for e in range(2):
+                        visible = allowed_below(end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows,
+                                                mask_cols, mask_t_r, mask_t_c)
+                        if POISON:
+                            if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
+                                s[x_row, 2 * half + e] = float32(math.nan)
+                        else:
+                            x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
+                            s[x_row, 2 * half + e] = x if visible else float32(NEG_INF)
+
+        return walk
+
+    #: mask_scores(s, v_nan, c_log2, ...): -inf where the query may not see the key (a scale <= 0 first
+    #: scales the scores to log2 units); v_nan unused.
+    mask_scores = entry_pass(False)
+    #: poison_weights(s, v_nan, c_log2, ...): P = NaN where the key is allowed and its value row held a NaN
+    #: (v_nan: the lane's key flags, ``lane_flags``): O is NaN there, while l and lse stay those of the logits.
+    poison_weights = entry_pass(True)
 
     @inlined_device_function
     def online_softmax(s, m_i, l_i, r, c_log2):
@@ -375,15 +373,15 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * WARP_ROWS, g, t)  # S = Q_i K_j^T
             v_nan = key_flags(smem, V_NAN, t) if mixed else uint64(0)
             if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
-                mask_scores(s, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                            mask_cols, mask_t_r, mask_t_c)
+                mask_scores(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
+                            mask_rows, mask_cols, mask_t_r, mask_t_c)
             for r in range(LANE_ROWS):
                 alpha[r] = online_softmax(s, m_i, l_i, r, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if v_nan != uint64(0):  # this lane's keys of a partly masked tile include a NaN value row
-                poison_weights(s, v_nan, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                               mask_cols, mask_t_r, mask_t_c)
+                poison_weights(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
+                               mask_rows, mask_cols, mask_t_r, mask_t_c)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,

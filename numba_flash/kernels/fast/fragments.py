@@ -119,6 +119,18 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
     mma16, pack = sixteen_bit_ops(PRECISION) if SIXTEEN else (None, None)
 
     @inlined_device_function
+    def mma_into(acc, i, a, a_lo, m, b0, b1, b_lo0, b_lo1):
+        """acc[i] += A B for row fragment m of A (``a``; tf32: and its lo halves ``a_lo``) and one B fragment
+        (tf32: its hi and lo halves; 16-bit operands read only b0, b1)."""
+        if SIXTEEN:
+            c0, c1, c2, c3 = mma16(a[m, 0], a[m, 1], a[m, 2], a[m, 3], b0, b1,
+                                   acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3])
+        else:
+            c0, c1, c2, c3 = mma_3xtf32(a[m, 0], a[m, 1], a[m, 2], a[m, 3], a_lo[m, 0], a_lo[m, 1], a_lo[m, 2],
+                                        a_lo[m, 3], b0, b1, b_lo0, b_lo1, acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3])
+        acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3] = c0, c1, c2, c3
+
+    @inlined_device_function
     def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
         """acc[m, ot] = A[a_row0 + 16 m + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B).
 
@@ -147,10 +159,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                     if ot + 1 < O_TILES:
                         n0, n1 = ldmatrix_x2(smem, b_lane, (ot + 1) * 8 * RS + ks * 8)
                     for m in range(M_TILES):
-                        i = m * O_TILES + ot
-                        c0, c1, c2, c3 = mma16(a[m, 0], a[m, 1], a[m, 2], a[m, 3], b0, b1,
-                                               acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3])
-                        acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3] = c0, c1, c2, c3
+                        mma_into(acc, m * O_TILES + ot, a, a_lo, m, b0, b1, b0, b1)
                     if ot + 1 < O_TILES:
                         b0, b1 = n0, n1
             else:
@@ -165,11 +174,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                     bh0, bh1 = load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + 4)
                     bl0, bl1 = load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + 4)
                     for m in range(M_TILES):
-                        i = m * O_TILES + ot
-                        c0, c1, c2, c3 = mma_3xtf32(a[m, 0], a[m, 1], a[m, 2], a[m, 3],
-                                                    a_lo[m, 0], a_lo[m, 1], a_lo[m, 2], a_lo[m, 3],
-                                                    bh0, bh1, bl0, bl1, acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3])
-                        acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3] = c0, c1, c2, c3
+                        mma_into(acc, m * O_TILES + ot, a, a_lo, m, bh0, bh1, bl0, bl1)
 
     def product_chunk(FIRST, COUNT):
         """acc[m, FIRST:FIRST + COUNT] = alpha acc + (P . B)[m, FIRST:FIRST + COUNT], through a fresh fragment."""
@@ -201,10 +206,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                         if c + 1 < COUNT:
                             n0, n1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS + (c + 1) * 4)
                         for m in range(M_TILES):
-                            i = m * COUNT + c
-                            c0, c1, c2, c3 = mma16(a[m, 0], a[m, 1], a[m, 2], a[m, 3], b0, b1,
-                                                   tile[i, 0], tile[i, 1], tile[i, 2], tile[i, 3])
-                            tile[i, 0], tile[i, 1], tile[i, 2], tile[i, 3] = c0, c1, c2, c3
+                            mma_into(tile, m * COUNT + c, a, a_lo, m, b0, b1, b0, b1)
                         if c + 1 < COUNT:
                             b0, b1 = n0, n1
             else:
@@ -221,12 +223,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                         bh0, bh1 = load_word(smem, B_HI + b_row), load_word(smem, B_HI + b_row + RS)
                         bl0, bl1 = load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + RS)
                         for m in range(M_TILES):
-                            i = m * COUNT + c
-                            c0, c1, c2, c3 = mma_3xtf32(a[m, 0], a[m, 1], a[m, 2], a[m, 3],
-                                                        a_lo[m, 0], a_lo[m, 1], a_lo[m, 2], a_lo[m, 3],
-                                                        bh0, bh1, bl0, bl1, tile[i, 0], tile[i, 1], tile[i, 2],
-                                                        tile[i, 3])
-                            tile[i, 0], tile[i, 1], tile[i, 2], tile[i, 3] = c0, c1, c2, c3
+                            mma_into(tile, m * COUNT + c, a, a_lo, m, bh0, bh1, bl0, bl1)
             # Promote the tile's product into acc with round-to-nearest adds (one FMA each).
             for m in range(M_TILES):
                 for c in range(COUNT):
