@@ -20,7 +20,6 @@ different lengths, one query per head with the keys split between blocks, then
 three causal ones).  Every result is checked against the float64 reference too,
 so a run that the sanitizer passes but that computes garbage still fails.
 """
-import contextlib
 import sys
 
 import ml_dtypes
@@ -30,6 +29,7 @@ import torch
 import numba_flash
 import reference
 from numba_flash import masks
+from strategies import forward_warp_rows
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CASES = [
@@ -139,21 +139,6 @@ def check(name, got, want, dtype):
     return err
 
 
-@contextlib.contextmanager
-def warp_rows(rows):
-    """flash2's forward with warps of ``rows`` query rows (plans rebuilt before and after)."""
-    from numba_flash import api, tiling
-
-    saved = dict(tiling.FORWARD_WARP_ROWS)
-    tiling.FORWARD_WARP_ROWS.update({precision: rows for precision in saved})
-    api._PLANS.clear()
-    try:
-        yield
-    finally:
-        tiling.FORWARD_WARP_ROWS.update(saved)
-        api._PLANS.clear()
-
-
 def main(selected=()):
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -179,7 +164,7 @@ def main(selected=()):
             if variant == "nan":
                 ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
-                with warp_rows(32 if "warp32" in variant else 16):
+                with forward_warp_rows(32 if "warp32" in variant else 16):
                     out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype))
                 continue

@@ -1,4 +1,5 @@
-"""Hypothesis strategies and the variants every test file shares: draw the problem's shape first, then its arrays.
+"""Hypothesis strategies and the variants every test file shares: draw the problem's shape first, then its arrays
+(and ``forward_warp_rows``, a library setting that tests and tests/gpu_sanitize.py switch).
 
 Sizes depend on where the tests run (the simulator runs every CUDA thread as
 a Python thread, so its shapes are tiny); ``SIZES`` holds both sets.  On a
@@ -8,6 +9,7 @@ flags): the ``gpu_smoke`` profile therefore draws head dims from
 Arrays come from a drawn seed and a drawn distribution rather than element
 by element: shapes still shrink, and large arrays stay cheap to draw.
 """
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -293,3 +295,19 @@ def packed_problems(draw, *, dtype=np.float32, backward=False, equal_lengths=Fal
     k = arrays(draw, (sum(lengths_k), kv_heads, d), dtype)
     v = arrays(draw, (sum(lengths_k), kv_heads, d), dtype)
     return PackedProblem(q, k, v, cumulative(lengths_q), cumulative(lengths_k), causal, scale, tiles)
+
+
+@contextlib.contextmanager
+def forward_warp_rows(rows):
+    """flash2's forward with warps of ``rows`` query rows where the library may choose them
+    (``tiling.FORWARD_WARP_ROWS``), plans rebuilt before and after."""
+    from numba_flash import api, tiling
+
+    saved = dict(tiling.FORWARD_WARP_ROWS)
+    tiling.FORWARD_WARP_ROWS.update({precision: rows for precision in saved})
+    api._PLANS.clear()
+    try:
+        yield
+    finally:
+        tiling.FORWARD_WARP_ROWS.update(saved)
+        api._PLANS.clear()

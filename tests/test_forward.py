@@ -7,7 +7,7 @@ from numba import cuda
 
 import numba_flash
 import reference
-from strategies import BFLOAT16, FORWARD_VARIANTS, block_masks, problems, variants
+from strategies import BFLOAT16, FORWARD_VARIANTS, block_masks, block_sizes, forward_warp_rows, problems, variants
 from tolerances import assert_close_to_reference, constant_rows_tolerance
 
 forward_variants = variants(FORWARD_VARIANTS)
@@ -216,20 +216,6 @@ def test_flash2_takes_any_real_scale(scale, dtype):
     assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype)
 
 
-def _with_warp_rows(rows, call):
-    """``call()`` with flash2's forward warps owning ``rows`` query rows (plans rebuilt before and after)."""
-    from numba_flash import api, tiling
-
-    saved = dict(tiling.FORWARD_WARP_ROWS)
-    tiling.FORWARD_WARP_ROWS.update({precision: rows for precision in saved})
-    api._PLANS.clear()
-    try:
-        return call()
-    finally:
-        tiling.FORWARD_WARP_ROWS.update(saved)
-        api._PLANS.clear()
-
-
 @variants([(a, t) for a, t in FORWARD_VARIANTS if a == "flash2"])
 @given(data=st.data(), masked=st.booleans(), dropout_p=st.sampled_from([0.0, 0.3]))
 def test_a_warp_of_32_rows_gives_the_bits_of_two_warps_of_16(algorithm, dtype, data, masked, dropout_p):
@@ -237,8 +223,6 @@ def test_a_warp_of_32_rows_gives_the_bits_of_two_warps_of_16(algorithm, dtype, d
     fragment it loads; each row still sees the same instructions in the same order as in a warp of 16,
     so the results are the same bits: causal and NaN included (block masks and dropout keep warps of 16,
     ``tiling.flash2_forward_warp_rows``: the same bits trivially, but through the rule)."""
-    from strategies import block_sizes
-
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     n_q, n_k, d = p.q.shape[-2], p.k.shape[-2], p.q.shape[-1]
     tiles = data.draw(block_sizes(algorithm, d, dtype).filter(lambda pair: pair[0] % 32 == 0))
@@ -248,7 +232,9 @@ def test_a_warp_of_32_rows_gives_the_bits_of_two_warps_of_16(algorithm, dtype, d
     bm = data.draw(block_masks(n_q, n_k, batch_shape=p.q.shape[:-2]))[0] if masked else None
     options = dict(causal=p.causal, scale=p.scale, algorithm=algorithm, block_sizes=tiles, block_mask=bm,
                    dropout_p=dropout_p, seed=7, return_lse=True)
-    sixteen = _with_warp_rows(16, lambda: numba_flash.attention(q, p.k, p.v, **options))
-    thirty_two = _with_warp_rows(32, lambda: numba_flash.attention(q, p.k, p.v, **options))
+    with forward_warp_rows(16):
+        sixteen = numba_flash.attention(q, p.k, p.v, **options)
+    with forward_warp_rows(32):
+        thirty_two = numba_flash.attention(q, p.k, p.v, **options)
     for a, b in zip(sixteen, thirty_two):
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
