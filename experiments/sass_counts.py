@@ -43,7 +43,7 @@ CASES = ((64, (128, 64)), (128, (128, 64)))
 
 def kernels(precision):
     for d, tiles in CASES:
-        for warp_rows in (16, 32):  # tiling.FORWARD_WARP_ROWS
+        for warp_rows in (16, 32):  # both sides of tiling.FORWARD_WARP_ROWS
             yield make_forward(*tiles, d, precision, True, False, False, False, WARP_ROWS=warp_rows)
             yield make_forward(*tiles, d, precision, True, True, False, False, WARP_ROWS=warp_rows)
         yield make_dkdv(128, 64, d, precision, True, False, False, False)

@@ -261,21 +261,25 @@ FORWARD_BLOCK_SIZES = {
     "tf32x3": [(64, (128, 32)), (128, (128, 32)), (256, (32, 32))],
     "f16": [(64, (128, 64)), (128, (128, 64)), (256, (64, 32))],
 }
-#: Query rows a warp of flash2's forward owns, per precision: 16 (one mma fragment of rows) or 32 (two,
-#: which share every K_j and V_j fragment the warp loads from shared memory: half the shared-memory
-#: reads per product, as FlashAttention-2's warps have, for twice the accumulator registers).  32 is
-#: built and tested (the simulator suite with this table set to 32: tests/test_forward.py) but not
-#: yet timed on the H200, so 16 stays until a run says otherwise.  Plain calls only (no block mask,
-#: no dropout): ``flash2_forward_warp_rows``.
-FORWARD_WARP_ROWS = {"tf32x3": ROWS_PER_WARP, "f16": ROWS_PER_WARP}
+#: Query rows a warp of flash2's forward owns, per precision, for head dims up to each bound: 16 (one
+#: mma fragment of rows) or 32 (two, which share every K_j and V_j fragment the warp loads from shared
+#: memory: half the shared-memory reads per product, as FlashAttention-2's warps have, for twice the
+#: accumulator registers).  Timed on the H200 in one process (experiments/results/bench_warp_rows_h200.md,
+#: 16-bit forward at (128, 64) tiles): 32 rows take 0.84-0.88x the time of 16 dense and 0.93-0.95x
+#: causal, at d = 64 and d = 128.  Past d = 128 a warp's 32 x d accumulator does not fit its registers
+#: (ptxas at d = 256, (64, 32): a 1536-byte stack frame), and float32's 3xTF32 operands double the
+#: fragments (1 KB of spills at d = 128), so those keep 16.  Plain calls only (no block mask, no
+#: dropout): ``flash2_forward_warp_rows``.
+FORWARD_WARP_ROWS = {"tf32x3": [(256, ROWS_PER_WARP)], "f16": [(128, 32), (256, ROWS_PER_WARP)]}
 
 
-def flash2_forward_warp_rows(block_m, precision, *, plain=True):
-    """The query rows per warp of flash2's forward for B_r = block_m (``FORWARD_WARP_ROWS``, when B_r is a
-    multiple of it).  ``plain``: no block mask and no dropout.  Their per-entry work (a mask lookup, a
-    generator call) keeps a 32-row warp's loops over its rows rolled, which sends its scores to local
-    memory (ptxas: stack frames of 128-304 bytes, tests/gpu_compile_all.py), so they keep warps of 16."""
-    rows = FORWARD_WARP_ROWS["f16" if precision == "bf16" else precision]
+def flash2_forward_warp_rows(block_m, d_pad, precision, *, plain=True):
+    """The query rows per warp of flash2's forward for B_r = block_m at padded head dim d_pad
+    (``FORWARD_WARP_ROWS``, when B_r is a multiple of it).  ``plain``: no block mask and no dropout.
+    Their per-entry work (a mask lookup, a generator call) keeps a 32-row warp's loops over its rows
+    rolled, which sends its scores to local memory (ptxas: stack frames of 128-304 bytes,
+    tests/gpu_compile_all.py), so they keep warps of 16."""
+    rows = tiles_for_head_dim(FORWARD_WARP_ROWS["f16" if precision == "bf16" else precision], d_pad)
     return rows if plain and block_m % rows == 0 else ROWS_PER_WARP
 
 

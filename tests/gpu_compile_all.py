@@ -41,7 +41,8 @@ from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
 from numba_flash.kernels.literal.standard_attention import make_batched_matmul, make_row_softmax  # noqa: E402
-from numba_flash.tiling import FORWARD_BLOCK_SIZES, PRECISIONS, decode_block_sizes, tiles_for_head_dim  # noqa: E402
+from numba_flash.tiling import (FORWARD_BLOCK_SIZES, PRECISIONS, ROWS_PER_WARP, decode_block_sizes,  # noqa: E402
+                                flash2_forward_warp_rows, tiles_for_head_dim)
 
 a3 = T.Array(T.float32, 3, "C")
 l2 = T.Array(T.float32, 2, "C")
@@ -81,8 +82,9 @@ def fast(kernel):
 def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varlen=False):
     forward_tiles = tiles or tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"],
                                                 head_dim)
-    # A warp of 16 query rows, and of 32 where the library may choose it (tiling.flash2_forward_warp_rows).
-    for warp_rows in (16, 32) if forward_tiles[0] % 32 == 0 and not (mask or dropout) else (16,):
+    # A warp of 16 query rows, and of 32 where the library chooses it (tiling.flash2_forward_warp_rows).
+    chosen = flash2_forward_warp_rows(forward_tiles[0], head_dim, precision, plain=not (mask or dropout))
+    for warp_rows in sorted({ROWS_PER_WARP, chosen}):
         fast(make_forward(*forward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen,
                           WARP_ROWS=warp_rows))
     backward_tiles = tiles or (128, 64)

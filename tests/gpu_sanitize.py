@@ -73,7 +73,8 @@ RUNS = [
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
     ("backward", "flash2", np.float16, (32, 32), "nan"),
-    # Warps of 32 query rows (tiling.FORWARD_WARP_ROWS; the default is 16 until timed; plain calls only).
+    # Warps of 32 query rows (tiling.FORWARD_WARP_ROWS: 16-bit, d <= 128, plain calls); every other forward run
+    # forces warps of 16, so both shapes of the kernel are checked.
     ("forward", "flash2", np.float16, (128, 64), "warp32"),
     ("forward", "flash2", BF16, (64, 32), "warp32"),
     # Streamed tiles of more rows than the block has threads (64 for 32): the NaN pass must reach them all.

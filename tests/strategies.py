@@ -304,7 +304,7 @@ def forward_warp_rows(rows):
     from numba_flash import api, tiling
 
     saved = dict(tiling.FORWARD_WARP_ROWS)
-    tiling.FORWARD_WARP_ROWS.update({precision: rows for precision in saved})
+    tiling.FORWARD_WARP_ROWS.update({precision: [(tiling.FLASH2_MAX_HEAD_DIM, rows)] for precision in saved})
     api._PLANS.clear()
     try:
         yield

@@ -62,7 +62,7 @@ import numpy as np
 
 from ..kernels.literal.standard_attention import MATMUL_TILE
 from ..sparsity.tile_lists import tile_lists, tile_visits
-from ..tiling import flash2_forward_warp_rows, flash2_threads, precision_of
+from ..tiling import flash2_forward_warp_rows, flash2_threads, padded_head_dim, precision_of
 
 FLOAT32 = 4  # bytes: S, P, l, m, lse, and q, k, v, o unless flash2 runs in float16
 INT32 = 4    # flash2's tile lists
@@ -296,7 +296,9 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     """
     block_m, block_n = block_sizes
     element = np.dtype(dtype).itemsize
-    threads = flash2_threads(block_m, flash2_forward_warp_rows(block_m, precision_of(dtype), plain=mask is None))
+    precision = precision_of(dtype)
+    warp_rows = flash2_forward_warp_rows(block_m, padded_head_dim(head_dim, precision), precision, plain=mask is None)
+    threads = flash2_threads(block_m, warp_rows)
     heads_each = batch_heads if mask is None else 1
     q_tile, k_tile, partly = _flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)
 

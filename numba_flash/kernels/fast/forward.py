@@ -27,14 +27,16 @@ How it is fast, and what each trick costs in clarity:
   owns 16 query rows (or 32: ``WARP_ROWS``) and computes its 16 x BLOCK_N slice
   of S = Q K^T and its 16 x d slice of O += P V as 16x8 tiles, one ``mma`` per
   tile and k-step.
-* **32 rows per warp** (``tiling.FORWARD_WARP_ROWS``; built and tested, not
-  yet timed): two 16-row fragments per warp share every K_j and V_j fragment
-  the warp loads from shared memory, as FlashAttention-2's warps do, so the
-  block reads its tiles from shared memory half as often per product, for
-  twice the accumulator registers (255, and 4 warps per block).  SASS of the
-  key-tile loop at (128, 64), d = 64: 623 instructions for 64 mma per warp of
-  16 rows, 1000 for 128 per warp of 32 (4000 against 4984 per block and
-  tile; experiments/results/warp_rows_sass.md).
+* **32 rows per warp** (16-bit, d <= 128, no block mask or dropout:
+  ``tiling.FORWARD_WARP_ROWS``): two 16-row fragments per warp share every
+  K_j and V_j fragment the warp loads from shared memory, as
+  FlashAttention-2's warps do, so the block reads its tiles from shared
+  memory half as often per product, for twice the accumulator registers
+  (255, and 4 warps per block).  SASS of the key-tile loop at (128, 64),
+  d = 64: 623 instructions for 64 mma per warp of 16 rows, 1000 for 128 per
+  warp of 32 (4000 against 4984 per block and tile;
+  experiments/results/warp_rows_sass.md); on the H200 0.84-0.88x the time
+  dense, 0.93-0.95x causal (experiments/results/bench_warp_rows_h200.md).
 * **float32 stays float32 (3xTF32).**  A tensor-core product of float32
   inputs rounds them to tf32 (10 mantissa bits, ~3e-4 relative error).  We
   split every operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi) and
@@ -422,7 +424,7 @@ def forward_launch(call, splits=1):
     stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
-    warp_rows = flash2_forward_warp_rows(block_m, call.precision, plain=not (has_mask or has_dropout))
+    warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (has_mask or has_dropout))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
                           call.varlen is not None, splits > 1, positive_scale, warp_rows)
     q_tiles = cdiv(call.longest_q, block_m)
