@@ -87,6 +87,10 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
     for warp_rows in sorted({ROWS_PER_WARP, chosen}):
         fast(make_forward(*forward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen,
                           WARP_ROWS=warp_rows))
+    if mask:  # a mask of whole tiles: no element test, and the warps of a call without the mask
+        whole_rows = flash2_forward_warp_rows(forward_tiles[0], head_dim, precision, plain=not dropout)
+        fast(make_forward(*forward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen,
+                          WARP_ROWS=whole_rows, PARTLY_MASKED=False))
     backward_tiles = tiles or (128, 64)
     fast(make_dkdv(*backward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen))
     fast(make_dq(*backward_tiles, head_dim, precision, vec, causal, mask, dropout, varlen))

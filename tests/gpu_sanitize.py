@@ -11,8 +11,9 @@ runs only the last (smallest) case: each run compiles its kernels, which
 dominates the time.  Shapes are small (the sanitizer slows kernels down a
 lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
-empty row of blocks), dropout, both, gqa (two query heads per key/value
-head, bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
+empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
+element test), dropout, both, gqa (two query heads per key/value head,
+bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
 views), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
@@ -77,6 +78,9 @@ RUNS = [
     # forces warps of 16, so both shapes of the kernel are checked.
     ("forward", "flash2", np.float16, (128, 64), "warp32"),
     ("forward", "flash2", BF16, (64, 32), "warp32"),
+    # Block masks of whole tiles (no element test compiled in): at 32 rows, and at 16.
+    ("forward", "flash2", np.float16, (128, 64), "sparse_whole_warp32"),
+    ("forward", "flash2", BF16, (64, 32), "sparse_whole"),
     # Streamed tiles of more rows than the block has threads (64 for 32): the NaN pass must reach them all.
     ("forward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float32, (16, 64), "nan"),
@@ -91,7 +95,7 @@ def run_name(run):
     return f"{direction} {algorithm} {np.dtype(dtype).name} {variant}"
 
 
-def inputs(variant, dtype, case, rng):
+def inputs(variant, dtype, blocks, case, rng):
     """q, k, v (torch CUDA tensors: strided views for "strided"), their float64 copies, the call's options."""
     batch, heads, n_q, n_k, d, causal = case
     kv_heads = heads // 2 if variant == "gqa" else heads
@@ -108,7 +112,8 @@ def inputs(variant, dtype, case, rng):
         device = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in device]
     kwargs, ref_kwargs = dict(causal="bottom_right" if variant == "gqa" else causal), {}
     if "sparse" in variant:
-        bm = masks.random(n_q, n_k, (MASK_BLOCK, MASK_BLOCK), 0.6, seed=int(rng.integers(1 << 30)))
+        mask_block = blocks if "whole" in variant else (MASK_BLOCK, MASK_BLOCK)   # whole: the kernel's tiles
+        bm = masks.random(n_q, n_k, mask_block, 0.6, seed=int(rng.integers(1 << 30)))
         layout = bm.layout.copy()
         layout[0] = False  # an empty row of blocks: those rows must come out 0
         layout[-1, 0] = True  # and never an empty mask (every gradient 0 checks nothing)
@@ -158,7 +163,7 @@ def main(selected=()):
             worst = max(worst, packed(direction, dtype, blocks, rng))
             continue
         for case in cases:
-            (q, k, v), (q64, k64, v64), kwargs, ref_kwargs = inputs(variant, dtype, case, rng)
+            (q, k, v), (q64, k64, v64), kwargs, ref_kwargs = inputs(variant, dtype, blocks, case, rng)
             print(f"{run_name(run)} blocks={blocks} case={case}", flush=True)
             # NaN runs: the rows that never see a NaN equal the reference without it; the others are NaN.
             ref, _ = reference.attention(*(np.nan_to_num(x) for x in (q64, k64, v64)), **ref_kwargs)

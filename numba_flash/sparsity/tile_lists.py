@@ -95,6 +95,7 @@ class MaskArguments:
     mask_cols: int
     mask_t_r: int
     mask_t_c: int
+    partly: bool           # some listed tile is partly masked (its kernel must test elements against the layout)
 
 
 ROLES = ("forward", "dq", "dkdv")
@@ -122,7 +123,8 @@ def mask_arguments(block_mask, leading_shape, n_q, n_k, tiles, causal_offset, ro
         forms[key] = MaskArguments(cuda.to_device(offsets.reshape(-1)),
                                    cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
                                    cuda.to_device(layout.view(np.uint8).reshape(-1)),  # flat on the host: Numba
-                                   *block_mask.block_size, *layout.shape[1:])      # reshapes few device arrays
+                                   *block_mask.block_size, *layout.shape[1:],      # reshapes few device arrays
+                                   partly=bool((entries & 1).any()))
     return forms[key]
 
 

@@ -297,10 +297,11 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     block_m, block_n = block_sizes
     element = np.dtype(dtype).itemsize
     precision = precision_of(dtype)
-    warp_rows = flash2_forward_warp_rows(block_m, padded_head_dim(head_dim, precision), precision, plain=mask is None)
-    threads = flash2_threads(block_m, warp_rows)
     heads_each = batch_heads if mask is None else 1
     q_tile, k_tile, partly = _flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)
+    warp_rows = flash2_forward_warp_rows(block_m, padded_head_dim(head_dim, precision), precision,
+                                         plain=not partly.any())
+    threads = flash2_threads(block_m, warp_rows)
 
     keys = _block_lengths(n_k, block_n)[k_tile]
     reads = {

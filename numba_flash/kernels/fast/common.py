@@ -89,15 +89,26 @@ def dropout_arguments(call):
     return dict(keep_threshold=keep_threshold, keep_scale=keep_scale)
 
 
+def _mask_lists(call, tiles, role):
+    return mask_arguments(call.block_mask, call.q_shape[:-2], call.n_q, call.n_k, tiles,
+                          call.causal_offset if call.causal else None, role)
+
+
 def block_mask_arguments(call, tiles, role):
     """A call's block mask as a fast kernel's arguments for ``role`` (``sparsity/tile_lists.py``), or placeholders."""
     if call.block_mask is None:
         return dict(tile_offsets=placeholder(np.int32), tile_entries=placeholder(np.int32), M=placeholder(np.uint8),
                     mask_rows=1, mask_cols=1, mask_t_r=1, mask_t_c=1)
-    lists = mask_arguments(call.block_mask, call.q_shape[:-2], call.n_q, call.n_k, tiles,
-                           call.causal_offset if call.causal else None, role)
+    lists = _mask_lists(call, tiles, role)
     return dict(tile_offsets=lists.tile_offsets, tile_entries=lists.tile_entries, M=lists.layout,
                 mask_rows=lists.mask_rows, mask_cols=lists.mask_cols, mask_t_r=lists.mask_t_r, mask_t_c=lists.mask_t_c)
+
+
+def partly_masked_tiles(call, tiles, role):
+    """Whether some tile ``role`` visits under the call's block mask is only partly covered by it (so that its
+    kernel must test elements against the layout); False without a mask, or when the mask's blocks are unions
+    of whole kernel tiles."""
+    return call.block_mask is not None and _mask_lists(call, tiles, role).partly
 
 
 def sequence_arguments(call):
@@ -421,5 +432,5 @@ def warp_lane(tid):
 
 __all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
            "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
-           "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane",
+           "partly_masked_tiles", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane",
            "words_per_chunk_row"]

@@ -103,15 +103,15 @@ from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
                        flash2_threads, padded_head_dim)
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments,
-                     dropout_words, kernel_name, lane_flags, sequence_arguments, sequence_bounds, tile_coordinates,
-                     keys_end, tile_copier, tile_movers, warp_lane, word_extent)
+                     dropout_words, kernel_name, lane_flags, partly_masked_tiles, sequence_arguments, sequence_bounds,
+                     tile_coordinates, keys_end, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
-                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP):
+                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale).
 
@@ -126,6 +126,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     the scale goes into the exponent's FMA (see ``online_softmax``); a scale <= 0 gets a kernel that
     scales the scores first.  WARP_ROWS: the query rows a warp owns, 16 or 32 (two fragments that share
     every K and V fragment loaded, as FlashAttention-2's warps do; ``tiling.flash2_forward_warp_rows``).
+    PARTLY_MASKED (with HAS_MASK): some listed tile is only partly covered by the mask, so entries are tested
+    against its layout; False when the mask's blocks are unions of whole tiles, which compiles the test out
+    and leaves the kernel the loops of a dense one (32-row warps included).
     """
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_M, WARP_ROWS)
@@ -352,6 +355,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         for j in range(n_tiles):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_N)
+                if not PARTLY_MASKED:  # a constant for the compiler: the element test below is compiled out
+                    partly_masked = False
             else:
                 k0, partly_masked = k_first_tile + j * BLOCK_N, False
             stage = (j % 2) * KV_STAGE            # the word offset of tile j's buffer
@@ -393,6 +398,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
                                       HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else "")
                   + ("" if WARP_ROWS == ROWS_PER_WARP else f"_warp{WARP_ROWS}")
+                  + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
                   + ("" if POSITIVE_SCALE else "_nonpositive_scale"),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
@@ -403,10 +409,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   # then fits d = 128 in 128 registers with 28 bytes of spills, against 168 left alone, one
                   # block).  float32 at d = 64 used exactly 128 until tf32 rounding kept NaN (130 without
                   # the cap: one block per multiprocessor; 128 with 4 bytes of spills under it).
-                  # Masks, dropout and packed sequences need more, and would spill under the cap
-                  # (tests/gpu_compile_all.py prints them).
+                  # Masks tested per element, dropout and packed sequences need more, and would spill under
+                  # the cap (tests/gpu_compile_all.py prints them); a mask of whole tiles compiles like dense.
                   launch_bounds=((THREADS, 2) if (D_PAD <= 64 or ASYNC and D_PAD <= 128)
-                                 and not (HAS_MASK or HAS_DROPOUT or VARLEN) else None))
+                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN) else None))
 
 
 def forward_launch(call, splits=1):
@@ -421,12 +427,13 @@ def forward_launch(call, splits=1):
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
+    partly = partly_masked_tiles(call, (block_m, block_n), "forward")
     stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
-    warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (has_mask or has_dropout))
+    warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None, splits > 1, positive_scale, warp_rows)
+                          call.varlen is not None, splits > 1, positive_scale, warp_rows, partly)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
