@@ -22,7 +22,7 @@ float16 at density 0.1 (128 x 128 blocks, N = 4096) <= 0.2 of dense, at the issu
 (B, H) = (4, 16) (``--batch 4``: at batch 1 the kernel of a 10% mask is short enough that the
 host's part of a call shows in its time).
 
-    PYTHONPATH=$PWD python3 experiments/block_sparse.py [--dtype float16] [--batch B] [--quick] [--out DIR]
+    PYTHONPATH=$PWD python3 experiments/block_sparse.py [--dtype float16] [--batch B] [--lengths N,...] [--quick] [--out DIR]
 """
 import argparse
 import datetime
@@ -65,13 +65,14 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS, help="directory for the outputs")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--batch", type=int, default=1, help="batch size (16 heads each)")
+    parser.add_argument("--lengths", default="4096,16384", help="comma-separated sequence lengths N")
     args = parser.parse_args(argv)
     torch = _torch_on_gpu()
     if args.dtype == "bfloat16" and torch is None:
         print("bfloat16 inputs come as torch tensors: this needs torch with a GPU")
         return 2
 
-    lengths, head_dim, heads = ((32,), 8, 1) if args.quick else ((4096, 16384), 64, 16)
+    lengths, head_dim, heads = ((32,), 8, 1) if args.quick else (tuple(map(int, args.lengths.split(","))), 64, 16)
     block_sizes = (16, 16) if args.quick else flash2_tuned_block_sizes(head_dim, PRECISION[args.dtype])
     block = max(block_sizes)  # square mask blocks that whole kernel tiles fit in
     repeats = 1 if args.quick else 20
@@ -108,7 +109,7 @@ def main(argv=None):
                                  flex_ratio_to_its_dense=round(flex_ms / flex_dense_ms, 4),
                                  flex_sparse_over_ours=round(flex_ms / ms, 4)))
                 print(rows[-1], flush=True)
-    write(rows, args.out, args.quick, block_sizes, args.dtype, args.batch)
+    write(rows, args.out, args.quick, block_sizes, args.dtype, args.batch, args.lengths)
     return 0
 
 
@@ -133,13 +134,14 @@ def inputs(shape, dtype, torch):
     return tuple(cuda.to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(3))
 
 
-def write(rows, out_dir, quick, block_sizes, dtype, batch):
+def write(rows, out_dir, quick, block_sizes, dtype, batch, lengths):
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, "block_sparse" + ("" if dtype == "float32" else f"_{dtype}")
                         + ("" if batch == 1 else f"_batch{batch}") + ("_quick" if quick else ""))
     device = numba_flash.device_limits().name
     command = ("python3 experiments/block_sparse.py" + ("" if dtype == "float32" else f" --dtype {dtype}")
-               + ("" if batch == 1 else f" --batch {batch}") + (" --quick" if quick else ""))
+               + ("" if batch == 1 else f" --batch {batch}") + ("" if quick else f" --lengths {lengths}")
+               + (" --quick" if quick else ""))
     write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("Block-sparse flash2: runtime against density (forward)", command, device,
