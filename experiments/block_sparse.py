@@ -81,7 +81,7 @@ def main(argv=None):
         q, k, v = inputs((args.batch, heads, n, head_dim), args.dtype, torch)
         dense_ms = time_ms(lambda: numba_flash.attention(q, k, v, block_sizes=block_sizes), repeats=repeats,
                            warmup=0 if args.quick else 3)
-        flex_dense = flex_attention(torch, False, n, n) if torch is not None else None
+        flex_dense = flex_attention(torch, False, n, n, head_dim) if torch is not None else None
         flex_dense_ms = time_ms(lambda: flex_dense(q, k, v), repeats=repeats) if flex_dense else float("nan")
         # The floor: a mask with no block visits no tile, so this is the call's fixed cost
         # (validation, allocation, launch, writing O = 0 and lse = -inf).
@@ -98,7 +98,7 @@ def main(argv=None):
                              repeats=repeats, warmup=0 if args.quick else 3)
                 s = bm.density
                 limit = 1.25 * s * dense_ms + 0.05 * dense_ms
-                flex = flex_attention(torch, False, n, n, block_mask=bm) if torch is not None else None
+                flex = flex_attention(torch, False, n, n, head_dim, block_mask=bm) if torch is not None else None
                 flex_ms = time_ms(lambda: flex(q, k, v), repeats=repeats) if flex else float("nan")
                 rows.append(dict(n=n, pattern=pattern, mask=shape, target_density=target, density=round(s, 4),
                                  dense_ms=round(dense_ms, 4), sparse_ms=round(ms, 4),

@@ -34,3 +34,10 @@ def test_sixteen_bit_rows_are_held_to_issue_15s_targets_beside_flex_attention():
     assert sixteen_bit_summary(rows) == [
         f"{SHAPE} float16 causal=True: flash2 is 0.75x torch-flash (target 0.8x: missed), 0.50x FlexAttention",
         f"{SHAPE} bfloat16 causal=False fwd+bwd: flash2 is 0.80x torch-flash (target 0.6x: met)"]
+
+
+def test_flex_attention_is_left_out_below_its_smallest_head_dim():
+    # torch's inductor refuses FlexAttention at d < 16; the benchmarks and experiments then show no column.
+    from numba_flash.tools.bench import FLEX_MIN_HEAD_DIM, flex_attention
+
+    assert flex_attention(None, False, 32, 32, FLEX_MIN_HEAD_DIM - 8) is None

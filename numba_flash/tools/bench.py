@@ -87,9 +87,17 @@ def _inputs(shape, dtype, sets, torch):
 _FLEX = {}
 
 
-def flex_attention(torch, causal, n_q, n_k, block_mask=None):
+#: FlexAttention's smallest head dim (torch's inductor refuses smaller: "embedding dimension ... must be
+#: at least 16", seen on the H200 with torch 2.11).
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_attention(torch, causal, n_q, n_k, head_dim, block_mask=None):
     """FlexAttention compiled once per process, with a causal block mask (top-left) when ``causal``, or
-    numba-flash's ``block_mask`` (a 2-D layout) as FlexAttention's own; None when this torch has none."""
+    numba-flash's ``block_mask`` (a 2-D layout) as FlexAttention's own; None when this torch has none or
+    the head dim is below ``FLEX_MIN_HEAD_DIM``."""
+    if head_dim < FLEX_MIN_HEAD_DIM:
+        return None
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention as flex
     except ImportError:
@@ -149,7 +157,7 @@ def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=()):
                 rows.append(Row(shape, dtype, causal, name, ms))
             except (RuntimeError, torch.OutOfMemoryError) as exc:  # backend unavailable for this case
                 rows.append(Row(shape, dtype, causal, name, float("nan"), str(exc).splitlines()[0][:60]))
-        flex = flex_attention(torch, causal, shape[2], shape[2])
+        flex = flex_attention(torch, causal, shape[2], shape[2], shape[3])
         if flex is not None:
             try:
                 rows.append(Row(shape, dtype, causal, "flex-attention", _time_rotating(flex, triples, repeats)))
@@ -184,7 +192,7 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baselines=()):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return sdpa(q, k, v, is_causal=causal)
         implementations.append((SHORT_NAMES[backend], call))
-    flex = flex_attention(torch, causal, shape[2], shape[2])
+    flex = flex_attention(torch, causal, shape[2], shape[2], shape[3])
     if flex is not None:
         implementations.append(("flex-attention", lambda: flex(q, k, v)))
     rows = []
