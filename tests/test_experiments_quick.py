@@ -171,3 +171,14 @@ def test_decoding_experiment_runs_quick(tmp_path):
     with open(tmp_path / "decode_quick.csv") as f:
         rows = {row["implementation"]: row for row in csv.DictReader(f)}
     assert float(rows["numba-flash"]["ms"]) > 0 and float(rows["numba-flash, appending the token"]["ms"]) > 0
+
+
+def test_causal_schedule_model_puts_rank_major_near_the_ideal(tmp_path):
+    schedule = load_script("causal_schedule")
+    assert schedule.main(["--out", str(tmp_path)]) == 0
+    # Three heads of 4 tiles (work 4, 3, 2, 1) on 5 slots: head-major starts the third head's 4 only at
+    # t = 4, when the first wave is done, and ends at 8; rank-major starts all three 4s first and ends at
+    # the ideal 6 (30 units of work over 5 slots).
+    head_major, rank_major = schedule.orders(3, 4, 0.0)
+    assert head_major[:5] == [4, 3, 2, 1, 4] and rank_major[:5] == [4, 4, 4, 3, 3]
+    assert (schedule.makespan(head_major, 5), schedule.makespan(rank_major, 5)) == (8, 6)

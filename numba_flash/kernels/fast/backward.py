@@ -221,7 +221,8 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                keep_threshold, keep_scale, seed0, seed1):
         # Operands as in the forward; heads: query heads, heads // group key/value heads.  HAS_MASK: the query
         # tiles of key tile kt of query head bh are listed at tile_offsets[bh (k_tiles + 1) + kt].
-        k_tile, hk, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, heads // group)
+        # Causal: key tile 0 is seen by the most queries, and every head's tile 0 starts first (``tile_coordinates``).
+        k_tile, hk, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, heads // group, CAUSAL)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                              causal_offset, bottom_right)
@@ -404,11 +405,12 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step,
                k_bounds, k_step, bottom_right, lse_sb, lse_sh, keep_threshold, keep_scale, seed0, seed1):
         # As the dkdv kernel, with the lists per query tile (as the forward's).
-        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                              causal_offset, bottom_right)
-        # Causal query tiles further down have more keys to visit: start them first.
+        # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
+        # rank 0 starts first (``tile_coordinates``).
         q_tile = q_tiles - 1 - tile if CAUSAL else tile
         q0 = q_tile * BLOCK_QUERIES
         if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together

@@ -130,14 +130,27 @@ def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropo
 
 
 @inlined_device_function
-def tile_coordinates(block_id, tiles, heads):
-    """A 1-D grid decoded: (tile, head, batch, batch*heads index), tiles of one head fastest.
+def tile_coordinates(block_id, tiles, heads, rank_major=False):
+    """A 1-D grid of ``tiles`` blocks per (batch, head) decoded: (tile, head, batch, batch*heads index).
 
-    Neighbouring blocks work on one head and share its K and V in L2, and
-    the grid is limited only by gridDim.x (2^31 - 1), not by gridDim.y's 65535.
+    Usually the tiles of one head are neighbours: neighbouring blocks work on
+    one head and share its K and V in L2.  Causal grids, whose tiles differ in
+    work, are ``rank_major``: block i runs tile i // BH of head i % BH (BH =
+    batch*heads), so that every head's tile of rank 0 (the kernel makes it
+    its longest) is dispatched before any of rank 1, and the shortest tiles
+    fill the tail: longest-processing-time-first scheduling.  One head's tiles
+    together leave the last heads' longest tiles to start when most of the
+    work is done (a list-scheduling model of 264 block slots puts the cost
+    at 12-15% of a causal forward: experiments/results/causal_schedule.md).
+    The grid is limited only by gridDim.x (2^31 - 1), not by gridDim.y's 65535.
     """
-    tile = block_id % tiles
-    bh = block_id // tiles
+    if rank_major:
+        batch_heads = cuda.gridDim.x // tiles
+        tile = block_id // batch_heads
+        bh = block_id % batch_heads
+    else:
+        tile = block_id % tiles
+        bh = block_id // tiles
     return tile, bh % heads, bh // heads, bh
 
 
@@ -432,5 +445,5 @@ def warp_lane(tid):
 
 __all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
            "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
-           "partly_masked_tiles", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane",
-           "words_per_chunk_row"]
+           "partly_masked_tiles", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier",
+           "tile_movers", "warp_lane", "words_per_chunk_row"]

@@ -293,14 +293,15 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
         # ...] (``listed_tile``); M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
         # VARLEN: q_bounds, k_bounds bound each batch entry's rows (``sequence_bounds``).
-        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads)
+        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL)
         split = tile // q_tiles if SPLIT else 0
         if SPLIT:
             tile %= q_tiles
         lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                              causal_offset, bottom_right)
-        # Causal query tiles further down have more keys to visit: start them first.
+        # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
+        # rank 0 starts first (``tile_coordinates``).
         q_tile = q_tiles - 1 - tile if CAUSAL else tile
         q0 = q_tile * BLOCK_M
         if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
