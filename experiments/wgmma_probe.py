@@ -54,69 +54,14 @@ B_WORDS = N * 16 // 2
 
 def build():
     """The probe kernel, compiled for sm_90a (Hopper's arch-specific instructions need the 'a' target)."""
-    from llvmlite import ir
-    from numba import types, uint32, uint64
-    from numba.cuda import config
-    from numba.cuda.extending import intrinsic
+    from numba import uint32
 
-    config.FORCE_CUDA_CC = (9, 0, "a")
-    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    from numba_flash.kernels.hopper.wgmma import (SWIZZLE_NONE, descriptor_device, enable_sm90a, fence_proxy_async,
+                                                  shared_address, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait,
+                                                  zero_accumulator)
 
-    def asm(text, constraints="~{memory}"):
-        """An instruction with no operands, kept in place (side effects, memory clobber)."""
-        @intrinsic
-        def instruction(typingctx):
-            def codegen(context, builder, sig, args):
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, constraints, side_effect=True),
-                             [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return instruction
-
-    wgmma_fence = asm("wgmma.fence.sync.aligned;")
-    wgmma_commit = asm("wgmma.commit_group.sync.aligned;")
-    wgmma_wait_all = asm("wgmma.wait_group.sync.aligned 0;")
-    fence_proxy_async = asm("fence.proxy.async.shared::cta;")
-
-    @intrinsic
-    def shared_address(typingctx, arr):
-        """The shared-window address (32 bits) of a shared array's first element."""
-        def codegen(context, builder, sig, args):
-            from numba.cuda.np.arrayobj import make_array
-            data = make_array(sig.args[0])(context, builder, args[0]).data
-            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
-            return builder.ptrtoint(shared, i32)
-        return types.uint32(arr), codegen
-
-    @intrinsic
-    def wgmma(typingctx, acc, desc_a, desc_b):
-        """acc += A B for the warpgroup (m64nNk16, float16 in, float32 accumulator), A and B by descriptor."""
-        def codegen(context, builder, sig, args):
-            values = [builder.extract_value(args[0], i) for i in range(D_REGISTERS)]
-            registers = ", ".join(f"${i}" for i in range(D_REGISTERS))
-            text = ("{ .reg .pred p; setp.ne.b32 p, $" + str(D_REGISTERS + 2) + ", 0; "
-                    f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.f16.f16 {{{registers}}}, "
-                    f"${D_REGISTERS}, ${D_REGISTERS + 1}, p, 1, 1, 0, 0; }}")
-            constraints = ",".join(["=f"] * D_REGISTERS + ["l", "l", "r"] + [str(i) for i in range(D_REGISTERS)])
-            function = ir.FunctionType(ir.LiteralStructType([f32] * D_REGISTERS), [i64, i64, i32] + [f32] * D_REGISTERS)
-            out = builder.call(ir.InlineAsm(function, text, constraints, side_effect=True),
-                               [args[1], args[2], ir.Constant(i32, 1)] + values)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i)
-                                                                 for i in range(D_REGISTERS)])
-        return acc(acc, types.uint64, types.uint64), codegen
-
-    @intrinsic
-    def zero_accumulator(typingctx):
-        """D_REGISTERS float32 zeros, the accumulator's starting value."""
-        def codegen(context, builder, sig, args):
-            return context.make_tuple(builder, sig.return_type, [ir.Constant(f32, 0.0)] * D_REGISTERS)
-        return types.UniTuple(types.float32, D_REGISTERS)(), codegen
-
-    def descriptor(address, leading_bytes, stride_bytes):
-        return (uint64((address >> 4) & 0x3FFF) | (uint64((leading_bytes >> 4) & 0x3FFF) << uint64(16))
-                | (uint64((stride_bytes >> 4) & 0x3FFF) << uint64(32)))
-
-    descriptor = cuda.jit(device=True, inline=True)(descriptor)
+    enable_sm90a()
+    product, zeros, wait_all = wgmma_ss(N), zero_accumulator(N), wgmma_wait(0)
 
     @cuda.jit(launch_bounds=(128, 1))
     def probe(out, iterations):
@@ -129,15 +74,15 @@ def build():
             b[i] = one_one
         fence_proxy_async()
         cuda.syncthreads()
-        desc_a = descriptor(shared_address(a), 128, 256)
-        desc_b = descriptor(shared_address(b), 128, 256)
-        acc = zero_accumulator()
+        desc_a = descriptor_device(shared_address(a), 128, 256, SWIZZLE_NONE)
+        desc_b = descriptor_device(shared_address(b), 128, 256, SWIZZLE_NONE)
+        acc = zeros()
         wgmma_fence()
         for _ in range(iterations):
             for _ in range(UNROLL):
-                acc = wgmma(acc, desc_a, desc_b)
+                acc = product(acc, desc_a, desc_b)
             wgmma_commit()
-            wgmma_wait_all()
+            wait_all()
         base = (cuda.blockIdx.x * 128 + cuda.threadIdx.x) * D_REGISTERS
         for i in range(D_REGISTERS):
             out[base + i] = acc[i]

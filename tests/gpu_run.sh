@@ -71,7 +71,9 @@ for s in $STEPS; do
         CUDA_VISIBLE_DEVICES=0,1 step ring_scaling ${RING_SCALING_LIMIT:-420} torchrun --nproc-per-node 2 \
             experiments/ring_scaling.py ${RING_SCALING_ARGS:-}
         tail -12 "$LOGS/ring_scaling.log" ;;
-    hopper)  # Hopper's warpgroup MMA driven from Numba: TFLOP/s beside cuBLAS
+    hopper)  # Hopper's warpgroup MMA driven from Numba: the layouts against NumPy, then TFLOP/s beside cuBLAS
+        step wgmma_layouts 150 python3 experiments/wgmma_layouts.py
+        grep -E "True|Error" "$LOGS/wgmma_layouts.log" | tail -12
         step wgmma_probe 150 python3 experiments/wgmma_probe.py
         tail -6 "$LOGS/wgmma_probe.log" ;;
     train)

@@ -1,0 +1,179 @@
+"""Hopper's warpgroup matrix multiply (``wgmma.mma_async``) from Numba: the building blocks.
+
+numba-cuda has no warpgroup instructions; these intrinsics emit them as inline
+PTX, which needs the arch-specific target sm_90a (``enable_sm90a``: numba-cuda
+then writes ``.target sm_90a``).  PTX ISA, "Asynchronous Warpgroup Level Matrix
+Multiply-Accumulate".  How the pieces fit:
+
+* A warpgroup is 4 consecutive warps (128 threads, the first warp's index a
+  multiple of 4).  ``wgmma`` m64nNk16 adds A (64 x 16) times B (16 x N) into a
+  64 x N float32 accumulator spread over the warpgroup's registers, N / 2 per
+  thread.  B always comes from shared memory, named by a 64-bit *descriptor*;
+  A from shared memory too ("SS", ``wgmma_ss``) or from registers ("RS",
+  ``wgmma_rs``: P in attention's O += P V, straight from the softmax).
+* The product is asynchronous: ``wgmma_fence`` orders this thread's earlier
+  register writes (of the accumulator, or of A) before the products read
+  them; ``wgmma_commit`` closes a group of issued products; ``wgmma_wait(k)``
+  waits until at most k groups are in flight, after which the accumulators of
+  the finished ones may be read.
+* Shared memory written by ordinary stores reaches the tensor cores' (the
+  "async proxy's") view only after ``fence_proxy_async`` in each writing thread,
+  before the barrier that publishes it.
+
+Layouts (the 128-byte swizzle; ``experiments/wgmma_layouts.py`` checks each row
+of this table against NumPy on a GPU, candidates side by side):
+
+=========================  =====================================================================
+accumulator D (m64nN, f32)  register i of thread 32 w + 4 g + t: row 16 w + g + 8 ((i % 4) // 2),
+                            column 8 (i // 4) + 2 t + (i % 2) (per 8 columns, mma.sync's C fragment)
+A from registers (m64k16)   four 16-bit pairs: (16 w + g, 2t:2t+2), (16 w + g + 8, 2t:2t+2),
+                            (16 w + g, 2t+8:2t+10), (16 w + g + 8, 2t+8:2t+10): mma.sync's A fragment
+K-major tile (rows x 64     row r's 16-byte chunk c at byte r * 128 + 16 (c ^ (r % 8)): ``swizzle_128``
+16-bit elements)            of the unswizzled offset, atoms of 8 rows (1024 bytes, 1024-aligned); a
+                            wider row is several such tiles one after another (64 columns each)
+K-major descriptor          start = tile + 32 bytes per k-step of 16 (next 64-column tile after 4),
+                            stride byte offset 1024 (8-row groups), leading offset unused, swizzle 1
+MN-major tile (B = V: keys  the same swizzle with rows = keys and the 128 bytes along N; transposed
+x d, d contiguous)          by the instruction (``trans_b``); start = tile + 2048 per k-step of 16
+=========================  =====================================================================
+
+The simulator has no warpgroup instructions: under ``NUMBA_ENABLE_CUDASIM=1``
+only the pure helpers here (``swizzle_128``, ``descriptor``) exist; everything
+that issues ``wgmma`` is tested on a Hopper GPU only.
+"""
+from functools import lru_cache
+
+from numba import uint64
+from numba.cuda import config
+
+from ...runtime.launch import inlined_device_function
+
+#: Swizzle modes of a descriptor's bits 62-63.
+SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3
+#: Bytes of one 128-byte-swizzle atom: 8 rows of 128 bytes (its tiles start on this boundary).
+ATOM_BYTES = 1024
+
+
+def enable_sm90a():
+    """Compile from now on for sm_90a (wgmma, setmaxnreg need the arch-specific target).  Process-wide:
+    numba-cuda reads it when it next compiles; the sm_90a code runs only on compute capability 9.0."""
+    config.FORCE_CUDA_CC = (9, 0, "a")
+
+
+def swizzle_128(offset):
+    """The byte where the 128-byte swizzle puts byte ``offset`` of a 1024-aligned tile: within each 8-row
+    atom of 128-byte rows, row r's 16-byte chunks are permuted by XOR with r % 8."""
+    return offset ^ (((offset >> 7) & 7) << 4)
+
+
+def descriptor(address, leading_bytes, stride_bytes, swizzle):
+    """A wgmma matrix descriptor: the shared-memory start address (bits 0-13), the leading-dimension
+    and stride-dimension byte offsets (bits 16-29, 32-45), each >> 4, and the swizzle mode (62-63)."""
+    return (uint64((address >> 4) & 0x3FFF) | (uint64((leading_bytes >> 4) & 0x3FFF) << uint64(16))
+            | (uint64((stride_bytes >> 4) & 0x3FFF) << uint64(32)) | (uint64(swizzle & 3) << uint64(62)))
+
+
+#: The two above as device functions (the host's are for building layouts and tests).
+swizzle_128_device = inlined_device_function(swizzle_128)
+descriptor_device = inlined_device_function(descriptor)
+
+
+if not config.ENABLE_CUDASIM:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+
+    def _statement(text):
+        """An instruction without operands, kept in place (side effects, a memory clobber)."""
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, sig, args):
+                function = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(function, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return instruction
+
+    wgmma_fence = _statement("wgmma.fence.sync.aligned;")
+    wgmma_commit = _statement("wgmma.commit_group.sync.aligned;")
+    fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
+
+    @lru_cache(maxsize=None)
+    def wgmma_wait(pending):
+        """wait_group ``pending``: until at most that many committed groups are still in flight."""
+        return _statement(f"wgmma.wait_group.sync.aligned {int(pending)};")
+
+    @intrinsic
+    def shared_address(typingctx, array):
+        """The shared-window address (32 bits) of a shared array's first element."""
+        def codegen(context, builder, sig, args):
+            from numba.cuda.np.arrayobj import make_array
+            data = make_array(sig.args[0])(context, builder, args[0]).data
+            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
+            return builder.ptrtoint(shared, _I32)
+        return types.uint32(array), codegen
+
+    @lru_cache(maxsize=None)
+    def zero_accumulator(n):
+        """An intrinsic giving the n / 2 float32 zeros of an m64nN accumulator, as a tuple."""
+        registers = n // 2
+
+        @intrinsic
+        def zeros(typingctx):
+            def codegen(context, builder, sig, args):
+                return context.make_tuple(builder, sig.return_type, [ir.Constant(_F32, 0.0)] * registers)
+            return types.UniTuple(types.float32, registers)(), codegen
+        return zeros
+
+    def _product(n, element, trans_b, a_from_registers):
+        registers = n // 2
+        a_operands = 4 if a_from_registers else 1
+        # Operands: D (registers, in and out), A (4 words or a descriptor), B's descriptor, then scale-d.
+        a_text = ("{" + ", ".join(f"${registers + i}" for i in range(4)) + "}" if a_from_registers
+                  else f"${registers}")
+        b_index = registers + a_operands
+        transpose = f"{int(trans_b)}" if a_from_registers else f"0, {int(trans_b)}"
+        text = ("{ .reg .pred p; setp.ne.b32 p, $" + str(b_index + 1) + ", 0; "
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{element}.{element} "
+                "{" + ", ".join(f"${i}" for i in range(registers)) + "}, "
+                f"{a_text}, ${b_index}, p, 1, 1, {transpose}; }}")
+        a_types = [_I32] * 4 if a_from_registers else [_I64]
+        constraints = ",".join(["=f"] * registers + (["r"] * 4 if a_from_registers else ["l"]) + ["l", "r"]
+                               + [str(i) for i in range(registers)])
+        function = ir.FunctionType(ir.LiteralStructType([_F32] * registers), a_types + [_I64, _I32]
+                                   + [_F32] * registers)
+
+        def codegen(context, builder, sig, args):
+            acc, a_values, b_desc = args[0], args[1:-1], args[-1]
+            if a_from_registers:
+                a_values = [builder.extract_value(a_values[0], i) for i in range(4)]
+            values = [builder.extract_value(acc, i) for i in range(registers)]
+            out = builder.call(ir.InlineAsm(function, text, constraints, side_effect=True),
+                               list(a_values) + [b_desc, ir.Constant(_I32, 1)] + values)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i)
+                                                                 for i in range(registers)])
+        return codegen
+
+    @lru_cache(maxsize=None)
+    def wgmma_ss(n, element="f16", trans_b=False):
+        """acc' = acc + A B, m64n``n``k16, A and B in shared memory by descriptor: ``f(acc, desc_a, desc_b)``.
+        element: "f16" or "bf16"; trans_b: B is MN-major (its N dimension contiguous)."""
+        codegen = _product(n, element, trans_b, False)
+
+        @intrinsic
+        def product(typingctx, acc, desc_a, desc_b):
+            return acc(acc, types.uint64, types.uint64), codegen
+        return product
+
+    @lru_cache(maxsize=None)
+    def wgmma_rs(n, element="f16", trans_b=False):
+        """acc' = acc + A B, m64n``n``k16, A from registers (a UniTuple of four uint32: the layout above), B by
+        descriptor: ``f(acc, a, desc_b)``."""
+        codegen = _product(n, element, trans_b, True)
+
+        @intrinsic
+        def product(typingctx, acc, a, desc_b):
+            return acc(acc, types.UniTuple(types.uint32, 4), types.uint64), codegen
+        return product
