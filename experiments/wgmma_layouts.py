@@ -78,11 +78,11 @@ def accumulator_to_matrix(registers, n):
 def build(k_dim, n, a_registers, b_mn_major, element):
     """The kernel of one case: run(a, b, out, lbo_a, sbo_a, lbo_b, sbo_b); a (64, K) and b ((K, N) when
     MN-major, else (N, K)) 16-bit values as uint16, out (128, N / 2) float32."""
-    from numba import uint32
+    from numba import float32, uint32
 
     from numba_flash.kernels.hopper.wgmma import (SWIZZLE_128B, descriptor_device, fence_proxy_async,
                                                   shared_address, swizzle_128_device, wgmma_commit, wgmma_fence,
-                                                  wgmma_rs, wgmma_ss, wgmma_wait, zero_accumulator)
+                                                  wgmma_rs, wgmma_ss, wgmma_wait)
 
     registers = n // 2
     a_bytes = 0 if a_registers else ROWS * k_dim * 2
@@ -90,7 +90,7 @@ def build(k_dim, n, a_registers, b_mn_major, element):
     words = (a_bytes + b_bytes + 1024) // 4
     # Both forms are typed (only one is used): a constant branch still has to type-check.
     product_rs, product_ss = wgmma_rs(n, element, b_mn_major), wgmma_ss(n, element, b_mn_major)
-    zeros, wait_all = zero_accumulator(n), wgmma_wait(0)
+    wait_all = wgmma_wait(0)
     b_rows = k_dim if b_mn_major else n      # rows of B as stored (its contiguous dimension is 128-byte rows)
     b_cols = n if b_mn_major else k_dim
 
@@ -113,7 +113,9 @@ def build(k_dim, n, a_registers, b_mn_major, element):
         fence_proxy_async()
         cuda.syncthreads()
         w, g, t = tid // 32, (tid % 32) // 4, tid % 4
-        acc = zeros()
+        acc = cuda.local.array(registers, float32)
+        for i in range(registers):
+            acc[i] = float32(0)
         for s in range(k_dim // 16):
             if b_mn_major:   # 16 rows of 128 bytes per k-step
                 b_start = base + b_word * 4 + s * 16 * ROW_BYTES
@@ -127,11 +129,11 @@ def build(k_dim, n, a_registers, b_mn_major, element):
                             uint32(a[r0, c0 + 8]) | (uint32(a[r0, c0 + 9]) << 16),
                             uint32(a[r0 + 8, c0 + 8]) | (uint32(a[r0 + 8, c0 + 9]) << 16))
                 wgmma_fence()    # the fragment's registers, written just now, before the product reads them
-                acc = product_rs(acc, fragment, desc_b)
+                product_rs(acc, fragment, desc_b)
             else:
                 a_start = base + a_word * 4 + (s // 4) * ROWS * ROW_BYTES + (s % 4) * 32
                 wgmma_fence()
-                acc = product_ss(acc, descriptor_device(a_start, lbo_a, sbo_a, SWIZZLE_128B), desc_b)
+                product_ss(acc, descriptor_device(a_start, lbo_a, sbo_a, SWIZZLE_128B), desc_b)
         wgmma_commit()
         wait_all()
         for i in range(registers):

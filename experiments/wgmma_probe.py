@@ -54,14 +54,13 @@ B_WORDS = N * 16 // 2
 
 def build():
     """The probe kernel, compiled for sm_90a (Hopper's arch-specific instructions need the 'a' target)."""
-    from numba import uint32
+    from numba import float32, uint32
 
     from numba_flash.kernels.hopper.wgmma import (SWIZZLE_NONE, descriptor_device, enable_sm90a, fence_proxy_async,
-                                                  shared_address, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait,
-                                                  zero_accumulator)
+                                                  shared_address, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait)
 
     enable_sm90a()
-    product, zeros, wait_all = wgmma_ss(N), zero_accumulator(N), wgmma_wait(0)
+    product, wait_all = wgmma_ss(N), wgmma_wait(0)
 
     @cuda.jit(launch_bounds=(128, 1))
     def probe(out, iterations):
@@ -76,11 +75,13 @@ def build():
         cuda.syncthreads()
         desc_a = descriptor_device(shared_address(a), 128, 256, SWIZZLE_NONE)
         desc_b = descriptor_device(shared_address(b), 128, 256, SWIZZLE_NONE)
-        acc = zeros()
+        acc = cuda.local.array(D_REGISTERS, float32)
+        for i in range(D_REGISTERS):
+            acc[i] = float32(0)
         wgmma_fence()
         for _ in range(iterations):
             for _ in range(UNROLL):
-                acc = product(acc, desc_a, desc_b)
+                product(acc, desc_a, desc_b)
             wgmma_commit()
             wait_all()
         base = (cuda.blockIdx.x * 128 + cuda.threadIdx.x) * D_REGISTERS

@@ -74,6 +74,8 @@ for s in $STEPS; do
     hopper)  # Hopper's warpgroup MMA driven from Numba: the layouts against NumPy, then TFLOP/s beside cuBLAS
         step wgmma_layouts 150 python3 experiments/wgmma_layouts.py
         grep -E "True|Error" "$LOGS/wgmma_layouts.log" | tail -12
+        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} step wgmma_forward_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_hopper.py
+        tail -3 "$LOGS/wgmma_forward_test.log"
         step wgmma_probe 150 python3 experiments/wgmma_probe.py
         tail -6 "$LOGS/wgmma_probe.log" ;;
     train)

@@ -115,18 +115,6 @@ if not config.ENABLE_CUDASIM:
             return builder.ptrtoint(shared, _I32)
         return types.uint32(array), codegen
 
-    @lru_cache(maxsize=None)
-    def zero_accumulator(n):
-        """An intrinsic giving the n / 2 float32 zeros of an m64nN accumulator, as a tuple."""
-        registers = n // 2
-
-        @intrinsic
-        def zeros(typingctx):
-            def codegen(context, builder, sig, args):
-                return context.make_tuple(builder, sig.return_type, [ir.Constant(_F32, 0.0)] * registers)
-            return types.UniTuple(types.float32, registers)(), codegen
-        return zeros
-
     def _product(n, element, trans_b, a_from_registers):
         registers = n // 2
         a_operands = 4 if a_from_registers else 1
@@ -146,34 +134,48 @@ if not config.ENABLE_CUDASIM:
                                    + [_F32] * registers)
 
         def codegen(context, builder, sig, args):
-            acc, a_values, b_desc = args[0], args[1:-1], args[-1]
+            from numba.cuda.np.arrayobj import make_array
+            # The accumulator is a local array, read whole before and written whole after the instruction: with
+            # constant indices LLVM keeps it in registers, which the product then names.
+            data = make_array(sig.args[0])(context, builder, args[0]).data
+            slots = [builder.gep(data, [ir.Constant(_I32, i)]) for i in range(registers)]
+            a_values = args[1:-1]
             if a_from_registers:
                 a_values = [builder.extract_value(a_values[0], i) for i in range(4)]
-            values = [builder.extract_value(acc, i) for i in range(registers)]
             out = builder.call(ir.InlineAsm(function, text, constraints, side_effect=True),
-                               list(a_values) + [b_desc, ir.Constant(_I32, 1)] + values)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i)
-                                                                 for i in range(registers)])
+                               list(a_values) + [args[-1], ir.Constant(_I32, 1)] + [builder.load(x) for x in slots])
+            for i, slot in enumerate(slots):
+                builder.store(builder.extract_value(out, i), slot)
+            return context.get_dummy_value()
         return codegen
+
+    def _accumulator(acc, n):
+        return (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1
+                and acc.layout == "C")
 
     @lru_cache(maxsize=None)
     def wgmma_ss(n, element="f16", trans_b=False):
-        """acc' = acc + A B, m64n``n``k16, A and B in shared memory by descriptor: ``f(acc, desc_a, desc_b)``.
-        element: "f16" or "bf16"; trans_b: B is MN-major (its N dimension contiguous)."""
+        """acc += A B, m64n``n``k16, A and B in shared memory by descriptor: ``f(acc, desc_a, desc_b)``, acc a
+        local float32 array of n / 2 (the layout above).  element: "f16" or "bf16"; trans_b: B is MN-major
+        (its N dimension contiguous)."""
         codegen = _product(n, element, trans_b, False)
 
         @intrinsic
         def product(typingctx, acc, desc_a, desc_b):
-            return acc(acc, types.uint64, types.uint64), codegen
+            if not _accumulator(acc, n):
+                return None
+            return types.void(acc, types.uint64, types.uint64), codegen
         return product
 
     @lru_cache(maxsize=None)
     def wgmma_rs(n, element="f16", trans_b=False):
-        """acc' = acc + A B, m64n``n``k16, A from registers (a UniTuple of four uint32: the layout above), B by
+        """acc += A B, m64n``n``k16, A from registers (a UniTuple of four uint32: the layout above), B by
         descriptor: ``f(acc, a, desc_b)``."""
         codegen = _product(n, element, trans_b, True)
 
         @intrinsic
         def product(typingctx, acc, a, desc_b):
-            return acc(acc, types.UniTuple(types.uint32, 4), types.uint64), codegen
+            if not _accumulator(acc, n):
+                return None
+            return types.void(acc, types.UniTuple(types.uint32, 4), types.uint64), codegen
         return product
