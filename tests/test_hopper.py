@@ -44,40 +44,67 @@ def test_the_accumulator_layout_gives_every_element_to_exactly_one_register():
         assert matrix[0, 0] == registers[0, 0] and matrix[8, 1] == registers[0, 3] and matrix[0, 8] == registers[0, 4]
 
 
-def _hopper_gpu():
-    """torch, when it has a CUDA GPU of compute capability 9.0 and the simulator is off; else None."""
+def _where():
+    """Where the wgmma forward can run here: "simulator" (NumPy inputs, the twins of wgmma.py), "hopper"
+    (torch tensors on a GPU of compute capability 9.0), or None (another GPU)."""
     from numba_flash import in_simulator
 
     if in_simulator():
-        return None
+        return "simulator"
     try:
         import torch
     except ImportError:
         return None
-    return torch if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else None
+    return "hopper" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else None
 
 
-@pytest.mark.skipif(_hopper_gpu() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a)")
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
     import ml_dtypes
 
     import reference
-    from numba_flash.kernels.hopper.forward import HEAD_DIMS, wgmma_attention
+    from numba_flash.kernels.hopper.forward import BLOCK_M, HEAD_DIMS, wgmma_attention
     from tolerances import assert_close_to_reference
 
-    torch = _hopper_gpu()
-    batch, heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
-    n_q, n_k = data.draw(st.integers(1, 200)), data.draw(st.integers(1, 200))
+    where = _where()
+    # In the simulator: up to three tiles each way (every thread of a block is a Python thread).
+    longest = 200 if where == "hopper" else 2 * BLOCK_M + 5
+    batch, heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3 if where == "hopper" else 1))
+    n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
     d = data.draw(st.sampled_from(HEAD_DIMS))
-    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
-    generator = torch.Generator(device="cuda").manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
-    q, k, v = (torch.randn(shape, generator=generator, device="cuda", dtype=dtype)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    q, k, v = (rng.standard_normal(shape).astype(dtype)
                for shape in ((batch, heads, n_q, d), (batch, heads, n_k, d), (batch, heads, n_k, d)))
-    out, lse = wgmma_attention(q, k, v, causal=causal)
-    host = [x.float().cpu().numpy().astype(np.float64) for x in (q, k, v)]
+    if where == "hopper":
+        import torch
+        as_torch = {np.float16: torch.float16, ml_dtypes.bfloat16: torch.bfloat16}[dtype]
+        out, lse = wgmma_attention(*(torch.from_numpy(x.view(np.int16)).cuda().view(as_torch) for x in (q, k, v)),
+                                   causal=causal)
+        out, lse = out.view(torch.int16).cpu().numpy().view(dtype), lse.cpu().numpy()
+    else:
+        out, lse = wgmma_attention(q, k, v, causal=causal)
+    host = [x.astype(np.float64) for x in (q, k, v)]
     ref_out, ref_lse = reference.attention(*host, causal=causal)
-    numpy_dtype = np.float16 if dtype == torch.float16 else ml_dtypes.bfloat16
-    assert_close_to_reference(out.float().cpu().numpy(), lse.cpu().numpy(), ref_out, ref_lse, *host, 1 / np.sqrt(d),
-                              numpy_dtype)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, *host, 1 / np.sqrt(d), dtype)
+
+
+def test_the_wgmma_forward_rejects_what_it_cannot_run():
+    from numba_flash.kernels.hopper.forward import wgmma_attention
+
+    def arrays(d=64, dtype=np.float16, n_k=8):
+        return (np.zeros((1, 1, 8, d), dtype), np.zeros((1, 1, n_k, d), dtype), np.zeros((1, 1, n_k, d), dtype))
+
+    with pytest.raises(ValueError, match="head dim"):
+        wgmma_attention(*arrays(d=32))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        wgmma_attention(*arrays(dtype=np.float32))
+    with pytest.raises(ValueError, match="k and v"):
+        q, k, _ = arrays()
+        wgmma_attention(q, k, np.zeros((1, 1, 9, 64), np.float16))
+    with pytest.raises(ValueError, match="causal"):
+        wgmma_attention(*arrays(), causal="diagonal")
+    with pytest.raises(ValueError, match="scale"):
+        wgmma_attention(*arrays(), scale=-1.0)

@@ -102,12 +102,12 @@ def install():
             self._block_barrier.leave()
         if self.exception is not None:
             self._block_barrier.abort()
-            for room in self._manager.__dict__.get("_numba_flash_warp_rooms", {}).values():
+            for room in self._manager.__dict__.get("_numba_flash_rooms", {}).values():
                 room.barrier.abort()
 
     def run_block(self, grid_point, *args):
         barrier = BlockBarrier(int(np.prod(self._block_dim)))
-        self.__dict__.pop("_numba_flash_warp_rooms", None)
+        self.__dict__.pop("_numba_flash_rooms", None)
         threads = []
         for block_point in np.ndindex(*self._block_dim):
             thread = sim.BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)

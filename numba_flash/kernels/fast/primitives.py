@@ -377,17 +377,17 @@ else:
     # to read their lane's part.  Posts alternate between two buffers, so a
     # fast thread's next post cannot overwrite values a slow thread has not
     # read yet: to post twice it must pass a barrier that waits for the slow
-    # one.
+    # one.  (``collective`` gives Hopper's warpgroups of 128 the same rooms.)
     # ------------------------------------------------------------------
     _ROOMS_LOCK = threading.Lock()
 
-    class _WarpRoom:
-        def __init__(self):
-            self.posts = [[None] * WARP_SIZE, [None] * WARP_SIZE]
+    class _Room:
+        def __init__(self, size):
+            self.posts = [[None] * size, [None] * size]
             self.results = [None, None]
-            self.calls = [0] * WARP_SIZE
+            self.calls = [0] * size
             self.compute = None
-            self.barrier = threading.Barrier(WARP_SIZE, action=self._act, timeout=600)
+            self.barrier = threading.Barrier(size, action=self._act, timeout=600)
             self._parity = 0
 
         def _act(self):
@@ -395,25 +395,31 @@ else:
             self.results[parity] = self.compute(self.posts[parity])
             self._parity ^= 1
 
-    def _warp_op(value, compute):
-        """Post ``value``; ``compute(all 32 posts)`` runs once; return this lane's result."""
+    def collective(value, compute, size=WARP_SIZE):
+        """Simulator only: post ``value`` to the room of this thread's group of ``size`` consecutive threads
+        (a warp, or a warpgroup of 128); ``compute(all posts, in thread order)`` runs once; return this
+        thread's entry of its result."""
         me = threading.current_thread()
         block = me._manager
         with _ROOMS_LOCK:
-            rooms = block.__dict__.setdefault("_numba_flash_warp_rooms", {})
-            key = (tuple(me.blockIdx), me.thread_id // WARP_SIZE)
+            rooms = block.__dict__.setdefault("_numba_flash_rooms", {})
+            key = (tuple(me.blockIdx), size, me.thread_id // size)
             room = rooms.get(key)
             if room is None:
-                if int(np.prod(block._block_dim)) % WARP_SIZE:
-                    raise RuntimeError("warp primitives need whole warps (blockDim a multiple of 32)")
-                room = rooms[key] = _WarpRoom()
-        lane = me.thread_id % WARP_SIZE
-        parity = room.calls[lane] & 1
-        room.calls[lane] += 1
-        room.posts[parity][lane] = value
+                if int(np.prod(block._block_dim)) % size:
+                    raise RuntimeError(f"groups of {size} threads need blockDim a multiple of {size}")
+                room = rooms[key] = _Room(size)
+        member = me.thread_id % size
+        parity = room.calls[member] & 1
+        room.calls[member] += 1
+        room.posts[parity][member] = value
         room.compute = compute
         room.barrier.wait()
-        return room.results[parity][lane]
+        return room.results[parity][member]
+
+    def _warp_op(value, compute):
+        """Post ``value``; ``compute(all 32 posts)`` runs once; return this lane's result."""
+        return collective(value, compute, WARP_SIZE)
 
     def f32_as_u32(x):
         """The bits of a float32, as uint32."""

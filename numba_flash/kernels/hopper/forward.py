@@ -37,6 +37,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32
 
+from ...runtime.device import in_simulator
 from ...runtime.launch import cuda_kernel, inlined_device_function, launch
 from ...tiling import cdiv
 from ..fast.common import LOG2_E, NEG_INF, ceil_div, tile_coordinates
@@ -219,18 +220,28 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
 
 
 def wgmma_attention(q, k, v, *, causal=False, scale=None):
-    """(O, lse) by the wgmma forward, for torch CUDA tensors q (B, H, N_q, d), k and v (B, H, N_k, d),
-    contiguous, float16 or bfloat16, d in HEAD_DIMS, on a GPU of compute capability 9.0; causal: False,
-    True or "top_left", or "bottom_right".  Compiles for sm_90a (``wgmma.enable_sm90a``: process-wide)."""
-    import torch
+    """(O, lse) by the wgmma forward.  q (B, H, N_q, d), k and v (B, H, N_k, d), contiguous, float16 or
+    bfloat16, d in HEAD_DIMS: torch CUDA tensors (results on q's stream), or NumPy arrays (float16 or
+    ``ml_dtypes.bfloat16``: copied to the device and back, which is how the simulator runs it, through the
+    twins of ``wgmma.py``).  causal: False, True or "top_left", or "bottom_right".  On a GPU it needs
+    compute capability 9.0 and compiles for sm_90a (``wgmma.enable_sm90a``: process-wide)."""
+    import ml_dtypes
 
+    torch_inputs = type(q).__module__.startswith("torch")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or not x.is_cuda:
-            raise TypeError(f"{name} must be a CUDA torch tensor")
-        if x.dtype not in (torch.float16, torch.bfloat16) or x.dtype != q.dtype:
-            raise TypeError(f"{name} must be float16 or bfloat16, as q")
-        if x.dim() != 4 or not x.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous (B, H, N, d) tensor")
+        if torch_inputs:
+            import torch
+            if not isinstance(x, torch.Tensor) or not x.is_cuda:
+                raise TypeError(f"{name} must be a CUDA torch tensor, as q")
+            dtype_ok, contiguous = x.dtype in (torch.float16, torch.bfloat16), x.is_contiguous()
+        else:
+            if not isinstance(x, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array, as q")
+            dtype_ok, contiguous = x.dtype in (np.float16, ml_dtypes.bfloat16), x.flags.c_contiguous
+        if not dtype_ok or x.dtype != q.dtype:
+            raise TypeError(f"{name} must be float16 or bfloat16, as q ({name}: {x.dtype})")
+        if x.ndim != 4 or not contiguous:
+            raise ValueError(f"{name} must be a contiguous (B, H, N, d) array")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k and v must be (B, H, N_k, d) with q's B, H and d: q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -238,23 +249,34 @@ def wgmma_attention(q, k, v, *, causal=False, scale=None):
     n_k = k.shape[2]
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim must be one of {HEAD_DIMS} on the wgmma path, not {d}")
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise ValueError("the wgmma path needs a GPU of compute capability 9.0 (H100, H200)")
     if causal not in (False, True, "top_left", "bottom_right"):
         raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', not {causal!r}")
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
     if not scale > 0:
         raise ValueError(f"scale must be positive on the wgmma path, not {scale}")
-    enable_sm90a()
-    kernel = make_wgmma_forward(d, "f16" if q.dtype == torch.float16 else "bf16", bool(causal))
-    o = torch.empty_like(q)
-    lse = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
-    words = [cuda.as_cuda_array(x.view(torch.int32).reshape(-1)).view(np.uint32) for x in (q, k, v, o)]
+    if not in_simulator():
+        if cuda.get_current_device().compute_capability != (9, 0):
+            raise ValueError("the wgmma path needs a GPU of compute capability 9.0 (H100, H200)")
+        enable_sm90a()
+    kernel = make_wgmma_forward(d, "bf16" if "bfloat16" in str(q.dtype) else "f16", bool(causal))
+    if torch_inputs:
+        import torch
+        o = torch.empty_like(q)
+        lse = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
+        words = [cuda.as_cuda_array(x.view(torch.int32).reshape(-1)).view(np.uint32) for x in (q, k, v, o)]
+        lse_device = cuda.as_cuda_array(lse.reshape(-1))
+        stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+    else:
+        words = [cuda.to_device(x.view(np.uint32).reshape(-1)) for x in (q, k, v)]
+        words.append(cuda.device_array(q.size // 2, np.uint32))
+        lse_device = cuda.device_array(batch * heads * n_q, np.float32)
+        stream = 0
     q_tiles = cdiv(n_q, BLOCK_M)
     if q_tiles and batch * heads:
-        stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
         launch(kernel, q_tiles * batch * heads, THREADS,
-               (*words, cuda.as_cuda_array(lse.reshape(-1)), heads, n_q, n_k, q_tiles,
-                n_k - n_q if causal == "bottom_right" else 0, scale * LOG2_E),
-               dynamic_shared_bytes=shared_bytes(d), stream=stream)
-    return o, lse
+               (*words, lse_device, heads, n_q, n_k, q_tiles, n_k - n_q if causal == "bottom_right" else 0,
+                scale * LOG2_E), dynamic_shared_bytes=shared_bytes(d), stream=stream)
+    if torch_inputs:
+        return o, lse
+    return (words[3].copy_to_host().view(q.dtype).reshape(q.shape),
+            lse_device.copy_to_host().reshape(batch, heads, n_q))

@@ -179,3 +179,111 @@ if not config.ENABLE_CUDASIM:
                 return None
             return types.void(acc, types.UniTuple(types.uint32, 4), types.uint64), codegen
         return product
+
+else:
+    # ------------------------------------------------------------------
+    # Simulator twins.  The fences and waits have nothing to order (a twin's
+    # product is complete when it returns).  ``shared_address`` returns 0 and
+    # remembers the block's shared array, so that a descriptor's address is an
+    # offset into it; a product decodes its operands from that array the way
+    # the table above says the tensor cores do (the 128-byte swizzle applied to
+    # each element's address), so a kernel that stages a tile in another
+    # layout than it describes fails here as on the GPU.  Whether the table is
+    # the hardware's is for experiments/wgmma_layouts.py to say.  A thread
+    # computes its own accumulator entries; P from registers is gathered from
+    # the warpgroup's 128 threads through ``primitives.collective``.
+    # ------------------------------------------------------------------
+    import threading
+
+    import ml_dtypes
+    import numpy as np
+
+    from ..fast.primitives import collective
+
+    WARPGROUP = 128
+
+    def _nothing():
+        pass
+
+    wgmma_fence = wgmma_commit = fence_proxy_async = _nothing
+
+    @lru_cache(maxsize=None)
+    def wgmma_wait(pending):
+        return _nothing
+
+    def shared_address(array):
+        threading.current_thread()._manager.__dict__["_numba_flash_shared"] = array
+        return 0
+
+    def _values(addresses, element):
+        """The 16-bit elements at byte ``addresses`` of the block's shared array (the swizzle applied), float64."""
+        halves = threading.current_thread()._manager.__dict__["_numba_flash_shared"].view(np.uint16)
+        bits = halves[(addresses ^ (((addresses >> 7) & 7) << 4)) // 2]
+        kind = np.float16 if element == "f16" else ml_dtypes.bfloat16
+        return bits.view(kind).astype(np.float64)
+
+    def _fields(desc):
+        desc = int(desc)
+        if desc >> 62 != SWIZZLE_128B:
+            raise NotImplementedError("the simulator's wgmma reads 128-byte-swizzled operands only")
+        return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4)
+
+    def _k_major(desc, rows, element):
+        """Operand rows ``rows`` x 16 k of a K-major operand: element (r, k) at start + (r // 8) stride +
+        (r % 8) 128 + 2 k."""
+        start, _, stride = _fields(desc)
+        rows, ks = np.asarray(rows)[:, None], np.arange(16)[None, :]
+        return _values(start + (rows // 8) * stride + (rows % 8) * 128 + 2 * ks, element)
+
+    def _b_operand(desc, columns, element, trans_b):
+        """B's 16 x len(columns) block: K-major (its rows are B's columns), or MN-major: element (k, n) at
+        start + (n // 64) leading + (k // 8) stride + (k % 8) 128 + 2 (n % 64)."""
+        if not trans_b:
+            return _k_major(desc, columns, element).T
+        start, leading, stride = _fields(desc)
+        ks, columns = np.arange(16)[:, None], np.asarray(columns)[None, :]
+        return _values(start + (columns // 64) * leading + (ks // 8) * stride + (ks % 8) * 128
+                       + 2 * (columns % 64), element)
+
+    def _entries(n):
+        """This thread's accumulator entries: (rows, columns) of registers 0 .. n / 2 - 1 (the table above)."""
+        member = threading.current_thread().thread_id % WARPGROUP
+        w, g, t = member // 32, (member % 32) // 4, member % 4
+        i = np.arange(n // 2)
+        return 16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
+
+    def _accumulate(acc, a_rows, rows, columns, desc_b, element, trans_b):
+        """acc[i] += A[rows[i], :] . B[:, columns[i]] for this thread's entries; a_rows: A's rows used, 16 each."""
+        unique = np.unique(columns)
+        b = _b_operand(desc_b, unique, element, trans_b)
+        products = a_rows @ b                                   # (distinct rows, distinct columns)
+        row_index = {r: x for x, r in enumerate(np.unique(rows))}
+        column_index = {c: x for x, c in enumerate(unique)}
+        for i, (r, c) in enumerate(zip(rows, columns)):
+            acc[i] = np.float32(np.float64(acc[i]) + products[row_index[r], column_index[c]])
+
+    @lru_cache(maxsize=None)
+    def wgmma_ss(n, element="f16", trans_b=False):
+        def product(acc, desc_a, desc_b):
+            rows, columns = _entries(n)
+            _accumulate(acc, _k_major(desc_a, np.unique(rows), element), rows, columns, desc_b, element, trans_b)
+        return product
+
+    def _gather_a(posts, element):
+        """A (64 x 16) from the warpgroup's register fragments (four 16-bit pairs per thread, the table above)."""
+        kind = np.float16 if element == "f16" else ml_dtypes.bfloat16
+        a = np.zeros((64, 16))
+        for member, words in enumerate(posts):
+            w, g, t = member // 32, (member % 32) // 4, member % 4
+            pairs = np.array([int(x) & 0xFFFFFFFF for x in words], np.uint32).view(np.uint16).view(kind)
+            for x, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                a[16 * w + row, col:col + 2] = pairs[2 * x:2 * x + 2].astype(np.float64)
+        return [a] * len(posts)
+
+    @lru_cache(maxsize=None)
+    def wgmma_rs(n, element="f16", trans_b=False):
+        def product(acc, a, desc_b):
+            whole = collective(tuple(a), lambda posts: _gather_a(posts, element), WARPGROUP)
+            rows, columns = _entries(n)
+            _accumulate(acc, whole[np.unique(rows)], rows, columns, desc_b, element, trans_b)
+        return product
