@@ -1,9 +1,10 @@
 """The attention forward on Hopper's warpgroup tensor cores: step 2 of the README's Hopper plan.
 
 Not yet run on a GPU and not yet chosen by ``numba_flash.attention``: it is reached only through
-``wgmma_attention`` below, which ``tests/test_hopper.py`` checks against the float64 reference on
-a Hopper GPU once ``experiments/wgmma_layouts.py`` has settled the layouts it assumes (the table of
-``wgmma.py``).  Scope of this step: float16 and bfloat16, d = 64 or 128, dense or causal (top-left
+``wgmma_attention`` below, which ``tests/test_hopper.py`` checks against the float64 reference in
+the simulator (through ``wgmma.py``'s twins, which read operands by its layout table) and on a
+Hopper GPU, where ``experiments/wgmma_layouts.py`` first settles whether that table is the
+hardware's.  Scope of this step: float16 and bfloat16, d = 64 or 128, dense or causal (top-left
 or bottom-right), contiguous (B, H, N, d) inputs, a positive scale; no block mask, dropout, grouped
 heads or NaN propagation yet (the ``mma.sync`` kernel in ``kernels/fast`` does all of those).
 

@@ -38,8 +38,11 @@ x d, d contiguous)          by the instruction (``trans_b``); start = tile + 204
 =========================  =====================================================================
 
 The simulator has no warpgroup instructions: under ``NUMBA_ENABLE_CUDASIM=1``
-only the pure helpers here (``swizzle_128``, ``descriptor``) exist; everything
-that issues ``wgmma`` is tested on a Hopper GPU only.
+each name here is bound to a twin that reads the operands the way this table
+says the tensor cores do (see the twins below), so a kernel written against
+this module runs in the simulator and its staging, descriptors and fragment
+handling are checked there against the table.  Whether the table is the
+hardware's only a GPU can say (``experiments/wgmma_layouts.py``).
 """
 from functools import lru_cache
 
