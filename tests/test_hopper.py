@@ -70,25 +70,39 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     where = _where()
     # In the simulator: up to three tiles each way (every thread of a block is a Python thread).
     longest = 200 if where == "hopper" else 2 * BLOCK_M + 5
-    batch, heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3 if where == "hopper" else 1))
+    batch = data.draw(st.integers(1, 2))
+    kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
+    heads = kv_heads * data.draw(st.sampled_from([1, 2, 3]))          # grouped-query heads
     n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
     d = data.draw(st.sampled_from(HEAD_DIMS))
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
+    token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-    q, k, v = (rng.standard_normal(shape).astype(dtype)
-               for shape in ((batch, heads, n_q, d), (batch, heads, n_k, d), (batch, heads, n_k, d)))
+
+    def operand(h, n):
+        if token_major:
+            return rng.standard_normal((batch, n, h, d)).astype(dtype).transpose(0, 2, 1, 3)
+        return rng.standard_normal((batch, h, n, d)).astype(dtype)
+
+    q, k, v = operand(heads, n_q), operand(kv_heads, n_k), operand(kv_heads, n_k)
     if where == "hopper":
         import torch
         as_torch = {np.float16: torch.float16, ml_dtypes.bfloat16: torch.bfloat16}[dtype]
-        out, lse = wgmma_attention(*(torch.from_numpy(x.view(np.int16)).cuda().view(as_torch) for x in (q, k, v)),
-                                   causal=causal)
+
+        def to_gpu(x):  # the same strides on the GPU
+            memory = np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if token_major else x
+            tensor = torch.from_numpy(memory.view(np.int16)).cuda().view(as_torch)
+            return tensor.transpose(1, 2) if token_major else tensor
+
+        out, lse = wgmma_attention(to_gpu(q), to_gpu(k), to_gpu(v), causal=causal)
         out, lse = out.view(torch.int16).cpu().numpy().view(dtype), lse.cpu().numpy()
     else:
         out, lse = wgmma_attention(q, k, v, causal=causal)
     host = [x.astype(np.float64) for x in (q, k, v)]
     ref_out, ref_lse = reference.attention(*host, causal=causal)
-    assert_close_to_reference(out, lse, ref_out, ref_lse, *host, 1 / np.sqrt(d), dtype)
+    expanded = [reference.repeat_kv(x, heads) for x in host[1:]]
+    assert_close_to_reference(out, lse, ref_out, ref_lse, host[0], *expanded, 1 / np.sqrt(d), dtype)
 
 
 def test_the_wgmma_forward_rejects_what_it_cannot_run():
@@ -104,6 +118,9 @@ def test_the_wgmma_forward_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="k and v"):
         q, k, _ = arrays()
         wgmma_attention(q, k, np.zeros((1, 1, 9, 64), np.float16))
+    with pytest.raises(ValueError, match="H_kv dividing"):
+        q = np.zeros((1, 3, 8, 64), np.float16)
+        wgmma_attention(q, np.zeros((1, 2, 8, 64), np.float16), np.zeros((1, 2, 8, 64), np.float16))
     with pytest.raises(ValueError, match="causal"):
         wgmma_attention(*arrays(), causal="diagonal")
     with pytest.raises(ValueError, match="scale"):

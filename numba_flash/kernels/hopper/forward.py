@@ -5,8 +5,9 @@ Not yet run on a GPU and not yet chosen by ``numba_flash.attention``: it is reac
 the simulator (through ``wgmma.py``'s twins, which read operands by its layout table) and on a
 Hopper GPU, where ``experiments/wgmma_layouts.py`` first settles whether that table is the
 hardware's.  Scope of this step: float16 and bfloat16, d = 64 or 128, dense or causal (top-left
-or bottom-right), contiguous (B, H, N, d) inputs, a positive scale; no block mask, dropout, grouped
-heads or NaN propagation yet (the ``mma.sync`` kernel in ``kernels/fast`` does all of those).
+or bottom-right), grouped heads, any strides with contiguous 16-byte rows, a positive scale; no
+block mask, dropout, packed sequences or NaN propagation yet (the ``mma.sync`` kernel in
+``kernels/fast`` does all of those).
 
 One thread block is one warpgroup (128 threads) and owns 64 query rows; each warp owns 16 of them,
 and its lanes hold S and O in the layout of ``mma.sync``'s C fragments (``wgmma.py``), so the
@@ -38,6 +39,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32
 
+from ...runtime.arrays import extent, flat_view
 from ...runtime.device import in_simulator
 from ...runtime.launch import cuda_kernel, inlined_device_function, launch
 from ...tiling import cdiv
@@ -89,14 +91,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
     wait_all_products = wgmma_wait(0)
 
     @inlined_device_function
-    def start_tile(smem, at, X, first_row, rows_valid, tid):
-        """Rows first_row .. + 63 of X (flat 16-bit pairs, rows of D) on their way by cp.async to the swizzled
-        tile at word ``at`` (zeros past rows_valid)."""
+    def start_tile(smem, at, X, first, row_stride, rows_valid, tid):
+        """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
+        on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid)."""
         for i in range(CHUNKS // THREADS):
             chunk = tid + i * THREADS
             row, col = chunk // ROW_CHUNKS, (chunk % ROW_CHUNKS) * 8
             inside = row < rows_valid
-            source = ((first_row + row) * D + col) // 2 if inside else (first_row * D) // 2
+            source = (first + row * row_stride + col) // 2 if inside else first // 2
             copy_async16(smem, at + swizzle_128_device(staged_offset(row, col, BLOCK_N)) // 4, X, source, inside)
 
     @inlined_device_function
@@ -105,7 +107,10 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         return descriptor_device(address + (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32, K_MAJOR_OFFSETS[0],
                                  K_MAJOR_OFFSETS[1], SWIZZLE_128B)
 
-    def kernel(Q, K, V, O, LSE, heads, n_q, n_k, q_tiles, causal_offset, scale_log2):
+    def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
+               n_q, n_k, q_tiles, causal_offset, scale_log2):
+        # Q, K, V, O: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte aligned);
+        # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
         q_tile = q_tiles - 1 - tile if CAUSAL else tile   # rank 0: the longest tile
         q0 = q_tile * BLOCK_M
@@ -121,10 +126,12 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         n_tiles = ceil_div(n_k, BLOCK_N)
         if CAUSAL:  # no key beyond the last row's diagonal
             n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
-        start_tile(smem, q_at, Q, bh * n_q + q0, n_q - q0, tid)
+        k_first = b * k_sb + (h // group) * k_sh      # key 0 of this head's K (and V below)
+        v_first = b * v_sb + (h // group) * v_sh
+        start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
         if n_tiles > 0:
-            start_tile(smem, kv_at, K, bh * n_k, n_k, tid)
-            start_tile(smem, kv_at + TILE_WORDS, V, bh * n_k, n_k, tid)
+            start_tile(smem, kv_at, K, k_first, k_sn, n_k, tid)
+            start_tile(smem, kv_at + TILE_WORDS, V, v_first, v_sn, n_k, tid)
 
         m_i = cuda.local.array(2, float32)                # this lane's rows g and g + 8 (of 16 warp)
         l_i = cuda.local.array(2, float32)
@@ -145,8 +152,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             cuda.syncthreads()    # tile j whole; every warp done with tile j - 1's buffer
             if j + 1 < n_tiles:
                 other = kv_at + 2 * TILE_WORDS - stage
-                start_tile(smem, other, K, bh * n_k + k0 + BLOCK_N, n_k - k0 - BLOCK_N, tid)
-                start_tile(smem, other + TILE_WORDS, V, bh * n_k + k0 + BLOCK_N, n_k - k0 - BLOCK_N, tid)
+                k1 = k0 + BLOCK_N
+                start_tile(smem, other, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
+                start_tile(smem, other + TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
             k_address = base + (kv_at + stage) * 4
             v_address = k_address + TILE_WORDS * 4
 
@@ -210,7 +218,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             if row < n_q:
                 for block in range(D // 8):
                     i = 4 * block + 2 * r
-                    store_word(O, ((bh * n_q + row) * D + 8 * block + 2 * t) // 2,
+                    store_word(O, (b * o_sb + h * o_sh + row * o_sn + 8 * block + 2 * t) // 2,
                                pack(acc[i] * inv_l, acc[i + 1] * inv_l))
                 if t == 0:
                     LSE[bh * n_q + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
@@ -220,12 +228,24 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
                        launch_bounds=(THREADS, 1))
 
 
+def _element_strides(name, x, torch_inputs):
+    """x's (batch, head, row) strides in elements; its rows must be contiguous and 16-byte aligned."""
+    strides = x.stride() if torch_inputs else tuple(step // x.itemsize for step in x.strides)
+    if strides[3] != 1 or any(step % 8 for step in strides[:3]):
+        raise ValueError(f"{name} must have a contiguous last dimension and other strides that are multiples of "
+                         f"8 elements (16-byte rows) on the wgmma path: strides {tuple(strides)}")
+    return strides[:3]
+
+
 def wgmma_attention(q, k, v, *, causal=False, scale=None):
-    """(O, lse) by the wgmma forward.  q (B, H, N_q, d), k and v (B, H, N_k, d), contiguous, float16 or
-    bfloat16, d in HEAD_DIMS: torch CUDA tensors (results on q's stream), or NumPy arrays (float16 or
+    """(O, lse) by the wgmma forward.  q (B, H_q, N_q, d), k and v (B, H_kv, N_k, d) with H_q a multiple of
+    H_kv (query head h reads key/value head h // (H_q / H_kv)), float16 or bfloat16, d in HEAD_DIMS, any
+    strides whose last dimension is contiguous and whose others are multiples of 8 elements: torch CUDA
+    tensors (O has q's shape, contiguous; results on torch's current stream), or NumPy arrays (float16 or
     ``ml_dtypes.bfloat16``: copied to the device and back, which is how the simulator runs it, through the
-    twins of ``wgmma.py``).  causal: False, True or "top_left", or "bottom_right".  On a GPU it needs
-    compute capability 9.0 and compiles for sm_90a (``wgmma.enable_sm90a``: process-wide)."""
+    twins of ``wgmma.py``).  lse: (B, H_q, N_q) float32.  causal: False, True or "top_left", or
+    "bottom_right".  On a GPU it needs compute capability 9.0 and compiles for sm_90a
+    (``wgmma.enable_sm90a``: process-wide)."""
     import ml_dtypes
 
     torch_inputs = type(q).__module__.startswith("torch")
@@ -234,18 +254,19 @@ def wgmma_attention(q, k, v, *, causal=False, scale=None):
             import torch
             if not isinstance(x, torch.Tensor) or not x.is_cuda:
                 raise TypeError(f"{name} must be a CUDA torch tensor, as q")
-            dtype_ok, contiguous = x.dtype in (torch.float16, torch.bfloat16), x.is_contiguous()
+            dtype_ok = x.dtype in (torch.float16, torch.bfloat16)
         else:
             if not isinstance(x, np.ndarray):
                 raise TypeError(f"{name} must be a NumPy array, as q")
-            dtype_ok, contiguous = x.dtype in (np.float16, ml_dtypes.bfloat16), x.flags.c_contiguous
+            dtype_ok = x.dtype in (np.float16, ml_dtypes.bfloat16)
         if not dtype_ok or x.dtype != q.dtype:
             raise TypeError(f"{name} must be float16 or bfloat16, as q ({name}: {x.dtype})")
-        if x.ndim != 4 or not contiguous:
-            raise ValueError(f"{name} must be a contiguous (B, H, N, d) array")
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k and v must be (B, H, N_k, d) with q's B, H and d: q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be (B, H, N, d), not of shape {tuple(x.shape)}")
+    if (k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] == 0
+            or q.shape[1] % k.shape[1]):
+        raise ValueError(f"k and v must be (B, H_kv, N_k, d) with q's B and d and H_kv dividing q's H_q: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     if d not in HEAD_DIMS:
@@ -255,16 +276,22 @@ def wgmma_attention(q, k, v, *, causal=False, scale=None):
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
     if not scale > 0:
         raise ValueError(f"scale must be positive on the wgmma path, not {scale}")
+    if not torch_inputs:   # copied to the device anyway: as contiguous arrays
+        q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
+    strides = [_element_strides(name, x, torch_inputs) for name, x in (("q", q), ("k", k), ("v", v))]
+    if torch_inputs and any(x.data_ptr() % 16 for x in (q, k, v)):
+        raise ValueError("q, k and v must start on 16-byte boundaries on the wgmma path")
     if not in_simulator():
         if cuda.get_current_device().compute_capability != (9, 0):
             raise ValueError("the wgmma path needs a GPU of compute capability 9.0 (H100, H200)")
         enable_sm90a()
     kernel = make_wgmma_forward(d, "bf16" if "bfloat16" in str(q.dtype) else "f16", bool(causal))
+    o_strides = (heads * n_q * d, n_q * d, d)
     if torch_inputs:
         import torch
-        o = torch.empty_like(q)
+        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         lse = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
-        words = [cuda.as_cuda_array(x.view(torch.int32).reshape(-1)).view(np.uint32) for x in (q, k, v, o)]
+        words = [flat_view(x, np.uint32, (extent(x.shape, list(x.stride())) + 1) // 2) for x in (q, k, v, o)]
         lse_device = cuda.as_cuda_array(lse.reshape(-1))
         stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
     else:
@@ -275,8 +302,9 @@ def wgmma_attention(q, k, v, *, causal=False, scale=None):
     q_tiles = cdiv(n_q, BLOCK_M)
     if q_tiles and batch * heads:
         launch(kernel, q_tiles * batch * heads, THREADS,
-               (*words, lse_device, heads, n_q, n_k, q_tiles, n_k - n_q if causal == "bottom_right" else 0,
-                scale * LOG2_E), dynamic_shared_bytes=shared_bytes(d), stream=stream)
+               (*words, lse_device, *strides[0], *strides[1], *strides[2], *o_strides, heads, heads // k.shape[1],
+                n_q, n_k, q_tiles, n_k - n_q if causal == "bottom_right" else 0, scale * LOG2_E),
+               dynamic_shared_bytes=shared_bytes(d), stream=stream)
     if torch_inputs:
         return o, lse
     return (words[3].copy_to_host().view(q.dtype).reshape(q.shape),
