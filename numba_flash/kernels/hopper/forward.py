@@ -82,6 +82,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
     """The kernel for head dim D (64 or 128), ELEMENT "f16" or "bf16", causal or not."""
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2
+    P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
     CHUNKS = BLOCK_N * D // 8                # 16-byte chunks of a tile
     ROW_CHUNKS = D // 8
     TILE_WORDS = tile_bytes(D) // 4
@@ -138,6 +139,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         alpha = cuda.local.array(2, float32)
         s = cuda.local.array(S_REGISTERS, float32)
         acc = cuda.local.array(O_REGISTERS, float32)
+        p_words = cuda.local.array(P_WORDS, uint32)   # P, packed: wgmma's A operand
         for r in range(2):
             m_i[r] = float32(NEG_INF)
             l_i[r] = float32(0)
@@ -198,13 +200,17 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             # ---- O = alpha O + P V_j ----
             for i in range(O_REGISTERS):
                 acc[i] *= alpha[(i % 4) // 2]
+            # P as 16-bit pairs, all of it before the first product: a register the products still read
+            # is not rewritten while they are in flight.  Pair x of k-step `step`: the A layout's
+            # (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8), i.e. S's 8-key blocks 2 step and 2 step + 1.
+            for x in range(P_WORDS):
+                p_words[x] = pack(s[2 * x], s[2 * x + 1])
             wgmma_fence()   # the rescaled accumulator and P's registers, before the products read them
             for step in range(BLOCK_N // 16):
-                lo, hi = 4 * (2 * step), 4 * (2 * step + 1)   # the 8-key blocks 2 step and 2 step + 1 of S
-                weights = (pack(s[lo], s[lo + 1]), pack(s[lo + 2], s[lo + 3]),
-                           pack(s[hi], s[hi + 1]), pack(s[hi + 2], s[hi + 3]))
-                weights_by_values(acc, weights, descriptor_device(v_address + step * 16 * ROW_BYTES, V_OFFSETS[0],
-                                                                  V_OFFSETS[1], SWIZZLE_128B))
+                weights_by_values(acc, (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2],
+                                        p_words[4 * step + 3]),
+                                  descriptor_device(v_address + step * 16 * ROW_BYTES, V_OFFSETS[0], V_OFFSETS[1],
+                                                    SWIZZLE_128B))
             wgmma_commit()
             wait_all_products()
 
