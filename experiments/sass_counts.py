@@ -1,5 +1,8 @@
 """SASS instruction counts of the 16-bit flash2 kernels, compiled for sm_90 without a GPU.
 
+``--hopper``: the wgmma forward of ``kernels/hopper`` instead, compiled for sm_90a (its products
+show as HGMMA, the waits for them as WARPGROUP.DEPBAR).
+
 Each kernel is compiled to PTX by Numba (NVVM), assembled by ptxas and
 disassembled by cuobjdump; the table counts a few opcodes in the machine code
 (static counts: an instruction in a loop counts once) with ptxas's registers and
@@ -8,7 +11,7 @@ LDS against ldmatrix's LDSM, the HMMA products, barriers), to set beside timings
 taken on a GPU.
 
     NUMBA_ENABLE_CUDASIM=0 PATH=<CUDA 13 bin with ptxas, cuobjdump, nvdisasm>:$PATH \\
-        python3 experiments/sass_counts.py [--out FILE.md]
+        python3 experiments/sass_counts.py [--hopper] [--out FILE.md]
 
 ptxas, cuobjdump and nvdisasm come with the CUDA toolkit (on the GPU machine), or
 from pip: nvidia-cuda-nvcc, nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm (13.x).
@@ -36,6 +39,7 @@ from numba_flash.kernels.fast.backward import make_dkdv, make_dq  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 
 OPCODES = ("LDS", "LDSM", "HMMA", "STS", "LDG", "LDGSTS", "BAR", "FFMA", "MUFU", "F2FP", "SHFL")
+HOPPER_OPCODES = ("HGMMA", "WARPGROUP", "LDGSTS", "BAR", "FFMA", "MUFU", "F2FP", "SHFL", "STG", "LDL", "STL")
 #: (head dim, forward tiles): the default tiles at both head dims (tiling.FORWARD_BLOCK_SIZES), the forward with
 #: warps of 16 and of 32 query rows; backward (128, 64).
 CASES = ((64, (128, 64)), (128, (128, 64)))
@@ -51,14 +55,34 @@ def kernels(precision):
 
 
 def sass_counts(kernel, folder):
-    """(registers, spill store bytes, opcode counts) of one ``runtime.launch.Kernel`` at its signature."""
+    """(registers, spill store bytes, opcode counts, hot loop) of one ``runtime.launch.Kernel`` at its signature."""
     signature = tuple(kernel.param_type(p) for p in kernel.params)
-    ptx, _ = cuda.compile_ptx(kernel.dispatcher.py_func, signature, cc=(9, 0), lineinfo=True,
-                              launch_bounds=kernel.dispatcher.targetoptions.get("launch_bounds"))
+    return machine_code(kernel.dispatcher.py_func, signature, kernel.dispatcher.targetoptions.get("launch_bounds"),
+                        folder)
+
+
+def hopper_kernels():
+    """(name, Python function, signature, launch bounds) of the wgmma forward at d = 64 and 128, dense and causal."""
+    from numba import types as nt
+
+    from numba_flash.kernels.hopper.forward import THREADS, make_wgmma_forward
+
+    words = nt.uint32[::1]
+    signature = (words,) * 4 + (nt.float32[::1],) + (nt.int64,) * 18 + (nt.float64,)
+    for d in (64, 128):
+        for causal in (False, True):
+            kernel = make_wgmma_forward(d, "f16", causal)
+            yield kernel.py_func.__name__, kernel.py_func, signature, (THREADS, 1)
+
+
+def machine_code(py_func, signature, launch_bounds, folder, arch="sm_90"):
+    """(registers, spill store bytes, opcode counts, hot loop) of a kernel function compiled for ``arch``."""
+    ptx, _ = cuda.compile_ptx(py_func, signature, cc=(9, 0, "a") if arch == "sm_90a" else (9, 0), lineinfo=True,
+                              launch_bounds=launch_bounds)
     ptx_path, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
     with open(ptx_path, "w") as f:
         f.write(ptx)
-    assembled = subprocess.run(["ptxas", "-arch=sm_90", "-v", ptx_path, "-o", cubin], capture_output=True,
+    assembled = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", cubin], capture_output=True,
                                text=True, check=True)
     registers = int(re.search(r"Used (\d+) registers", assembled.stderr).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", assembled.stderr).group(1))
@@ -78,7 +102,7 @@ def hot_loop(sass):
         branch = re.search(r"BRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
             body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
-            hmma = sum("HMMA" in t for t in body)
+            hmma = sum("HMMA" in t or "HGMMA" in t for t in body)
             if (hmma, -len(body)) > (best[1], -best[0]):
                 best = (len(body), hmma)
     return best
@@ -87,11 +111,19 @@ def hot_loop(sass):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--hopper", action="store_true", help="the wgmma forward (sm_90a) instead")
     args = parser.parse_args(argv)
-    lines = ["| kernel | registers | spill bytes | loop instructions | loop HMMA | " + " | ".join(OPCODES) + " |",
-             "|---|---|---|---|---|" + "---|" * len(OPCODES)]
+    opcodes = HOPPER_OPCODES if args.hopper else OPCODES
+    lines = ["| kernel | registers | spill bytes | loop instructions | loop HMMA | " + " | ".join(opcodes) + " |",
+             "|---|---|---|---|---|" + "---|" * len(opcodes)]
     with tempfile.TemporaryDirectory() as folder:
-        for precision in ("f16", "bf16"):
+        if args.hopper:
+            for name, py_func, signature, bounds in hopper_kernels():
+                registers, spills, ops, (loop, loop_hmma) = machine_code(py_func, signature, bounds, folder, "sm_90a")
+                lines.append(f"| {name} | {registers} | {spills} | {loop} | {loop_hmma} | "
+                             + " | ".join(str(ops.get(op, 0)) for op in opcodes) + " |")
+                print(lines[-1], flush=True)
+        for precision in () if args.hopper else ("f16", "bf16"):
             for kernel in kernels(precision):
                 registers, spills, ops, (loop, loop_hmma) = sass_counts(kernel, folder)
                 lines.append(f"| {kernel.name} | {registers} | {spills} | {loop} | {loop_hmma} | "
