@@ -30,12 +30,11 @@ import sys
 import numpy as np
 from numba import cuda
 
-from numba_flash.runtime.launch import inlined_device_function
+from numba_flash.kernels.hopper.wgmma import ROW_BYTES, accumulator_entries
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ROWS = 64          # wgmma's M
 KEYS = 64          # keys per tile: N of S = Q K^T, the reduction of P V
-ROW_BYTES = 128    # one swizzle row: 64 16-bit elements
 #: name: (reduction length K, N, A from registers, B MN-major, element)
 CASES = {
     "S d=64": (64, KEYS, False, False, "f16"),
@@ -59,19 +58,12 @@ def mn_major_candidates(n):
     return [(16, 1024), (1024, 16)] if n <= 64 else [(tile, 1024), (1024, tile)]
 
 
-@inlined_device_function
-def staged_offset(row, col, rows):
-    """Byte offset (before the swizzle) of element (row, col) of a tile stored as 64-column tiles of
-    ``rows`` rows of 128 bytes each."""
-    return (col // 64) * rows * ROW_BYTES + row * ROW_BYTES + (col % 64) * 2
-
-
 def accumulator_to_matrix(registers, n):
     """The m64nN accumulator from (128 threads, n / 2 registers), by ``wgmma.py``'s layout."""
     out = np.zeros((ROWS, n))
-    for tid, i in itertools.product(range(128), range(n // 2)):
-        w, g, t = tid // 32, (tid % 32) // 4, tid % 4
-        out[16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2] = registers[tid, i]
+    for member in range(128):
+        rows, columns = accumulator_entries(member, n)
+        out[rows, columns] = registers[member]
     return out
 
 
@@ -81,8 +73,8 @@ def build(k_dim, n, a_registers, b_mn_major, element):
     from numba import float32, uint32
 
     from numba_flash.kernels.hopper.wgmma import (SWIZZLE_128B, descriptor_device, fence_proxy_async,
-                                                  shared_address, swizzle_128_device, wgmma_commit, wgmma_fence,
-                                                  wgmma_rs, wgmma_ss, wgmma_wait)
+                                                  shared_address, staged_offset_device, swizzle_128_device,
+                                                  wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
 
     registers = n // 2
     a_bytes = 0 if a_registers else ROWS * k_dim * 2
@@ -104,11 +96,11 @@ def build(k_dim, n, a_registers, b_mn_major, element):
         if not a_registers:
             for p in range(tid, ROWS * k_dim // 2, 128):
                 row, col = p // (k_dim // 2), 2 * (p % (k_dim // 2))
-                smem[a_word + swizzle_128_device(staged_offset(row, col, ROWS)) // 4] = (
+                smem[a_word + swizzle_128_device(staged_offset_device(row, col, ROWS)) // 4] = (
                     uint32(a[row, col]) | (uint32(a[row, col + 1]) << 16))
         for p in range(tid, b_rows * b_cols // 2, 128):
             row, col = p // (b_cols // 2), 2 * (p % (b_cols // 2))
-            smem[b_word + swizzle_128_device(staged_offset(row, col, b_rows)) // 4] = (
+            smem[b_word + swizzle_128_device(staged_offset_device(row, col, b_rows)) // 4] = (
                 uint32(b[row, col]) | (uint32(b[row, col + 1]) << 16))
         fence_proxy_async()
         cuda.syncthreads()

@@ -39,20 +39,21 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32
 
-from ...runtime.arrays import extent, flat_view
+from ..._validation import check_attention_args
+from ...runtime import arrays as _arrays
 from ...runtime.device import in_simulator
 from ...runtime.launch import cuda_kernel, inlined_device_function, launch
 from ...tiling import cdiv
-from ..fast.common import LOG2_E, NEG_INF, ceil_div, tile_coordinates
+from ..fast.common import LOG2_E, NEG_INF, ceil_div, operand_extent, tile_coordinates
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, shfl_xor, store_word
-from .wgmma import (SWIZZLE_128B, descriptor_device, enable_sm90a, fence_proxy_async, shared_address,
-                    swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
+from .wgmma import (ROW_BYTES, SWIZZLE_128B, descriptor_device, enable_sm90a, fence_proxy_async, shared_address,
+                    staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss,
+                    wgmma_wait)
 
 THREADS = 128            # one warpgroup
 BLOCK_M = 64             # query rows per block: wgmma's M
 BLOCK_N = 64             # keys per tile: N of S = Q K^T, and four k-steps of O += P V
-ROW_BYTES = 128          # a swizzled row: 64 16-bit elements
 HEAD_DIMS = (64, 128)
 #: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
 #: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
@@ -69,12 +70,6 @@ def tile_bytes(head_dim):
 def shared_bytes(head_dim):
     """Q, and K and V in two stages, plus slack to start the tiles on a 1024-byte boundary."""
     return 5 * tile_bytes(head_dim) + 1024
-
-
-@inlined_device_function
-def staged_offset(row, col, rows):
-    """Byte offset, before the swizzle, of element (row, col) in 64-column tiles of ``rows`` 128-byte rows."""
-    return (col // 64) * rows * ROW_BYTES + row * ROW_BYTES + (col % 64) * 2
 
 
 @lru_cache(maxsize=None)
@@ -100,7 +95,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             row, col = chunk // ROW_CHUNKS, (chunk % ROW_CHUNKS) * 8
             inside = row < rows_valid
             source = (first + row * row_stride + col) // 2 if inside else first // 2
-            copy_async16(smem, at + swizzle_128_device(staged_offset(row, col, BLOCK_N)) // 4, X, source, inside)
+            copy_async16(smem, at + swizzle_128_device(staged_offset_device(row, col, BLOCK_N)) // 4, X, source, inside)
 
     @inlined_device_function
     def k_major_descriptor(address, step):
@@ -234,84 +229,49 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
                        launch_bounds=(THREADS, 1))
 
 
-def _element_strides(name, x, torch_inputs):
-    """x's (batch, head, row) strides in elements; its rows must be contiguous and 16-byte aligned."""
-    strides = x.stride() if torch_inputs else tuple(step // x.itemsize for step in x.strides)
-    if strides[3] != 1 or any(step % 8 for step in strides[:3]):
-        raise ValueError(f"{name} must have a contiguous last dimension and other strides that are multiples of "
-                         f"8 elements (16-byte rows) on the wgmma path: strides {tuple(strides)}")
-    return strides[:3]
-
-
 def wgmma_attention(q, k, v, *, causal=False, scale=None):
-    """(O, lse) by the wgmma forward.  q (B, H_q, N_q, d), k and v (B, H_kv, N_k, d) with H_q a multiple of
-    H_kv (query head h reads key/value head h // (H_q / H_kv)), float16 or bfloat16, d in HEAD_DIMS, any
-    strides whose last dimension is contiguous and whose others are multiples of 8 elements: torch CUDA
-    tensors (O has q's shape, contiguous; results on torch's current stream), or NumPy arrays (float16 or
-    ``ml_dtypes.bfloat16``: copied to the device and back, which is how the simulator runs it, through the
-    twins of ``wgmma.py``).  lse: (B, H_q, N_q) float32.  causal: False, True or "top_left", or
-    "bottom_right".  On a GPU it needs compute capability 9.0 and compiles for sm_90a
-    (``wgmma.enable_sm90a``: process-wide)."""
-    import ml_dtypes
-
-    torch_inputs = type(q).__module__.startswith("torch")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if torch_inputs:
-            import torch
-            if not isinstance(x, torch.Tensor) or not x.is_cuda:
-                raise TypeError(f"{name} must be a CUDA torch tensor, as q")
-            dtype_ok = x.dtype in (torch.float16, torch.bfloat16)
-        else:
-            if not isinstance(x, np.ndarray):
-                raise TypeError(f"{name} must be a NumPy array, as q")
-            dtype_ok = x.dtype in (np.float16, ml_dtypes.bfloat16)
-        if not dtype_ok or x.dtype != q.dtype:
-            raise TypeError(f"{name} must be float16 or bfloat16, as q ({name}: {x.dtype})")
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be (B, H, N, d), not of shape {tuple(x.shape)}")
-    if (k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] == 0
-            or q.shape[1] % k.shape[1]):
-        raise ValueError(f"k and v must be (B, H_kv, N_k, d) with q's B and d and H_kv dividing q's H_q: "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    batch, heads, n_q, d = q.shape
-    n_k = k.shape[2]
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS} on the wgmma path, not {d}")
-    if causal not in (False, True, "top_left", "bottom_right"):
-        raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', not {causal!r}")
-    scale = 1 / math.sqrt(d) if scale is None else float(scale)
-    if not scale > 0:
-        raise ValueError(f"scale must be positive on the wgmma path, not {scale}")
-    if not torch_inputs:   # copied to the device anyway: as contiguous arrays
-        q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
-    strides = [_element_strides(name, x, torch_inputs) for name, x in (("q", q), ("k", k), ("v", v))]
-    if torch_inputs and any(x.data_ptr() % 16 for x in (q, k, v)):
-        raise ValueError("q, k and v must start on 16-byte boundaries on the wgmma path")
+    """(O, lse) by the wgmma forward, for what ``numba_flash.attention`` takes (checked by the same
+    ``check_attention_args``: torch CUDA tensors, Numba device arrays, NumPy arrays; grouped heads; any
+    strides whose last dimension is contiguous; causal False, True, "top_left" or "bottom_right") within
+    this step's scope: float16 or bfloat16, d in HEAD_DIMS, rows on 16-byte boundaries, a positive scale.
+    In the simulator it runs through the twins of ``wgmma.py``; on a GPU it needs compute capability 9.0
+    and compiles for sm_90a (``wgmma.enable_sm90a``: process-wide)."""
+    operands = tuple(_arrays.describe(name, x) for name, x in zip("qkv", (q, k, v)))
+    call = check_attention_args(*operands, causal=causal, scale=scale, block_mask=None, dropout_p=0.0, seed=0,
+                                algorithm="flash2", block_sizes=None)
+    if call.precision == "tf32x3":
+        raise TypeError(f"q, k, v must be float16 or bfloat16 on the wgmma path, not {call.dtype}")
+    if call.head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS} on the wgmma path, not {call.head_dim}")
+    if not call.scale > 0:
+        raise ValueError(f"scale must be positive on the wgmma path, not {call.scale}")
+    if not call.vec:
+        raise ValueError("q, k and v must have rows that start on 16-byte boundaries on the wgmma path")
     if not in_simulator():
         if cuda.get_current_device().compute_capability != (9, 0):
             raise ValueError("the wgmma path needs a GPU of compute capability 9.0 (H100, H200)")
         enable_sm90a()
-    kernel = make_wgmma_forward(d, "bf16" if "bfloat16" in str(q.dtype) else "f16", bool(causal))
-    o_strides = (heads * n_q * d, n_q * d, d)
-    if torch_inputs:
-        import torch
-        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        lse = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
-        words = [flat_view(x, np.uint32, (extent(x.shape, list(x.stride())) + 1) // 2) for x in (q, k, v, o)]
-        lse_device = cuda.as_cuda_array(lse.reshape(-1))
-        stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal)
+    if call.kind == "torch":
+        stream = _arrays.current_torch_stream(operands[0].device)
     else:
-        words = [cuda.to_device(x.view(np.uint32).reshape(-1)) for x in (q, k, v)]
-        words.append(cuda.device_array(q.size // 2, np.uint32))
-        lse_device = cuda.device_array(batch * heads * n_q, np.float32)
-        stream = 0
-    q_tiles = cdiv(n_q, BLOCK_M)
-    if q_tiles and batch * heads:
-        launch(kernel, q_tiles * batch * heads, THREADS,
-               (*words, lse_device, *strides[0], *strides[1], *strides[2], *o_strides, heads, heads // k.shape[1],
-                n_q, n_k, q_tiles, n_k - n_q if causal == "bottom_right" else 0, scale * LOG2_E),
-               dynamic_shared_bytes=shared_bytes(d), stream=stream)
-    if torch_inputs:
-        return o, lse
-    return (words[3].copy_to_host().view(q.dtype).reshape(q.shape),
-            lse_device.copy_to_host().reshape(batch, heads, n_q))
+        stream = _arrays.stream_of(q)
+    if call.kind == "host":
+        q, k, v = (_arrays.to_device(x) for x in (q, k, v))
+    result_kind = "torch" if call.kind == "torch" else "cuda"
+    o = _arrays.empty(result_kind, call.q_shape, call.dtype, stream, operands[0].device)
+    lse = _arrays.empty(result_kind, call.q_shape[:-1], "float32", stream, operands[0].device)
+    shapes = (call.q_shape, call.kv_shape, call.kv_shape, call.q_shape)
+    words = [_arrays.flat_view(x, np.uint32, operand_extent(shape, strides, pairs=True))
+             for x, shape, strides in zip((q, k, v, o), shapes, call.strides + (call.result_strides("q"),))]
+    q_tiles = cdiv(call.n_q, BLOCK_M)
+    if q_tiles and call.batch_heads:
+        arguments = [*words, _arrays.flat_view(lse, np.float32, call.batch_heads * call.n_q)]
+        for strides in call.strides + (call.result_strides("q"),):
+            arguments += [strides.batch, strides.head, strides.row]
+        arguments += [call.heads, call.group, call.n_q, call.n_k, q_tiles, call.causal_offset, call.scale * LOG2_E]
+        launch(kernel, q_tiles * call.batch_heads, THREADS, tuple(arguments), dynamic_shared_bytes=shared_bytes(
+            call.head_dim), stream=_arrays.numba_stream(stream))
+    if call.kind == "host":
+        return _arrays.to_host(o, call.dtype), _arrays.to_host(lse, "float32")
+    return o, lse

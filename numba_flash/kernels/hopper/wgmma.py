@@ -51,6 +51,8 @@ from numba.cuda import config
 
 from ...runtime.launch import inlined_device_function
 
+#: Bytes of one row of a swizzled tile: 64 16-bit elements.
+ROW_BYTES = 128
 #: Swizzle modes of a descriptor's bits 62-63.
 SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3
 #: Bytes of one 128-byte-swizzle atom: 8 rows of 128 bytes (its tiles start on this boundary).
@@ -69,6 +71,21 @@ def swizzle_128(offset):
     return offset ^ (((offset >> 7) & 7) << 4)
 
 
+def staged_offset(row, col, rows):
+    """Byte offset, before the swizzle, of element (row, col) of an operand stored as 64-column tiles of
+    ``rows`` rows of ROW_BYTES each (a K-major Q or K, or an MN-major V: the table above)."""
+    return (col // 64) * rows * ROW_BYTES + row * ROW_BYTES + (col % 64) * 2
+
+
+def accumulator_entries(member, n):
+    """(rows, columns) of registers 0 .. n / 2 - 1 of thread ``member`` (0-127) of an m64nN accumulator."""
+    import numpy as np
+
+    w, g, t = member // 32, (member % 32) // 4, member % 4
+    i = np.arange(n // 2)
+    return 16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
+
+
 def descriptor(address, leading_bytes, stride_bytes, swizzle):
     """A wgmma matrix descriptor: the shared-memory start address (bits 0-13), the leading-dimension
     and stride-dimension byte offsets (bits 16-29, 32-45), each >> 4, and the swizzle mode (62-63)."""
@@ -78,6 +95,7 @@ def descriptor(address, leading_bytes, stride_bytes, swizzle):
 
 #: The two above as device functions (the host's are for building layouts and tests).
 swizzle_128_device = inlined_device_function(swizzle_128)
+staged_offset_device = inlined_device_function(staged_offset)
 descriptor_device = inlined_device_function(descriptor)
 
 
@@ -250,10 +268,7 @@ else:
 
     def _entries(n):
         """This thread's accumulator entries: (rows, columns) of registers 0 .. n / 2 - 1 (the table above)."""
-        member = threading.current_thread().thread_id % WARPGROUP
-        w, g, t = member // 32, (member % 32) // 4, member % 4
-        i = np.arange(n // 2)
-        return 16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
+        return accumulator_entries(threading.current_thread().thread_id % WARPGROUP, n)
 
     def _accumulate(acc, a_rows, rows, columns, desc_b, element, trans_b):
         """acc[i] += A[rows[i], :] . B[:, columns[i]] for this thread's entries; a_rows: A's rows used, 16 each."""
