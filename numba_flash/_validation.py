@@ -23,6 +23,8 @@ from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, decode_defau
                      padded_head_dim)
 
 ALGORITHMS = ("standard", "flash1", "flash2")
+#: The forward also takes "wgmma": flash2's loop on Hopper's warpgroup instructions (kernels/hopper), forced.
+FORWARD_ALGORITHMS = ALGORITHMS + ("wgmma",)
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
 #: dtypes each algorithm accepts (the fast kernel also takes the 16-bit types).
 DTYPES = {"standard": ("float32",), "flash1": ("float32",), "flash2": ("float32", "float16", "bfloat16")}
@@ -528,6 +530,6 @@ def _packed_strides(name, x):
     return Strides(0, head if x.shape[1] > 1 else 0, rows)
 
 
-__all__ = ["ALGORITHMS", "AttentionCall", "Operand", "PRECISION", "Strides", "Varlen", "check_attention_args",
+__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen", "check_attention_args",
            "check_backward_operands", "check_block_sizes", "check_cache_args", "check_cache_seqlens", "check_new_keys",
            "check_cu_seqlens", "check_varlen_args"]

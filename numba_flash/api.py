@@ -12,7 +12,7 @@ argument typing, no host synchronisation (``README``: "Host time per call").
 import numpy as np
 from numba import cuda
 
-from ._validation import (check_attention_args, check_backward_operands, check_cache_args, check_cache_seqlens,
+from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands, check_cache_args, check_cache_seqlens,
                           check_cu_seqlens, check_dropout, check_new_keys, check_varlen_args,
                           operand_strides)
 from .dropout import kernel_args as dropout_kernel_args
@@ -20,6 +20,7 @@ from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
 from .kernels.fast.cache import append_launch, decode_splits, merge_launch
 from .kernels.fast.forward import forward_launch
+from .kernels.hopper import forward as hopper
 from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
@@ -59,10 +60,17 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         end of a longer key sequence).
     scale : float, optional
         Multiplies the logits; default 1/sqrt(d).
-    algorithm : {"flash2", "flash1", "standard"}
+    algorithm : {"flash2", "flash1", "standard", "wgmma"}
         "standard" is the paper's Algorithm 0 (S and P materialised in device
         memory), "flash1" its Algorithm 1 written literally, "flash2" the fast
-        FlashAttention-2 loop order on tensor cores (the default).
+        FlashAttention-2 loop order on tensor cores (the default).  On a GPU of
+        compute capability 9.0 (H100, H200) flash2 runs on the warpgroup
+        instructions (``wgmma``) when the call is in that kernel's scope:
+        float16/bfloat16, d = 64 or 128, rows on 16-byte boundaries, a positive
+        scale, no block mask, dropout or ``block_sizes`` (those select the
+        ``mma.sync`` kernel, as does the environment variable
+        ``NUMBA_FLASH_WGMMA=0``).  "wgmma" asks for that kernel outright (a
+        ValueError says why a call is outside its scope).
     block_sizes : (B_r, B_c), optional
         Tile sizes for the flash algorithms.  flash1: any pair whose tiles
         fit in 48 KiB of shared memory; default Algorithm 1's line 1
@@ -309,10 +317,18 @@ class _ForwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+        check_algorithm(algorithm, FORWARD_ALGORITHMS)
+        if algorithm == "wgmma" and block_sizes is not None:
+            raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are {hopper.BLOCK_M} x "
+                             f"{hopper.BLOCK_N}), got {block_sizes!r}")
+        loop = "flash2" if algorithm == "wgmma" else algorithm
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                                 dropout_p=dropout_p, seed=0, algorithm=algorithm,
+                                                 dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes))
-        self.launch = forward_launch(self.call) if algorithm == "flash2" else None
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper.chosen_for(self.call, block_sizes)):
+            self.launch = hopper.forward_launch(self.call)
+        else:
+            self.launch = forward_launch(self.call) if algorithm == "flash2" else None
 
     def __call__(self, q, k, v, seed, return_lse, sequences=()):
         """The call; ``sequences``: a packed call's cu_seqlens as device arrays."""

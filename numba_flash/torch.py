@@ -265,8 +265,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     flash1: Algorithm 4, float32).
     """
     _check_tensors((("q", q), ("k", k), ("v", v)))
-    if algorithm == "standard":
-        raise ValueError("algorithm must be 'flash2' or 'flash1' (the algorithms with a backward), got 'standard'")
+    if algorithm not in ("flash2", "flash1"):
+        raise ValueError(f"algorithm must be 'flash2' or 'flash1' (the algorithms with a backward; flash2's forward "
+                         f"runs on wgmma by itself on Hopper GPUs), got {algorithm!r}")
     if algorithm != "flash2" or in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.compiler.is_compiling():

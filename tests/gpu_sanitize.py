@@ -85,6 +85,15 @@ RUNS = [
     ("forward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float16, (16, 64), "nan"),
+    # The Hopper forward (kernels/hopper; compute capability 9.0 only), on WGMMA_CASES: its head dims.
+    ("forward", "wgmma", np.float16, None, "dense"),
+    ("forward", "wgmma", BF16, None, "gqa"),
+    ("forward", "wgmma", np.float16, None, "strided"),
+]
+#: The wgmma forward's cases: d = 64 or 128 only; ragged lengths of one, two and three 64-row tiles.
+WGMMA_CASES = [
+    (1, 2, 130, 77, 128, False),
+    (2, 2, 61, 150, 64, True),
 ]
 MASK_BLOCK = 16
 DROPOUT_P = 0.25
@@ -148,12 +157,17 @@ def check(name, got, want, dtype):
 def main(selected=()):
     rng = np.random.default_rng(0)
     worst = 0.0
-    cases = CASES[-1:] if "quick" in selected else CASES
+    quick = "quick" in selected
     selected = [word for word in selected if word != "quick"]
     for run in RUNS:
         if not all(word in run_name(run).split() for word in selected):
             continue
         direction, algorithm, dtype, blocks, variant = run
+        if algorithm == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+            print(f"{run_name(run)}: skipped (needs compute capability 9.0)", flush=True)
+            continue
+        cases = WGMMA_CASES if algorithm == "wgmma" else CASES
+        cases = cases[-1:] if quick else cases
         if variant == "decode":
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
             worst = max(worst, decode(dtype, blocks, rng))

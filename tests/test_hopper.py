@@ -7,6 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from numba_flash.kernels.hopper.wgmma import ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, swizzle_128
+from strategies import causal_mask
+from test_nan import Poisoned, flags_of, nan_pattern, without_nan
 
 
 def test_the_128_byte_swizzle_permutes_the_chunks_of_each_row_of_an_atom():
@@ -57,10 +59,13 @@ def _where():
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
+    """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
+    row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py)."""
     import ml_dtypes
 
+    import numba_flash
     import reference
-    from numba_flash.kernels.hopper.forward import BLOCK_M, HEAD_DIMS, wgmma_attention
+    from numba_flash.kernels.hopper.forward import BLOCK_M, HEAD_DIMS
     from tolerances import assert_close_to_reference
 
     where = _where()
@@ -68,12 +73,14 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     longest = 200 if where == "hopper" else 2 * BLOCK_M + 5
     batch = data.draw(st.integers(1, 2))
     kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
-    heads = kv_heads * data.draw(st.sampled_from([1, 2, 3]))          # grouped-query heads
+    group = data.draw(st.sampled_from([1, 2, 3]))                       # grouped-query heads
+    heads = kv_heads * group
     n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
     d = data.draw(st.sampled_from(HEAD_DIMS))
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
+    poisoned = data.draw(st.sampled_from([None, "q", "k", "v"]))
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -81,7 +88,11 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
             return rng.standard_normal((batch, n, h, d)).astype(dtype).transpose(0, 2, 1, 3)
         return rng.standard_normal((batch, h, n, d)).astype(dtype)
 
-    q, k, v = operand(heads, n_q), operand(kv_heads, n_k), operand(kv_heads, n_k)
+    host = dict(q=operand(heads, n_q), k=operand(kv_heads, n_k), v=operand(kv_heads, n_k))
+    if poisoned:
+        x = host[poisoned]
+        x[data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, x.shape[1] - 1)),
+          data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, d - 1))] = np.nan
     if where == "hopper":
         import torch
         as_torch = {np.float16: torch.float16, ml_dtypes.bfloat16: torch.bfloat16}[dtype]
@@ -91,33 +102,82 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
             tensor = torch.from_numpy(memory.view(np.int16)).cuda().view(as_torch)
             return tensor.transpose(1, 2) if token_major else tensor
 
-        out, lse = wgmma_attention(to_gpu(q), to_gpu(k), to_gpu(v), causal=causal)
+        out, lse = numba_flash.attention(*(to_gpu(host[x]) for x in "qkv"), causal=causal, algorithm="wgmma",
+                                         return_lse=True)
         out, lse = out.view(torch.int16).cpu().numpy().view(dtype), lse.cpu().numpy()
     else:
-        out, lse = wgmma_attention(q, k, v, causal=causal)
-    host = [x.astype(np.float64) for x in (q, k, v)]
-    ref_out, ref_lse = reference.attention(*host, causal=causal)
-    expanded = [reference.repeat_kv(x, heads) for x in host[1:]]
-    assert_close_to_reference(out, lse, ref_out, ref_lse, host[0], *expanded, 1 / np.sqrt(d), dtype)
+        out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
+                                         return_lse=True)
+    allowed = causal_mask(causal, n_q, n_k)
+    allowed = np.ones((batch * heads, n_q, n_k), bool) if allowed is None else np.broadcast_to(
+        allowed, (batch * heads, n_q, n_k))
+    bad = Poisoned(flags_of(host["q"]), flags_of(host["k"]), flags_of(host["v"]), np.zeros((batch * heads, n_q), bool))
+    nan_o, nan_lse, *_ = nan_pattern(allowed, bad, group)
+    got_o = np.isnan(np.asarray(out, np.float64)).any(-1).reshape(nan_o.shape)
+    assert np.array_equal(got_o, nan_o), f"NaN rows of O: {np.argwhere(got_o != nan_o)[:5]}"
+    assert np.array_equal(np.isnan(lse).reshape(nan_lse.shape), nan_lse)
+    # Every other row is what it would be without the NaN.
+    q64, k64, v64 = (without_nan(host[x]).astype(np.float64) for x in "qkv")
+    ref_out, ref_lse = reference.attention(q64, k64, v64, causal=causal)
+    keep, keep_lse = ~nan_o.reshape(out.shape[:-1]), ~nan_lse.reshape(out.shape[:-1])
+    expanded = [reference.repeat_kv(x, heads) for x in (k64, v64)]
+    assert_close_to_reference(np.where(keep[..., None], out, 0), np.where(keep_lse, lse, ref_lse),
+                              np.where(keep[..., None], ref_out, 0), ref_lse, q64, *expanded, 1 / np.sqrt(d), dtype)
 
 
 def test_the_wgmma_forward_rejects_what_it_cannot_run():
-    from numba_flash.kernels.hopper.forward import wgmma_attention
+    from numba_flash import attention
 
     def arrays(d=64, dtype=np.float16, n_k=8):
         return (np.zeros((1, 1, 8, d), dtype), np.zeros((1, 1, n_k, d), dtype), np.zeros((1, 1, n_k, d), dtype))
 
-    with pytest.raises(ValueError, match="head dim"):
-        wgmma_attention(*arrays(d=32))
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
-        wgmma_attention(*arrays(dtype=np.float32))
+    with pytest.raises(ValueError, match="algorithm='wgmma': the head dim"):
+        attention(*arrays(d=32), algorithm="wgmma")
+    with pytest.raises(ValueError, match="algorithm='wgmma': q, k, v must be float16 or bfloat16"):
+        attention(*arrays(dtype=np.float32), algorithm="wgmma")
     with pytest.raises(ValueError, match="k and v"):
         q, k, _ = arrays()
-        wgmma_attention(q, k, np.zeros((1, 1, 9, 64), np.float16))
+        attention(q, k, np.zeros((1, 1, 9, 64), np.float16), algorithm="wgmma")
     with pytest.raises(ValueError, match="multiple of the key/value heads"):
         q = np.zeros((1, 3, 8, 64), np.float16)
-        wgmma_attention(q, np.zeros((1, 2, 8, 64), np.float16), np.zeros((1, 2, 8, 64), np.float16))
+        attention(q, np.zeros((1, 2, 8, 64), np.float16), np.zeros((1, 2, 8, 64), np.float16), algorithm="wgmma")
     with pytest.raises(ValueError, match="causal"):
-        wgmma_attention(*arrays(), causal="diagonal")
-    with pytest.raises(ValueError, match="scale"):
-        wgmma_attention(*arrays(), scale=-1.0)
+        attention(*arrays(), causal="diagonal", algorithm="wgmma")
+    with pytest.raises(ValueError, match="algorithm='wgmma': scale must be positive"):
+        attention(*arrays(), scale=-1.0, algorithm="wgmma")
+    with pytest.raises(ValueError, match="block_sizes must be None with algorithm='wgmma'"):
+        attention(*arrays(), block_sizes=(64, 64), algorithm="wgmma")
+    with pytest.raises(ValueError, match="algorithm='wgmma': the wgmma forward has no block masks, dropout"):
+        attention(*arrays(), dropout_p=0.1, algorithm="wgmma")
+
+
+def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeypatch):
+    """Which kernel ``algorithm="flash2"`` lays out, with the device made to look like an H200 (the plan is built,
+    nothing launched): wgmma inside its scope, mma.sync outside it and wherever the caller names tiles."""
+    from types import SimpleNamespace
+
+    import numba_flash
+    from numba_flash import api
+    from numba_flash.kernels.hopper import forward as hopper
+
+    device = SimpleNamespace(compute_capability=(9, 0))
+    monkeypatch.setattr(hopper, "in_simulator", lambda: False)
+    monkeypatch.setattr(hopper, "device_limits", lambda: device)
+    monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
+
+    def kernel(d=64, dtype=np.float16, causal=False, scale=None, block_mask=None, dropout_p=0.0, block_sizes=None):
+        x = np.zeros((1, 2, 70, d), dtype)
+        plan = api._ForwardPlan((x, x, x), (causal, scale, block_mask, dropout_p, "flash2", block_sizes))
+        return plan.launch.kernel.name.split("_")[0]
+
+    monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (128, True)})   # (head dim, causal) measured faster
+    assert kernel() == kernel(d=128, causal="bottom_right") == kernel(dtype=np.dtype("bfloat16")) == "wgmma"
+    assert kernel(d=128) == kernel(causal=True) == "flash2"
+    assert kernel(d=32) == kernel(dtype=np.float32) == kernel(scale=-0.5) == kernel(dropout_p=0.1) == "flash2"
+    assert kernel(block_sizes=(64, 64)) == "flash2"
+    assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))) == "flash2"
+    device.compute_capability = (8, 0)
+    assert kernel() == "flash2"
+    device.compute_capability = (9, 0)
+    monkeypatch.setattr(hopper, "AUTOMATIC", False)   # NUMBA_FLASH_WGMMA=0
+    assert kernel() == "flash2"

@@ -272,6 +272,30 @@ def nan_tests(PRECISION):
 
 
 @lru_cache(maxsize=None)
+def nan_cleaner(PRECISION):
+    """``cleaned(word)``: ``word`` with its NaN elements set to 0, and 1 if it had any (else 0)."""
+    SIXTEEN = PRECISION != "tf32x3"
+    low_is_nan, high_is_nan = nan_tests(PRECISION)
+
+    @inlined_device_function
+    def cleaned(word):
+        found = uint32(0)
+        if SIXTEEN:
+            if low_is_nan(word):
+                word &= uint32(0xFFFF0000)
+                found = uint32(1)
+            if high_is_nan(word):
+                word &= uint32(0xFFFF)
+                found = uint32(1)
+        elif low_is_nan(word):
+            word = uint32(0)
+            found = uint32(1)
+        return word, found
+
+    return cleaned
+
+
+@lru_cache(maxsize=None)
 def chunk_loader(PRECISION, VEC):
     """``load_chunk(X, row_start, c, head_dim, row_ok)``: one 16-byte chunk of a row as four words (module
     docstring), zeros past ``head_dim`` or when not ``row_ok``; a 16-byte load with VEC."""
@@ -325,7 +349,7 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
     CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
     ROW_UNITS = ROWS * ROW_CHUNKS
     ROW_ITERS = chunk_iterations(ROWS, D_PAD, SIXTEEN, THREADS)
-    low_is_nan, high_is_nan = nan_tests(PRECISION)
+    cleaned = nan_cleaner(PRECISION)
     load_chunk = chunk_loader(PRECISION, VEC)
 
     @inlined_device_function
@@ -352,22 +376,6 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
                     h3, l3 = split_tf32(regs[i, 3])
                     store_vec4(smem, HI + at, h0, h1, h2, h3)
                     store_vec4(smem, LO + at, l0, l1, l2, l3)
-
-    @inlined_device_function
-    def cleaned(word):
-        """``word`` with its NaN elements set to 0, and 1 if it had any (else 0)."""
-        found = uint32(0)
-        if SIXTEEN:
-            if low_is_nan(word):
-                word &= uint32(0xFFFF0000)
-                found = uint32(1)
-            if high_is_nan(word):
-                word &= uint32(0xFFFF)
-                found = uint32(1)
-        elif low_is_nan(word):
-            word = uint32(0)
-            found = uint32(1)
-        return word, found
 
     @inlined_device_function
     def sanitize_row(smem, HI, r):

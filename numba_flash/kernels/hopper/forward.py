@@ -1,13 +1,14 @@
 """The attention forward on Hopper's warpgroup tensor cores: step 2 of the README's Hopper plan.
 
-Not yet run on a GPU and not yet chosen by ``numba_flash.attention``: it is reached only through
-``wgmma_attention`` below, which ``tests/test_hopper.py`` checks against the float64 reference in
-the simulator (through ``wgmma.py``'s twins, which read operands by its layout table) and on a
-Hopper GPU, where ``experiments/wgmma_layouts.py`` first settles whether that table is the
-hardware's.  Scope of this step: float16 and bfloat16, d = 64 or 128, dense or causal (top-left
-or bottom-right), grouped heads, any strides with contiguous 16-byte rows, a positive scale; no
-block mask, dropout, packed sequences or NaN propagation yet (the ``mma.sync`` kernel in
-``kernels/fast`` does all of those).
+``numba_flash.attention(..., algorithm="flash2")`` runs it by itself on a GPU of compute capability
+9.0 for the calls in its scope (``out_of_scope``, ``chosen_for``), and ``algorithm="wgmma"`` asks for
+it outright; every other call, and every other GPU, stays on the ``mma.sync`` kernel in
+``kernels/fast`` (the reference it is tested against).  Scope: float16 and bfloat16, d = 64 or 128,
+dense or causal (top-left or bottom-right), grouped heads, any strides with contiguous 16-byte rows,
+a positive scale, NaN propagated as on the other path; no block mask, dropout or packed sequences
+yet.  ``tests/test_hopper.py`` checks it against the float64 reference in the simulator (through
+``wgmma.py``'s twins, which read operands by its layout table) and on a Hopper GPU, where
+``experiments/wgmma_layouts.py`` confirmed the table (2026-12-01).
 
 One thread block is one warpgroup (128 threads) and owns 64 query rows; each warp owns 16 of them,
 and its lanes hold S and O in the layout of ``mma.sync``'s C fragments (``wgmma.py``), so the
@@ -18,6 +19,7 @@ online softmax below is the fast forward's, over 64-key tiles::
         land K_j, V_j; start K_{j+1}, V_{j+1} into the other stage             cp.async, one barrier
         S = Q_i K_j^T                    wgmma m64n64k16 x d/16, both operands from shared memory
         mask (causal diagonal, the last tile's keys past N_k), m, P = exp2(c S - m), l, alpha
+        (a tile the causal diagonal crosses: NaN value rows cleaned and flagged first, see below)
         O = alpha O;  O += P V_j         wgmma m64n{d}k16 x 4, P from registers, V_j transposed
     O / l, lse
 
@@ -30,21 +32,25 @@ Barriers and fences, each where it sits:
   copies are ordinary writes, and the tensor cores read shared memory through the async proxy;
   then ``syncthreads``: every thread's part of the tile is there, and every warp has finished the
   products of tile j - 1 (each waited for its own), so its buffer may be refilled.
+* in a tile the causal diagonal crosses, after the NaN pass rewrites V_j's rows (generic-proxy stores),
+  ``fence_proxy_async`` and a second ``syncthreads``: the tensor cores must read the cleaned rows, and
+  every lane its keys' flags.  0 * NaN = NaN in the tensor cores, so without the pass a NaN value row
+  would reach rows the mask hides it from; with it, the allowed weights of a flagged key become NaN
+  (``kernels/fast/common.py``, "NaN", does the same on the mma.sync path).
 * ``wgmma_fence`` before the products of S (the zeroed accumulator) and of O (the rescaled
   accumulator and P's registers, written by ordinary instructions just before).
 """
 import math
+import os
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
-from ..._validation import check_attention_args
-from ...runtime import arrays as _arrays
-from ...runtime.device import in_simulator
-from ...runtime.launch import cuda_kernel, inlined_device_function, launch
+from ...runtime.device import device_limits, in_simulator
+from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
-from ..fast.common import LOG2_E, NEG_INF, ceil_div, operand_extent, tile_coordinates
+from ..fast.common import LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, tile_coordinates, word_extent
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, shfl_xor, store_word
 from .wgmma import (ROW_BYTES, SWIZZLE_128B, descriptor_device, enable_sm90a, fence_proxy_async, shared_address,
@@ -68,8 +74,9 @@ def tile_bytes(head_dim):
 
 
 def shared_bytes(head_dim):
-    """Q, and K and V in two stages, plus slack to start the tiles on a 1024-byte boundary."""
-    return 5 * tile_bytes(head_dim) + 1024
+    """Q, and K and V in two stages, the NaN flags of V's rows, and slack to start the tiles on a 1024-byte
+    boundary."""
+    return 5 * tile_bytes(head_dim) + 4 * BLOCK_N + 1024
 
 
 @lru_cache(maxsize=None)
@@ -82,6 +89,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
     ROW_CHUNKS = D // 8
     TILE_WORDS = tile_bytes(D) // 4
     K_STEPS = D // 16
+    cleaned = nan_cleaner(ELEMENT)
+    flags_of_lane = lane_flags(BLOCK_N // 8)
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
     weights_by_values = wgmma_rs(D, ELEMENT, True)         # O += P V: P in registers, V MN-major
     wait_all_products = wgmma_wait(0)
@@ -96,6 +105,19 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             inside = row < rows_valid
             source = (first + row * row_stride + col) // 2 if inside else first // 2
             copy_async16(smem, at + swizzle_128_device(staged_offset_device(row, col, BLOCK_N)) // 4, X, source, inside)
+
+    @inlined_device_function
+    def sanitize_value_row(smem, at, key):
+        """NaN elements of row ``key`` of the swizzled V tile at word ``at`` to 0; 1 if there were any."""
+        found = uint32(0)
+        for c in range(ROW_CHUNKS):
+            word = at + swizzle_128_device(staged_offset_device(key, 8 * c, BLOCK_N)) // 4
+            for x in range(4):
+                value, nan = cleaned(smem[word + x])
+                if nan:
+                    smem[word + x] = value
+                    found = uint32(1)
+        return found
 
     @inlined_device_function
     def k_major_descriptor(address, step):
@@ -118,6 +140,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
         q_at = pad
         kv_at = pad + TILE_WORDS                          # K stage s at kv_at + 2 s TILE_WORDS, V one tile on
+        flags_at = pad + 5 * TILE_WORDS                   # one word per key of V_j: did its row hold a NaN?
 
         n_tiles = ceil_div(n_k, BLOCK_N)
         if CAUSAL:  # no key beyond the last row's diagonal
@@ -154,6 +177,18 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
                 start_tile(smem, other + TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
             k_address = base + (kv_at + stage) * 4
             v_address = k_address + TILE_WORDS * 4
+            # A tile that the causal diagonal crosses (block-uniform): a NaN in a value row must reach only
+            # the rows allowed to see it, but the tensor cores make 0 * NaN = NaN for the others too.  As in
+            # the mma.sync forward (kernels/fast/common.py, "NaN"): NaN in V_j to 0, a flag per key row, and
+            # the allowed weights of flagged keys to NaN below.
+            diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
+            v_nan = uint64(0)
+            if diagonal:
+                if tid < BLOCK_N:
+                    smem[flags_at + tid] = sanitize_value_row(smem, kv_at + stage + TILE_WORDS, tid)
+                fence_proxy_async()   # the cleaned rows, before the tensor cores read V_j
+                cuda.syncthreads()    # V_j clean and its flags written, before any warp reads either
+                v_nan = flags_of_lane(smem, flags_at, t)
 
             # ---- S = Q_i K_j^T ----
             for i in range(S_REGISTERS):
@@ -164,8 +199,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             wgmma_commit()
             wait_all_products()
 
-            # ---- mask: keys past N_k, and the causal diagonal ----
-            if CAUSAL or k0 + BLOCK_N > n_k:
+            # ---- mask: keys past N_k, and the causal diagonal (tiles below it need none) ----
+            if diagonal or k0 + BLOCK_N > n_k:
                 for i in range(S_REGISTERS):
                     row = q0 + 16 * warp + g + 8 * ((i % 4) // 2)
                     key = k0 + 8 * (i // 4) + 2 * t + i % 2
@@ -191,6 +226,13 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
                         row_sum += p
                 l_i[r] = alpha[r] * l_i[r] + row_sum
                 m_i[r] = m_new
+
+            if v_nan != uint64(0):   # this lane's keys include a NaN value row: NaN where the key is allowed
+                for i in range(S_REGISTERS):
+                    row = q0 + 16 * warp + g + 8 * ((i % 4) // 2)
+                    key = k0 + 8 * (i // 4) + 2 * t + i % 2
+                    if (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1) and key <= row + causal_offset:
+                        s[i] = float32(math.nan)
 
             # ---- O = alpha O + P V_j ----
             for i in range(O_REGISTERS):
@@ -225,53 +267,62 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
                     LSE[bh * n_q + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
                                            if l_row != float32(0) else float32(NEG_INF))
 
-    return cuda_kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else ""),
-                       launch_bounds=(THREADS, 1))
+    return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else ""),
+                  arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32),
+                  floats=("scale_log2",), launch_bounds=(THREADS, 1))
 
 
-def wgmma_attention(q, k, v, *, causal=False, scale=None):
-    """(O, lse) by the wgmma forward, for what ``numba_flash.attention`` takes (checked by the same
-    ``check_attention_args``: torch CUDA tensors, Numba device arrays, NumPy arrays; grouped heads; any
-    strides whose last dimension is contiguous; causal False, True, "top_left" or "bottom_right") within
-    this step's scope: float16 or bfloat16, d in HEAD_DIMS, rows on 16-byte boundaries, a positive scale.
-    In the simulator it runs through the twins of ``wgmma.py``; on a GPU it needs compute capability 9.0
-    and compiles for sm_90a (``wgmma.enable_sm90a``: process-wide)."""
-    operands = tuple(_arrays.describe(name, x) for name, x in zip("qkv", (q, k, v)))
-    call = check_attention_args(*operands, causal=causal, scale=scale, block_mask=None, dropout_p=0.0, seed=0,
-                                algorithm="flash2", block_sizes=None)
+#: ``NUMBA_FLASH_WGMMA=0`` keeps ``algorithm="flash2"`` on the mma.sync kernel on Hopper GPUs too.
+AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
+#: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
+#: kernel on the H200 (2026-12-01, float16): dense d = 64 1.06-1.13x (``results/bench_wgmma_h200.md``), causal
+#: d = 64 1.03-1.06x once only the diagonal tiles were masked (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x
+#: before).  At d = 128 it ran at 0.56x: two blocks per multiprocessor, each product waited for before the
+#: next; step 3's overlap is what it lacks.
+AUTOMATIC_SCOPE = {(64, False), (64, True)}
+
+
+def out_of_scope(call):
+    """Why the wgmma forward cannot run this validated call (a sentence), or None when it can."""
     if call.precision == "tf32x3":
-        raise TypeError(f"q, k, v must be float16 or bfloat16 on the wgmma path, not {call.dtype}")
+        return f"q, k, v must be float16 or bfloat16 for the wgmma forward, not {call.dtype}"
     if call.head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS} on the wgmma path, not {call.head_dim}")
-    if not call.scale > 0:
-        raise ValueError(f"scale must be positive on the wgmma path, not {call.scale}")
+        return f"the head dim must be one of {HEAD_DIMS} for the wgmma forward, not {call.head_dim}"
     if not call.vec:
-        raise ValueError("q, k and v must have rows that start on 16-byte boundaries on the wgmma path")
+        return "q, k and v must have rows that start on 16-byte boundaries for the wgmma forward"
+    if not np.float32(call.scale * LOG2_E) > 0:
+        return f"scale must be positive for the wgmma forward, not {call.scale}"
+    if call.block_mask is not None or call.dropout_p > 0 or call.varlen is not None:
+        return "the wgmma forward has no block masks, dropout or packed sequences yet"
+    if not in_simulator() and device_limits().compute_capability != (9, 0):
+        return "the wgmma forward needs a GPU of compute capability 9.0 (H100, H200)"
+    return None
+
+
+def chosen_for(call, block_sizes):
+    """Whether ``algorithm="flash2"`` runs this call on the wgmma forward: on a Hopper GPU, for calls in its
+    scope and in ``AUTOMATIC_SCOPE`` whose caller named no tile sizes (explicit ``block_sizes`` are the mma.sync
+    kernel's)."""
+    return (AUTOMATIC and block_sizes is None and not in_simulator()
+            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call) is None)
+
+
+def forward_launch(call):
+    """The wgmma forward for a validated call in its scope, as a ``Launch`` taking q, k, v, o, lse per call."""
+    reason = out_of_scope(call)
+    if reason is not None:
+        raise ValueError(f"algorithm='wgmma': {reason}")
     if not in_simulator():
-        if cuda.get_current_device().compute_capability != (9, 0):
-            raise ValueError("the wgmma path needs a GPU of compute capability 9.0 (H100, H200)")
         enable_sm90a()
     kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal)
-    if call.kind == "torch":
-        stream = _arrays.current_torch_stream(operands[0].device)
-    else:
-        stream = _arrays.stream_of(q)
-    if call.kind == "host":
-        q, k, v = (_arrays.to_device(x) for x in (q, k, v))
-    result_kind = "torch" if call.kind == "torch" else "cuda"
-    o = _arrays.empty(result_kind, call.q_shape, call.dtype, stream, operands[0].device)
-    lse = _arrays.empty(result_kind, call.q_shape[:-1], "float32", stream, operands[0].device)
-    shapes = (call.q_shape, call.kv_shape, call.kv_shape, call.q_shape)
-    words = [_arrays.flat_view(x, np.uint32, operand_extent(shape, strides, pairs=True))
-             for x, shape, strides in zip((q, k, v, o), shapes, call.strides + (call.result_strides("q"),))]
+    words = word_extent(call)
+    (qs, ks, vs), os_ = call.strides, call.result_strides("q")
     q_tiles = cdiv(call.n_q, BLOCK_M)
-    if q_tiles and call.batch_heads:
-        arguments = [*words, _arrays.flat_view(lse, np.float32, call.batch_heads * call.n_q)]
-        for strides in call.strides + (call.result_strides("q"),):
-            arguments += [strides.batch, strides.head, strides.row]
-        arguments += [call.heads, call.group, call.n_q, call.n_k, q_tiles, call.causal_offset, call.scale * LOG2_E]
-        launch(kernel, q_tiles * call.batch_heads, THREADS, tuple(arguments), dynamic_shared_bytes=shared_bytes(
-            call.head_dim), stream=_arrays.numba_stream(stream))
-    if call.kind == "host":
-        return _arrays.to_host(o, call.dtype), _arrays.to_host(lse, "float32")
-    return o, lse
+    fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
+                 v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
+                 heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, q_tiles=q_tiles,
+                 causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E)
+    extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
+                   O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
+    return Launch(kernel, q_tiles * call.batch_heads, THREADS, shared_bytes(call.head_dim), fixed,
+                  ("Q", "K", "V", "O", "LSE"), extents)
