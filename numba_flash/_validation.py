@@ -530,6 +530,6 @@ def _packed_strides(name, x):
     return Strides(0, head if x.shape[1] > 1 else 0, rows)
 
 
-__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen", "check_attention_args",
-           "check_backward_operands", "check_block_sizes", "check_cache_args", "check_cache_seqlens", "check_new_keys",
-           "check_cu_seqlens", "check_varlen_args"]
+__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen",
+           "check_attention_args", "check_backward_operands", "check_block_sizes", "check_cache_args",
+           "check_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]

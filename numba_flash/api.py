@@ -12,9 +12,9 @@ argument typing, no host synchronisation (``README``: "Host time per call").
 import numpy as np
 from numba import cuda
 
-from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands, check_cache_args, check_cache_seqlens,
-                          check_cu_seqlens, check_dropout, check_new_keys, check_varlen_args,
-                          operand_strides)
+from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
+                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_dropout, check_new_keys,
+                          check_varlen_args, operand_strides)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches

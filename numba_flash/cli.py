@@ -103,7 +103,8 @@ def main(argv=None):
     p.add_argument("--shape", type=int, nargs=4, action="append", metavar=("B", "H", "N", "D"),
                    help="a problem shape; repeat for several (default: the four shapes of issue #3)")
     p.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated: float32,float16,bfloat16")
-    p.add_argument("--algorithms", default="flash2", help="ours to time, comma-separated: flash2, flash1, standard, wgmma, mma (flash2 on mma.sync)")
+    p.add_argument("--algorithms", default="flash2",
+                   help="ours to time, comma-separated: flash2, flash1, standard, wgmma, mma (flash2 on mma.sync)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median reported)")
     p.add_argument("--backward", action="store_true",
                    help="time the backward and forward + backward through autograd (default shapes: issue #5's)")

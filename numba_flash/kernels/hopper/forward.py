@@ -120,6 +120,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         return found
 
     @inlined_device_function
+    def row_and_key(i, q0, k0, warp, g, t):
+        """The query row and key of this lane's score register i (the accumulator layout of wgmma.py)."""
+        return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
+
+    @inlined_device_function
     def k_major_descriptor(address, step):
         """The descriptor of k-step ``step`` (16 columns) of a K-major tile at shared address ``address``."""
         return descriptor_device(address + (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32, K_MAJOR_OFFSETS[0],
@@ -202,8 +207,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             # ---- mask: keys past N_k, and the causal diagonal (tiles below it need none) ----
             if diagonal or k0 + BLOCK_N > n_k:
                 for i in range(S_REGISTERS):
-                    row = q0 + 16 * warp + g + 8 * ((i % 4) // 2)
-                    key = k0 + 8 * (i // 4) + 2 * t + i % 2
+                    row, key = row_and_key(i, q0, k0, warp, g, t)
                     if key >= n_k or (CAUSAL and key > row + causal_offset):
                         s[i] = float32(NEG_INF)
 
@@ -229,8 +233,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
 
             if v_nan != uint64(0):   # this lane's keys include a NaN value row: NaN where the key is allowed
                 for i in range(S_REGISTERS):
-                    row = q0 + 16 * warp + g + 8 * ((i % 4) // 2)
-                    key = k0 + 8 * (i // 4) + 2 * t + i % 2
+                    row, key = row_and_key(i, q0, k0, warp, g, t)
                     if (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1) and key <= row + causal_offset:
                         s[i] = float32(math.nan)
 
