@@ -5,6 +5,7 @@ import sys
 import numpy as np
 
 from .masks import GENERATORS, save_picture
+from .tools.bench import DEFAULT_DTYPES
 
 DEMO_SHAPE_GPU = (4, 8, 1024, 64)   # (batch, heads, N, d)
 DEMO_SHAPE_SIMULATOR = (1, 2, 32, 16)
@@ -102,12 +103,18 @@ def main(argv=None):
     p = commands.add_parser("bench", help="time our kernels against torch's attention backends (GPU only)")
     p.add_argument("--shape", type=int, nargs=4, action="append", metavar=("B", "H", "N", "D"),
                    help="a problem shape; repeat for several (default: the four shapes of issue #3)")
-    p.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated: float32,float16,bfloat16")
+    p.add_argument("--dtypes", default=DEFAULT_DTYPES, help="comma-separated: float32,float16,bfloat16")
     p.add_argument("--algorithms", default="flash2",
                    help="ours to time, comma-separated: flash2, flash1, standard, wgmma, mma (flash2 on mma.sync)")
+    p.add_argument("--peers", default=None,
+                   help="the peers to time beside ours, comma-separated (default all: torch-math, torch-efficient, "
+                        "torch-flash, torch-cudnn, flex-attention); forward only")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median reported)")
     p.add_argument("--backward", action="store_true",
                    help="time the backward and forward + backward through autograd (default shapes: issue #5's)")
+    p.add_argument("--sixteen-bit", action="store_true",
+                   help="issue 15's 16-bit check in one process: the forward at its three shapes and forward + "
+                        "backward at two, float16 and bfloat16, beside torch flash, cuDNN and FlexAttention")
     p.add_argument("--host", action="store_true",
                    help="time what a call costs the host: a loop of --calls calls, one synchronisation")
     p.add_argument("--calls", type=int, default=1000, help="calls in the --host loop")

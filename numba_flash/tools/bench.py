@@ -41,10 +41,14 @@ from .timing import time_ms
 
 #: (batch, heads, N, d): the shapes issue #3 asks for.
 DEFAULT_SHAPES = [(8, 16, 1024, 64), (4, 16, 4096, 64), (2, 16, 8192, 128), (1, 16, 16384, 64)]
+DEFAULT_DTYPES = "float32,float16,bfloat16"
 PEAK_TFLOPS = {"float32": 67.0, "float16": 989.0, "bfloat16": 989.0}
 TORCH_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION")
 SHORT_NAMES = {"MATH": "torch-math", "EFFICIENT_ATTENTION": "torch-efficient",
                "FLASH_ATTENTION": "torch-flash", "CUDNN_ATTENTION": "torch-cudnn"}
+#: Every peer the forward benchmark can time beside us (``--peers`` picks some: FlexAttention in float32
+#: at d = 128 takes about 2 s a call on the H200, torch's math backend tens of ms).
+PEERS = (*SHORT_NAMES.values(), "flex-attention")
 
 
 @dataclass
@@ -141,7 +145,7 @@ def _ours(algorithm, shape, dtype, causal):
     return partial(attention, algorithm=algorithm)
 
 
-def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=()):
+def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=(), peers=PEERS):
     triples = _inputs(shape, dtype, 3, torch)
     rows = []
     for algorithm in algorithms:
@@ -164,13 +168,15 @@ def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=()):
 
         for backend in TORCH_BACKENDS:
             name = SHORT_NAMES[backend]
+            if name not in peers:
+                continue
             try:
                 with sdpa_kernel(getattr(SDPBackend, backend)):
                     ms = _time_rotating(lambda q, k, v: sdpa(q, k, v, is_causal=causal), triples, repeats)
                 rows.append(Row(shape, dtype, causal, name, ms))
             except (RuntimeError, torch.OutOfMemoryError) as exc:  # backend unavailable for this case
                 rows.append(Row(shape, dtype, causal, name, float("nan"), str(exc).splitlines()[0][:60]))
-        flex = flex_attention(torch, causal, shape[2], shape[2], shape[3])
+        flex = flex_attention(torch, causal, shape[2], shape[2], shape[3]) if "flex-attention" in peers else None
         if flex is not None:
             try:
                 rows.append(Row(shape, dtype, causal, "flex-attention", _time_rotating(flex, triples, repeats)))
@@ -186,7 +192,7 @@ BACKWARD_TARGETS = (("torch-math", 1.5), ("torch-efficient", 1.0))
 BACKWARD_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION")
 
 
-def run_backward_case(shape, dtype, causal, repeats, torch, baselines=()):
+def run_backward_case(shape, dtype, causal, repeats, torch, baselines=(), peers=PEERS):
     """Backward and forward + backward through autograd: flash2 (numba_flash.torch) and torch's backends."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -200,12 +206,12 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baselines=()):
     for baseline in baselines:
         implementations.append((f"flash2@{baseline.label}",
                                 partial(baseline.torch.attention, q, k, v, causal=causal)))
-    for backend in BACKWARD_BACKENDS:
+    for backend in (b for b in BACKWARD_BACKENDS if SHORT_NAMES[b] in peers):
         def call(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return sdpa(q, k, v, is_causal=causal)
         implementations.append((SHORT_NAMES[backend], call))
-    flex = flex_attention(torch, causal, shape[2], shape[2], shape[3])
+    flex = flex_attention(torch, causal, shape[2], shape[2], shape[3]) if "flex-attention" in peers else None
     if flex is not None:
         implementations.append(("flex-attention", lambda: flex(q, k, v)))
     rows = []
@@ -382,6 +388,11 @@ def target_summary(rows):
 
 #: Issue 15's 16-bit targets: flash2 against torch's flash backend (FlashAttention-2), forward and fwd+bwd.
 SIXTEEN_BIT_TARGETS = {"": 0.8, "fwd+bwd": 0.6}
+#: ``--sixteen-bit``: issue 15's shapes, the forward at all three (dense and causal), forward + backward at
+#: the first two, in float16 and bfloat16, with torch's flash and cuDNN backends and FlexAttention beside.
+SIXTEEN_BIT_FORWARD_SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128), (1, 16, 16384, 64)]
+SIXTEEN_BIT_BACKWARD_SHAPES = SIXTEEN_BIT_FORWARD_SHAPES[:2]
+SIXTEEN_BIT_PEERS = ("torch-flash", "torch-cudnn", "flex-attention")
 
 
 def sixteen_bit_summary(rows):
@@ -458,23 +469,38 @@ def main(args):
                         f"{args.calls} calls back to back, one synchronisation at the end.\n\n{table}\n")
             print("wrote", path)
         return 0
-    shapes = [tuple(s) for s in args.shape] if args.shape else (BACKWARD_SHAPES if args.backward else DEFAULT_SHAPES)
     algorithms = args.algorithms.split(",")
+    peers = args.peers.split(",") if args.peers else (SIXTEEN_BIT_PEERS if args.sixteen_bit else PEERS)
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"--peers: unknown {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    if args.sixteen_bit:   # (backward?, shapes): the forward's cases, then forward + backward's
+        if args.backward or args.shape:
+            raise SystemExit("--sixteen-bit chooses its own shapes and runs forward and backward: "
+                             "leave out --shape and --backward")
+        dtypes = "float16,bfloat16" if args.dtypes == DEFAULT_DTYPES else args.dtypes
+        plan = [(False, SIXTEEN_BIT_FORWARD_SHAPES), (True, SIXTEEN_BIT_BACKWARD_SHAPES)]
+    else:
+        dtypes = args.dtypes
+        plan = [(args.backward, [tuple(s) for s in args.shape] if args.shape else
+                 (BACKWARD_SHAPES if args.backward else DEFAULT_SHAPES))]
     rows = []
-    for dtype in args.dtypes.split(","):
-        for shape in shapes:
-            for causal in (False, True):
-                if args.backward:
-                    rows.extend(run_backward_case(shape, dtype, causal, args.repeats, torch, baselines))
-                else:
-                    rows.extend(run_case(shape, dtype, causal, algorithms, args.repeats, torch, baselines))
-                print(format_table([r for r in rows if r.shape == shape and r.dtype == dtype
-                                    and r.causal == causal]).split("\n", 2)[2], flush=True)
+    for backward, shapes in plan:
+        for dtype in dtypes.split(","):
+            for shape in shapes:
+                for causal in (False, True):
+                    if backward:
+                        new = run_backward_case(shape, dtype, causal, args.repeats, torch, baselines, peers)
+                    else:
+                        new = run_case(shape, dtype, causal, algorithms, args.repeats, torch, baselines, peers)
+                    rows.extend(new)
+                    print(format_table(new).split("\n", 2)[2], flush=True)
     table = format_table(rows)
     print(table)
     print("\n".join((backward_target_summary(rows) if args.backward else target_summary(rows))
                     + sixteen_bit_summary(rows)))
     if args.out:
-        paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench", args.backward)
+        paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench",
+                              args.backward and not args.sixteen_bit)
         print("wrote", *paths)
     return 0
