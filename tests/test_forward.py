@@ -216,13 +216,18 @@ def test_flash2_takes_any_real_scale(scale, dtype):
     assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype)
 
 
-@variants([(a, t) for a, t in FORWARD_VARIANTS if a == "flash2"])
+@variants([(a, t) for a, t in FORWARD_VARIANTS if a == "flash2" and t != np.float32])
 @given(data=st.data(), masked=st.booleans(), dropout_p=st.sampled_from([0.0, 0.3]))
 def test_a_warp_of_32_rows_gives_the_bits_of_two_warps_of_16(algorithm, dtype, data, masked, dropout_p):
     """With ``tiling.FORWARD_WARP_ROWS`` = 32 a warp owns two 16-row fragments that share every K and V
     fragment it loads; each row still sees the same instructions in the same order as in a warp of 16,
     so the results are the same bits: causal and NaN included (block masks and dropout keep warps of 16,
-    ``tiling.flash2_forward_warp_rows``: the same bits trivially, but through the rule)."""
+    ``tiling.flash2_forward_warp_rows``: the same bits trivially, but through the rule).
+
+    16-bit only: those are the precisions the library runs at 32 rows.  float32 never does
+    (``FORWARD_WARP_ROWS``: its 3xTF32 fragments spill at 32 rows), and a float32 kernel forced to 32
+    rows at d = 128 is other machine code: on the H200 one lse in 11 came out 1 ulp from the 16-row
+    kernel's (2026-12-01, results/gpu_tests_h200.md, session 11)."""
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     n_q, n_k, d = p.q.shape[-2], p.k.shape[-2], p.q.shape[-1]
     tiles = data.draw(block_sizes(algorithm, d, dtype).filter(lambda pair: pair[0] % 32 == 0))
