@@ -51,6 +51,7 @@ import numpy as np
 
 from ._checks import boolean_grid, positive_int_pair
 from .sparsity.block_mask import BlockMask
+from .tiling import cdiv
 
 __all__ = ["from_dense", "causal", "causal_elements", "local", "local_elements", "butterfly",
            "strided", "strided_elements", "fixed", "fixed_elements", "bigbird", "longformer",
@@ -83,7 +84,7 @@ def _grid(n_q, n_k, block_size):
     """Validated ((B_r, B_c), (T_r, T_c)) for an (n_q, n_k) attention matrix."""
     n_q, n_k = _check_sizes(n_q, n_k)
     block_rows, block_cols = positive_int_pair("block_size", block_size)
-    return (block_rows, block_cols), (-(-n_q // block_rows), -(-n_k // block_cols))
+    return (block_rows, block_cols), (cdiv(n_q, block_rows), cdiv(n_k, block_cols))
 
 
 # ---------------------------------------------------------------- coarsening
@@ -452,7 +453,7 @@ def _local_example(n, block_size):
 
 def _butterfly_example(n, block_size):
     """Flat butterfly of full depth (block i sees i and every i XOR 2**k) plus 1 global block row and column."""
-    longest_side = max(-(-n // b) for b in block_size)  # T_r or T_c
+    longest_side = max(cdiv(n, b) for b in block_size)  # T_r or T_c
     full_depth = (longest_side - 1).bit_length()  # log2 of the padded power-of-two grid
     return butterfly(n, n, block_size, n_factors=full_depth, global_blocks=1)
 

@@ -31,6 +31,7 @@ from typing import Tuple
 import numpy as np
 from numba import cuda
 
+from ..tiling import cdiv
 from .device import current_context, in_simulator
 
 try:  # torch is optional; when present its tensors are the fast path
@@ -332,7 +333,7 @@ class _OutputPool:
     def _take(self, stream, nbytes):
         from cuda.bindings import driver as cuda_driver
 
-        nbytes = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
+        nbytes = cdiv(max(nbytes, 1), self.GRANULE) * self.GRANULE
         with self._lock:
             free = self._free.get((stream, nbytes))
             if free:

@@ -23,6 +23,7 @@ Masks combine with ``&`` and ``|`` (same block size; layouts broadcast), and
 import numpy as np
 
 from .._checks import boolean_grid, positive_int_pair
+from ..tiling import cdiv
 
 class BlockMask:
     """A boolean tile layout at a given block size; see the module docstring."""
@@ -56,7 +57,7 @@ class BlockMask:
     def grid_for(self, n_q, n_k):
         """(T_r, T_c) that an (n_q, n_k) attention matrix needs at this block size."""
         block_rows, block_cols = self._block_size
-        return -(-n_q // block_rows), -(-n_k // block_cols)
+        return cdiv(n_q, block_rows), cdiv(n_k, block_cols)
 
     def check_covers(self, n_q, n_k):
         """Raise ValueError unless the layout is exactly the grid of an (n_q, n_k) matrix."""

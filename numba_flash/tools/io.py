@@ -62,7 +62,7 @@ import numpy as np
 
 from ..kernels.literal.standard_attention import MATMUL_TILE
 from ..sparsity.tile_lists import tile_lists, tile_visits
-from ..tiling import flash2_forward_warp_rows, flash2_threads, padded_head_dim, precision_of
+from ..tiling import cdiv, flash2_forward_warp_rows, flash2_threads, padded_head_dim, precision_of
 
 FLOAT32 = 4  # bytes: S, P, l, m, lse, and q, k, v, o unless flash2 runs in float16
 INT32 = 4    # flash2's tile lists
@@ -110,10 +110,6 @@ class AttentionTraffic:
         return self.read_bytes + self.write_bytes
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def _bytes(counts):
     """{buffer: bytes} as plain ints, without buffers that move nothing."""
     return {name: int(count) for name, count in counts.items() if count}
@@ -121,7 +117,7 @@ def _bytes(counts):
 
 def _block_lengths(n, block):
     """Length of each block of a split of range(n) into blocks of ``block`` (the last ragged)."""
-    return np.minimum(block, n - block * np.arange(_cdiv(n, block)))
+    return np.minimum(block, n - block * np.arange(cdiv(n, block)))
 
 
 def _layouts(mask, batch_heads, grid):
@@ -180,7 +176,7 @@ def _tiled_matmul_elements(rows, cols, inner, tile):
     elements inside the matrices), so A is read once per column band of C and
     B once per row band, whether B is transposed or not.
     """
-    return _cdiv(cols, tile) * rows * inner, _cdiv(rows, tile) * cols * inner, rows * cols
+    return cdiv(cols, tile) * rows * inner, cdiv(rows, tile) * cols * inner, rows * cols
 
 
 def standard_traffic(batch_heads, n_q, n_k, head_dim, *, causal=False, mask=None, matmul_tile=MATMUL_TILE):
@@ -191,7 +187,7 @@ def standard_traffic(batch_heads, n_q, n_k, head_dim, *, causal=False, mask=None
     simulator: the module constant of wherever this runs).
     """
     block_size = (n_q, n_k) if mask is None else tuple(mask[1])
-    layout, heads_each = _layouts(mask, batch_heads, (_cdiv(n_q, block_size[0]), _cdiv(n_k, block_size[1])))
+    layout, heads_each = _layouts(mask, batch_heads, (cdiv(n_q, block_size[0]), cdiv(n_k, block_size[1])))
 
     q_reads, k_reads, s_writes = _tiled_matmul_elements(n_q, n_k, head_dim, matmul_tile)
     qk = KernelTraffic("matmul S = tau Q K^T",
@@ -226,7 +222,7 @@ def flash1_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, causal=False
     if mask is not None and tuple(mask[1]) != tuple(block_sizes):
         raise ValueError(f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks: "
                          f"{tuple(mask[1])} != {tuple(block_sizes)}")
-    t_r, t_c = _cdiv(n_q, block_rows), _cdiv(n_k, block_cols)
+    t_r, t_c = cdiv(n_q, block_rows), cdiv(n_k, block_cols)
     visited, heads_each = _layouts(mask, batch_heads, (t_r, t_c))
     visits = visited.sum(axis=2)                                   # inner iterations of each block row
     row_visits = (visits * _block_lengths(n_q, block_rows)).sum()  # (row, inner iteration) pairs
@@ -270,7 +266,7 @@ def _flash2_visited_tiles(n_q, n_k, tile, causal, mask):
     ``tile_lists`` decides, and these are all heads' tiles.
     """
     block_m, block_n = tile
-    t_q, t_k = _cdiv(n_q, block_m), _cdiv(n_k, block_n)
+    t_q, t_k = cdiv(n_q, block_m), cdiv(n_k, block_n)
     if mask is None:
         last_row = np.minimum(block_m * np.arange(t_q) + block_m, n_q) - 1
         visit = np.ones((1, t_q, t_k), bool)
@@ -318,7 +314,7 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
         reads["layout"] = UINT8 * checked[partly].sum()
         # Every thread reads its query tile's two offsets, and each visited
         # entry twice: when fetching the tile ahead, and when computing on it.
-        reads["tile_offsets"] = INT32 * 2 * threads * _cdiv(n_q, block_m) * batch_heads
+        reads["tile_offsets"] = INT32 * 2 * threads * cdiv(n_q, block_m) * batch_heads
         reads["tile_entries"] = INT32 * 2 * threads * len(k_tile)
     writes = {"o": element * n_q * head_dim * batch_heads, "lse": FLOAT32 * n_q * batch_heads}
     name = "flash2_forward" if mask is None else "flash2_forward (block-sparse)"
@@ -337,7 +333,7 @@ def flash1_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, cau
     reads M_ij for every (i, j).
     """
     block_rows, block_cols = block_sizes
-    grid = (_cdiv(n_q, block_rows), _cdiv(n_k, block_cols))
+    grid = (cdiv(n_q, block_rows), cdiv(n_k, block_cols))
     layout, heads_each = _layouts(mask, batch_heads, grid)
     if mask is not None and tuple(mask[1]) != tuple(block_sizes):
         raise ValueError(f"flash1 runs Algorithm 5 with tiles equal to the mask's blocks: "
@@ -378,7 +374,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
         tile: (query rows, keys) of the pass's tiles; transpose: the pass owns
         key tiles (dK/dV) rather than query tiles (dQ).
         """
-        t_q, t_k = _cdiv(n_q, tile[0]), _cdiv(n_k, tile[1])
+        t_q, t_k = cdiv(n_q, tile[0]), cdiv(n_k, tile[1])
         if mask is None:
             if transpose:  # dK/dV: key tile kt walks query tiles kt * B_r // B_c .. T_q - 1
                 visit = np.arange(t_q)[None, :] >= (own * np.arange(t_k) // other)[:, None] if causal \
@@ -410,7 +406,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
              "lse": FLOAT32 * queries.sum() * heads_each, "d": FLOAT32 * queries.sum() * heads_each}
     if mask is not None:
         reads["layout"] = layout_reads(q0, q0 + queries, k0, np.minimum(k0 + own, n_k), partly)
-        reads["tile_offsets"] = INT32 * 2 * threads * _cdiv(n_k, own) * batch_heads
+        reads["tile_offsets"] = INT32 * 2 * threads * cdiv(n_k, own) * batch_heads
         reads["tile_entries"] = INT32 * threads * len(k_tile)
     dkdv = KernelTraffic("flash2_backward_dkdv", _bytes(reads),
                          _bytes({"dk": element * rows_k * head_dim, "dv": element * rows_k * head_dim}))
@@ -426,7 +422,7 @@ def flash2_backward_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dty
              "v": element * head_dim * keys.sum() * heads_each}
     if mask is not None:
         reads["layout"] = layout_reads(q0, np.minimum(q0 + own, n_q), k0, k0 + keys, partly)
-        reads["tile_offsets"] = INT32 * 2 * threads * _cdiv(n_q, own) * batch_heads
+        reads["tile_offsets"] = INT32 * 2 * threads * cdiv(n_q, own) * batch_heads
         reads["tile_entries"] = INT32 * threads * len(q_tile)
     dq = KernelTraffic("flash2_backward_dq", _bytes(reads), _bytes({"dq": element * rows_q * head_dim}))
     return AttentionTraffic("flash2 backward", (preprocess, dkdv, dq))
@@ -467,7 +463,7 @@ def device_allocations(algorithm, batch_heads, n_q, n_k, head_dim, *, dtype=np.f
     if mask is not None:
         buffers["layout"] = UINT8 * np.asarray(mask[0]).size
         if algorithm == "flash2":
-            buffers["tile_offsets"] = INT32 * batch_heads * (_cdiv(n_q, block_sizes[0]) + 1)
+            buffers["tile_offsets"] = INT32 * batch_heads * (cdiv(n_q, block_sizes[0]) + 1)
             visited = len(_flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)[1])
             buffers["tile_entries"] = INT32 * max(visited, 1)  # an empty list still gets one entry
     return {name: int(size) for name, size in buffers.items()}

@@ -74,7 +74,7 @@ def operand_extent(shape, strides, pairs=False):
     batch = int(np.prod(shape[:-3], dtype=np.int64))
     heads = shape[-3] if len(shape) > 2 else 1
     elements = extent((batch, heads, shape[-2], shape[-1]), (strides.batch, strides.head, strides.row, 1))
-    return -(-elements // 2) if pairs else elements
+    return cdiv(elements, 2) if pairs else elements
 
 
 def word_extent(call):
