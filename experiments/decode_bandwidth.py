@@ -12,7 +12,8 @@ token's key and value), and torch's SDPA backends on the same q, k, v
     PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py --quick    # a small case (runs in the simulator, times nothing)
 
 Writes experiments/results/decode_h200.{csv,md} (``decode_quick`` with --quick), with a second table
-that times the tile shapes and split counts around the defaults (the evidence for them).
+that times the tile shapes and split counts around the defaults (the evidence for them), and a
+third that times the K/V buffers (``kv_stages``) at a few of them.
 Target (issue 16): >= 70% of the copy bandwidth, and >= 1.0x the fastest SDPA backend.
 """
 import argparse
@@ -33,6 +34,11 @@ REPEATS = 50
 #: with 76 bytes of spills, (16, 128) 250 with none).
 SWEEP_TILES = ((16, 16), (16, 32), (16, 64), (16, 128), (32, 32))
 SWEEP_SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+#: K/V buffers (``kv_stages``) at a few tiles and splits: a one-warp block has one tile in flight with two
+#: buffers, so memory latency may bound it (``tiling.DECODE_KV_STAGES``).
+SWEEP_STAGES = (2, 3, 4, 6)
+SWEEP_STAGE_TILES = ((16, 16), (16, 32), (16, 64))
+SWEEP_STAGE_SPLITS = (0, 8, 12, 16)
 
 
 def main(argv=None):
@@ -102,6 +108,24 @@ def main(argv=None):
                               num_splits=splits or "0 (default)", ms=f"{ms:.4f}",
                               of_copy_bandwidth=f"{kv_bytes / (ms * 1e-3) / copy_bandwidth:.2f}"))
             print(sweep[-1], flush=True)
+    # The buffers need tiles that travel by cp.async: 16-bit (the simulator's run converts to float16).
+    q16, k16, v16 = (x if x.dtype != torch.float32 else x.half() for x in (q, k_cache, v_cache))
+    buffers = []
+    for tiles in SWEEP_STAGE_TILES if not simulator else ((16, 16),):
+        for stages in SWEEP_STAGES if not simulator else (2, 3):
+            for splits in SWEEP_STAGE_SPLITS if not simulator else (0,):
+                def tried(tiles=tiles, stages=stages, splits=splits):
+                    numba_flash.attention_with_kv_cache(q16, k16, v16, full, block_sizes=tiles, num_splits=splits,
+                                                        kv_stages=stages)
+                try:
+                    ms = time_ms(tried, repeats=repeats)
+                except ValueError as error:   # more buffers than shared memory holds
+                    buffers.append(dict(block_sizes=str(tiles), kv_stages=stages, num_splits=splits or "0 (default)",
+                                        ms="n/a", of_copy_bandwidth=str(error)[:60]))
+                    continue
+                buffers.append(dict(block_sizes=str(tiles), kv_stages=stages, num_splits=splits or "0 (default)",
+                                    ms=f"{ms:.4f}", of_copy_bandwidth=f"{kv_bytes / (ms * 1e-3) / copy_bandwidth:.2f}"))
+                print(buffers[-1], flush=True)
     timed = [float(r["ms"]) for r in rows[2:] if r["ms"] != "n/a"]
     fastest_peer = min(timed) if timed else float("nan")
     for row in rows:
@@ -121,6 +145,9 @@ def main(argv=None):
         f.write(markdown_table(rows))
         f.write("\nTiles and split counts (num_splits 0: the library's choice for those tiles):\n\n")
         f.write(markdown_table(sweep))
+        f.write("\nK/V buffers (``kv_stages``: that many tiles less one in flight while one is computed on; "
+                "float16 in the simulator's run):\n\n")
+        f.write(markdown_table(buffers))
     print("wrote", stem + ".md")
     return 0
 

@@ -420,10 +420,11 @@ def check_varlen_args(q, k, v, lengths, *, causal, scale, dropout_p, seed, block
                                 q_bounds_size=batch + 1, k_bounds_size=batch + 1))
 
 
-def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_sizes, num_splits):
+def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_sizes, num_splits, kv_stages=0):
     """Validate a decoding call's arrays and options (``attention_with_kv_cache``): q (B, H_q, N_q, d), the caches
     (B, H_kv, N_max, d), k_new and v_new (B, H_kv, N_new, d) or None (``Operand``s), ``num_splits`` a
-    non-negative int (0: chosen by the library).  The lengths are checked per call by ``check_cache_seqlens``.
+    non-negative int (0: chosen by the library), ``kv_stages`` 0 (the library's) or the K/V buffers wanted (at least
+    2, cp.async tiles only, fitting shared memory).  The lengths are checked per call by ``check_cache_seqlens``.
 
     Returns the call the kernels run.  One query per head (N_q = 1) with grouped heads runs as H_kv heads of
     ``group`` query rows each (q viewed as (B, H_kv, group, d): the heads of a group are rows ``q_sh`` apart),
@@ -443,6 +444,10 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
         raise TypeError(f"num_splits must be an int (0: chosen by the library), got {num_splits!r}")
     if num_splits < 0:
         raise ValueError(f"num_splits must not be negative (0: chosen by the library), got {num_splits}")
+    if type(kv_stages) is not int:
+        raise TypeError(f"kv_stages must be an int (0: chosen by the library), got {kv_stages!r}")
+    if kv_stages < 0 or kv_stages == 1:
+        raise ValueError(f"kv_stages must be 0 (chosen by the library) or at least 2 buffers, got {kv_stages}")
     batch, heads, n_q, head_dim = q.shape
     _, kv_heads, n_max, _ = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -472,11 +477,28 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
         block_sizes = decode_default_block_sizes(n_q, head_dim, PRECISION[q.dtype])
     block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, n_q, n_max, q.dtype, False, is_causal)
     vec = sixteen_byte_rows((q, k_cache, v_cache), strides, head_dim, q.dtype)
+    if kv_stages:
+        check_kv_stages(kv_stages, block_sizes, head_dim, PRECISION[q.dtype], vec)
     sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=2, lse_strides=(heads * n_q, n_q),
                        q_bounds_size=2, k_bounds_size=2 * batch, packed=False)
     return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,
                          block_sizes, q.kind, q_shape, tuple(k_cache.shape), tuple(strides), vec, None, 0.0,
                          sequences)
+
+
+def check_kv_stages(kv_stages, block_sizes, head_dim, precision, vec):
+    """``kv_stages`` buffers of K and V tiles exist for this call: its tiles travel by cp.async and that many fit."""
+    if precision == "tf32x3" or not vec:
+        raise ValueError(f"kv_stages={kv_stages}: only 16-bit tiles whose rows start on 16-byte boundaries travel "
+                         "by cp.async into several buffers (these go through registers, one tile ahead); leave "
+                         "kv_stages at 0")
+    block_m, block_n = block_sizes
+    d_pad = padded_head_dim(head_dim, precision)
+    needed = flash2_forward_smem(block_m, block_n, d_pad, precision, stages=kv_stages).bytes
+    limit = device_limits().shared_bytes_per_block_optin
+    if needed > limit:
+        raise ValueError(f"kv_stages={kv_stages} at block_sizes {tuple(block_sizes)}, d={head_dim}: the buffers need "
+                         f"{needed} bytes of shared memory; the limit is {limit}")
 
 
 def check_new_keys(k_new, v_new):

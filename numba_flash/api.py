@@ -27,7 +27,7 @@ from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import cdiv, padded_head_dim
+from .tiling import DECODE_KV_STAGES, cdiv, padded_head_dim
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -192,7 +192,7 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
 
 
 def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=True, scale=None,
-                            block_sizes=None, num_splits=0, return_lse=False):
+                            block_sizes=None, num_splits=0, kv_stages=0, return_lse=False):
     """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.
 
     Parameters
@@ -216,6 +216,11 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
         flash-attn's ``num_splits``); 0 (default) chooses from the grid and the GPU (``decode_splits``).
         Capped at the number of key tiles.
+    kv_stages : int
+        Shared buffers for the streamed K and V tiles, so that ``kv_stages - 1`` tiles are in flight while
+        one is computed on (a tuning knob, like ``num_splits``); 0 (default): ``tiling.DECODE_KV_STAGES``,
+        or fewer where they do not fit.  At least 2, for 16-bit inputs whose rows start on 16-byte
+        boundaries (their tiles travel by ``cp.async``; others go through registers, one tile ahead).
 
     One query per head against a grouped cache runs the group's query heads as the rows of one tile, so
     each key and value is read once per group, not once per query head.
@@ -226,7 +231,7 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     """
     check_new_keys(k_new, v_new)
     arrays = (q, k_cache, v_cache) + (() if k_new is None else (k_new, v_new))
-    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits))
+    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages))
     lengths = check_cache_seqlens(_arrays.integers_on_host(cache_seqlens), plan.call.batch, plan.n_new,
                                   plan.call.n_k)
     return plan(arrays, cache_seqlens, lengths, return_lse)
@@ -455,9 +460,9 @@ class _CachePlan(_Plan):
         operands = [_arrays.describe(name, x) for name, x in zip(names, arrays)]
         q, k_cache, v_cache = operands[:3]
         k_new, v_new = operands[3:] if len(operands) == 5 else (None, None)
-        causal, scale, block_sizes, num_splits = options
+        causal, scale, block_sizes, num_splits, kv_stages = options
         super().__init__(q, check_cache_args(q, k_cache, v_cache, k_new, v_new, causal=causal, scale=scale,
-                                             block_sizes=block_sizes, num_splits=num_splits))
+                                             block_sizes=block_sizes, num_splits=num_splits, kv_stages=kv_stages))
         call = self.call
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]
@@ -467,7 +472,7 @@ class _CachePlan(_Plan):
         self.splits = (min(num_splits, key_tiles) if num_splits else
                        decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
                                      device_limits().multiprocessors))
-        self.launch = forward_launch(call, self.splits)
+        self.launch = forward_launch(call, self.splits, kv_stages or DECODE_KV_STAGES)
         self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
         self.merge = (merge_launch(self.rows, self.splits, self.d_pad, call.head_dim, call.precision)

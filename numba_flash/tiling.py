@@ -228,16 +228,17 @@ def flash2_dq_smem(block_queries, block_keys, d_pad, precision, stages=1):
                        + _staged(streamed, stages) + (("K_NAN", _words(block_keys)),))
 
 
-def flash2_stages(layout, *sizes, precision, vec):
+def flash2_stages(layout, *sizes, precision, vec, most=2):
     """Buffers for the streamed tiles of a flash2 kernel whose shared memory is ``layout(*sizes, precision,
-    stages)``: two when the tiles can travel by cp.async (16-bit operands whose rows start on 16-byte
-    boundaries, ``vec``) and two fit in shared memory, so that tile j + 1 lands in one while the block
-    computes on the other (and one barrier per tile suffices); otherwise one, filled through registers
-    (3xTF32 splits each element on the way)."""
+    stages)``: when the tiles can travel by cp.async (16-bit operands whose rows start on 16-byte
+    boundaries, ``vec``), as many as fit in shared memory up to ``most`` (at least two), so that tiles
+    j + 1 .. j + stages - 1 land in the others while the block computes on one (and one barrier per tile
+    suffices); otherwise one, filled through registers (3xTF32 splits each element on the way)."""
     if precision == "tf32x3" or not vec:
         return 1
-    two = layout(*sizes, precision, stages=2).bytes
-    return 2 if two <= device_limits().shared_bytes_per_block_optin else 1
+    limit = device_limits().shared_bytes_per_block_optin
+    fitting = [s for s in range(2, max(2, most) + 1) if layout(*sizes, precision, stages=s).bytes <= limit]
+    return fitting[-1] if fitting else 1
 
 
 def flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision):
@@ -336,6 +337,15 @@ def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=Fa
 
 #: The most 16-byte chunks a thread of a decoding block keeps in flight per K or V tile (more spills).
 DECODE_CHUNKS_PER_THREAD = 8
+#: K/V buffers of a decoding block (``attention_with_kv_cache``'s ``kv_stages`` = 0), so that this many
+#: tiles less one are in flight while one is computed on.  On the H200 (results/decode_h200.md,
+#: 2026-12-01) the two-buffer kernel reads the cache at 0.54 of copy bandwidth: a one-warp block of 16
+#: query rows has one 16-key tile (8 KB of K and V) on its way per tile period, and 8 such blocks per
+#: multiprocessor keep ~64 KB in flight, which by Little's law covers 16 GB/s per multiprocessor at a
+#: loaded latency of 4 us; the measured rate is 16.4 GB/s.  Deeper buffers are built and tested in the
+#: simulator, not yet timed: ``experiments/decode_bandwidth.py`` sweeps them; until then the default
+#: stays at what was measured.
+DECODE_KV_STAGES = 2
 
 
 def decode_block_sizes(n_q, head_dim, precision):

@@ -18,8 +18,9 @@ views), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
-three causal ones).  Every result is checked against the float64 reference too,
-so a run that the sanitizer passes but that computes garbage still fails.
+three causal ones; decode_stages4: the same with four K/V buffers).  Every result
+is checked against the float64 reference too, so a run that the sanitizer passes
+but that computes garbage still fails.
 """
 import sys
 
@@ -70,6 +71,8 @@ RUNS = [
     ("forward", "flash2", np.float32, (16, 32), "decode"),
     ("forward", "flash2", np.float16, (16, 64), "decode"),
     ("forward", "flash2", BF16, None, "decode"),
+    # Four K/V buffers (kv_stages): three tiles in flight, one cp.async group each, the last groups empty.
+    ("forward", "flash2", np.float16, (16, 16), "decode_stages4"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -168,9 +171,9 @@ def main(selected=()):
             continue
         cases = WGMMA_CASES if algorithm == "wgmma" else CASES
         cases = cases[-1:] if quick else cases
-        if variant == "decode":
+        if variant.startswith("decode"):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
-            worst = max(worst, decode(dtype, blocks, rng))
+            worst = max(worst, decode(dtype, blocks, rng, kv_stages=4 if variant == "decode_stages4" else 0))
             continue
         if variant == "varlen":
             print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
@@ -241,7 +244,7 @@ def packed(direction, dtype, blocks, rng):
 DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
-def decode(dtype, blocks, rng):
+def decode(dtype, blocks, rng, kv_stages=0):
     """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), then three
     queries (causal); each appends as many keys.  Returns the worst relative error."""
     heads, kv_heads, d = 8, 2, 40
@@ -262,7 +265,8 @@ def decode(dtype, blocks, rng):
         q = rng.standard_normal((batch, heads, n_q, d)).astype(dtype)
         new = [rng.standard_normal((batch, kv_heads, n_q, d)).astype(dtype) for _ in range(2)]
         out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, torch.as_tensor(lengths, device="cuda"),
-                                                  k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks)
+                                                  k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks,
+                                                  kv_stages=kv_stages)
         lengths = lengths + n_q
         k64, v64 = (host(x).astype(np.float64) for x in (k_cache, v_cache))
         ref = np.zeros(q.shape)

@@ -35,13 +35,15 @@ def decoding_problems(draw, dtype):
     causal = draw(st.sampled_from((True, False, "top_left")))
     tiles = draw(st.one_of(st.none(), block_sizes("flash2", d, dtype)))
     splits = draw(st.integers(0, 4))           # 0: the library's choice; more than the key tiles is capped
-    return q, k_cache, v_cache, seqlens, new, causal, tiles, splits
+    # K/V buffers: 0 (the library's), or 2-4 where the tiles travel by cp.async (16-bit rows of 16 bytes)
+    stages = draw(st.sampled_from((0, 2, 3, 4))) if dtype != np.float32 and d % 8 == 0 else 0
+    return q, k_cache, v_cache, seqlens, new, causal, tiles, splits, stages
 
 
 @cache_dtypes
 @given(data=st.data(), on_device=st.booleans())
 def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data, on_device):
-    q, k_cache, v_cache, seqlens, (k_new, v_new), causal, tiles, splits = data.draw(decoding_problems(dtype))
+    q, k_cache, v_cache, seqlens, (k_new, v_new), causal, tiles, splits, stages = data.draw(decoding_problems(dtype))
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
     n_new = 0 if k_new is None else k_new.shape[2]
     for b, start in enumerate(seqlens):
@@ -52,7 +54,8 @@ def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data
     caches = (to(k_cache), to(v_cache))
     out, lse = numba_flash.attention_with_kv_cache(to(q), *caches, to(seqlens), k_new=None if k_new is None else to(k_new),
                                                    v_new=None if v_new is None else to(v_new), causal=causal,
-                                                   block_sizes=tiles, num_splits=splits, return_lse=True)
+                                                   block_sizes=tiles, num_splits=splits, kv_stages=stages,
+                                                   return_lse=True)
     out, lse = (x.copy_to_host() if hasattr(x, "copy_to_host") else x for x in (out, lse))
     got_k, got_v = (x.copy_to_host() if hasattr(x, "copy_to_host") else x for x in caches)
     np.testing.assert_array_equal(got_k.view(np.uint8), expected_k.view(np.uint8))   # appended, nothing else moved
@@ -88,6 +91,23 @@ def test_one_step_of_generation_with_grouped_heads_and_split_keys(tiles, group):
         assert_close_to_reference(out[b], None, ref_out, ref_lse, q[b], k, v, 0.25)
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [t for t in VARLEN_DTYPES if t != np.float32], ids=dtype_name)
+def test_deeper_kv_pipelines_decode_as_two_buffers_do(dtype, stages):
+    # Many key tiles per block (300 keys in tiles of 16, two splits), so that every buffer is refilled
+    # several times, and the last tiles' groups are empty; grouped heads; entries of different lengths.
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 1, 16)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((2, 2, 300, 16)).astype(dtype) for _ in range(2))
+    seqlens = np.array([300, 133], np.int32)
+    out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=(16, 16), num_splits=2,
+                                                   kv_stages=stages, return_lse=True)
+    for b, length in enumerate(seqlens):
+        k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
+        ref_out, ref_lse = reference.attention(q[b], k, v)
+        assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
+
+
 Q = np.zeros((2, 4, 1, 8), np.float32)
 CACHE = np.zeros((2, 2, 10, 8), np.float32)
 NEW = np.zeros((2, 2, 3, 8), np.float32)
@@ -108,12 +128,17 @@ BAD_INPUTS = [
     ("float64", (Q.astype(np.float64), CACHE, CACHE, LENGTHS), {}, TypeError, "dtype"),
     ("negative splits", (Q, CACHE, CACHE, LENGTHS), {"num_splits": -1}, ValueError, "num_splits"),
     ("fractional splits", (Q, CACHE, CACHE, LENGTHS), {"num_splits": 2.0}, TypeError, "num_splits"),
+    ("one buffer", (Q, CACHE, CACHE, LENGTHS), {"kv_stages": 1}, ValueError, "at least 2"),
+    ("fractional buffers", (Q, CACHE, CACHE, LENGTHS), {"kv_stages": 2.5}, TypeError, "kv_stages"),
+    ("buffers for float32 tiles", (Q, CACHE, CACHE, LENGTHS), {"kv_stages": 3}, ValueError, "cp.async"),
+    ("buffers past shared memory", (Q.astype(np.float16), CACHE.astype(np.float16), CACHE.astype(np.float16),
+                                    LENGTHS), {"kv_stages": 400}, ValueError, "bytes of shared memory"),
 ]
 
 
 @pytest.mark.parametrize("description, args, kwargs, error, words", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_decoding_input_is_rejected_before_any_launch(no_launch, description, args, kwargs, error, words):
-    cache = CACHE.copy()
+    cache = np.zeros_like(args[1])   # the call's cache, to see that nothing was written into it
     args = (args[0], cache) + args[2:]
     with pytest.raises(error) as caught:
         numba_flash.attention_with_kv_cache(*args, **kwargs)

@@ -67,7 +67,9 @@ How it is fast, and what each trick costs in clarity:
   with 16-byte rows travel by ``cp.async`` straight into the second of two
   shared buffers (``tiling.flash2_stages``): no registers hold them on the
   way, and one barrier per tile suffices, because the buffer being refilled
-  was last read before that barrier.  Otherwise (3xTF32 splits each element
+  was last read before that barrier.  With KV_STAGES > 2 buffers (decoding,
+  where a block's few rows leave memory latency nothing to hide behind) tiles
+  j + 1 .. j + KV_STAGES - 1 are in flight at once, one cp.async group each.  Otherwise (3xTF32 splits each element
   on the way; unaligned 16-bit rows) the tile waits in registers and is
   stored to shared memory at the top of the iteration that uses it, between
   two barriers.
@@ -106,12 +108,12 @@ from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_
                      dropout_words, kernel_name, lane_flags, partly_masked_tiles, sequence_arguments, sequence_bounds,
                      tile_coordinates, keys_end, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
-from .primitives import exp2, shfl_xor, store_word
+from .primitives import copy_async_commit, copy_async_wait, exp2, shfl_xor, store_word
 
 
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
-                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True):
+                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale).
 
@@ -128,7 +130,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     every K and V fragment loaded, as FlashAttention-2's warps do; ``tiling.flash2_forward_warp_rows``).
     PARTLY_MASKED (with HAS_MASK): some listed tile is only partly covered by the mask, so entries are tested
     against its layout; False when the mask's blocks are unions of whole tiles, which compiles the test out
-    and leaves the kernel the loops of a dense one (32-row warps included).
+    and leaves the kernel the loops of a dense one (32-row warps included).  KV_STAGES: the most shared
+    buffers for K_j, V_j when they travel by cp.async (``tiling.flash2_stages``: as many as fit).
     """
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_M, WARP_ROWS)
@@ -139,8 +142,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
     O_ROWS = WARP_TILES * D_TILES  # rows of a lane's O fragments
     WORD = uint32 if SIXTEEN else float32
-    STAGES = flash2_stages(flash2_forward_smem, BLOCK_M, BLOCK_N, D_PAD, precision=PRECISION, vec=VEC)
-    ASYNC = STAGES == 2                          # K_j, V_j by cp.async into the other buffer
+    STAGES = flash2_stages(flash2_forward_smem, BLOCK_M, BLOCK_N, D_PAD, precision=PRECISION, vec=VEC,
+                           most=KV_STAGES)
+    ASYNC = STAGES >= 2                          # K_j, V_j by cp.async into the other buffers
+    AHEAD = max(1, STAGES - 1)                   # tiles on their way while one is computed on
     tiles = flash2_forward_smem(BLOCK_M, BLOCK_N, D_PAD, PRECISION, STAGES)
     # Where the tiles sit in shared memory (16-bit tiles have no lo half: LO = HI is never read).
     Q_HI = tiles.offset("Q" if SIXTEEN else "Q_HI")
@@ -154,7 +159,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
-    copy_key_rows, wait_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS) if ASYNC else (None, None)
+    copy_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS)[0] if ASYNC else None
+    wait_oldest_tile = copy_async_wait(AHEAD - 1)   # cp.async: one group per tile, AHEAD in flight
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
@@ -163,22 +169,33 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     sequence, lse_row = sequence_bounds(VARLEN)
 
     @inlined_device_function
-    def start_kv(smem, stage, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
-        """K_j, V_j (``keys`` valid rows from k_row, v_row) on their way: by cp.async into buffer ``stage``
-        (its word offset), or as global loads into registers."""
+    def key_of(tile_entries, first, x, k_first_tile):
+        """The first key of the x-th key tile this query tile visits."""
+        return listed_tile(tile_entries, first + x, BLOCK_N)[0] if HAS_MASK else k_first_tile + x * BLOCK_N
+
+    @inlined_device_function
+    def start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
+                 k_first_tile, n_k, head_dim, tid):
+        """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer, one
+        group (empty past the last tile, so that groups count tiles), or as global loads into registers."""
+        if x < n_tiles:
+            k0 = key_of(tile_entries, first, x, k_first_tile)
+            if ASYNC:
+                stage = (x % STAGES) * KV_STAGE
+                copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
+                copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
+            else:
+                fetch_key_rows(k_regs, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
+                fetch_key_rows(v_regs, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
         if ASYNC:
-            copy_key_rows(smem, K_HI + stage, K, k_row, k_sn, keys, head_dim, tid)
-            copy_key_rows(smem, V_HI + stage, V, v_row, v_sn, keys, head_dim, tid)
-        else:
-            fetch_key_rows(k_regs, K, k_row, k_sn, keys, head_dim, tid)
-            fetch_key_rows(v_regs, V, v_row, v_sn, keys, head_dim, tid)
+            copy_async_commit()
 
     @inlined_device_function
     def land_kv(smem, stage, k_regs, v_regs, tid):
         """This thread's part of K_j, V_j in buffer ``stage``, row-major (tf32: hi and lo halves; 16-bit V
-        is read by ldmatrix.trans): the copies waited for, or the registers stored."""
+        is read by ldmatrix.trans): the oldest copies waited for, or the registers stored."""
         if ASYNC:
-            wait_key_rows()
+            wait_oldest_tile()
         else:
             commit_key_rows(smem, k_regs, K_HI + stage, K_LO + stage, tid)
             commit_key_rows(smem, v_regs, V_HI + stage, V_LO + stage, tid)
@@ -348,10 +365,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 first = split * share
                 n_tiles = max(0, min(n_tiles - first, share))
         k_first_tile = 0 if HAS_MASK else first * BLOCK_N   # the key of the first visited tile, unmasked
-        if n_tiles > 0:
-            k0 = listed_tile(tile_entries, first, BLOCK_N)[0] if HAS_MASK else k_first_tile
-            start_kv(smem, 0, k_regs, v_regs, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0,
-                     head_dim, tid)
+        for x in range(AHEAD):
+            start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
+                     k_first_tile, n_k, head_dim, tid)
 
         for j in range(n_tiles):
             if HAS_MASK:
@@ -360,17 +376,15 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     partly_masked = False
             else:
                 k0, partly_masked = k_first_tile + j * BLOCK_N, False
-            stage = (j % 2) * KV_STAGE            # the word offset of tile j's buffer
+            stage = (j % STAGES) * KV_STAGE       # the word offset of tile j's buffer
             if not ASYNC:
                 cuda.syncthreads()  # every warp is done with tile j - 1, which tile j overwrites
             land_kv(smem, stage, k_regs, v_regs, tid)
             # Tile j (and Q_i) complete in shared memory; with cp.async, also every warp done with
-            # tile j - 1, so that start_kv may refill its buffer.
+            # tile j - 1, so that start_kv may refill its buffer with tile j + AHEAD.
             cuda.syncthreads()
-            if j + 1 < n_tiles:
-                k1 = listed_tile(tile_entries, first + j + 1, BLOCK_N)[0] if HAS_MASK else k0 + BLOCK_N
-                start_kv(smem, KV_STAGE - stage, k_regs, v_regs, K, V, k_row + k1 * k_sn, v_row + k1 * v_sn, k_sn,
-                         v_sn, n_k - k1, head_dim, tid)
+            start_kv(smem, j + AHEAD, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
+                     k_first_tile, n_k, head_dim, tid)
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
             mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
@@ -400,7 +414,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                       HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else "")
                   + ("" if WARP_ROWS == ROWS_PER_WARP else f"_warp{WARP_ROWS}")
                   + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
-                  + ("" if POSITIVE_SCALE else "_nonpositive_scale"),
+                  + ("" if POSITIVE_SCALE else "_nonpositive_scale")
+                  + (f"_stages{STAGES}" if STAGES > 2 else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
                               k_bounds=np.int32),
@@ -416,8 +431,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                  and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN) else None))
 
 
-def forward_launch(call, splits=1):
-    """flash2's forward for a validated ``AttentionCall`` as a ``Launch``.
+def forward_launch(call, splits=1, kv_stages=2):
+    """flash2's forward for a validated ``AttentionCall`` as a ``Launch``, K/V tiles in up to ``kv_stages``
+    shared buffers (``make_forward``'s KV_STAGES).
 
     Per call it takes q, k, v (the caller's arrays), o and lse (new results,
     C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds,
@@ -429,12 +445,13 @@ def forward_launch(call, splits=1):
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
     partly = partly_masked_tiles(call, (block_m, block_n), "forward")
-    stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec)
+    stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec,
+                           most=kv_stages)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
     warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None, splits > 1, positive_scale, warp_rows, partly)
+                          call.varlen is not None, splits > 1, positive_scale, warp_rows, partly, stages)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)

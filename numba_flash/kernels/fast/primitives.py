@@ -32,8 +32,11 @@ ldmatrix .trans             register j: elements (2t, g) low and (2t+1, g) high 
 ``copy_async16`` is ``cp.async``: a 16-byte copy from device to shared memory
 that runs in the background (no register holds the data on the way) and is
 complete, for the thread that issued it, after ``copy_async_wait_all``; other
-threads see it after a barrier that follows that wait.  The simulator copies
-at once, which is one of the orders the GPU may choose.
+threads see it after a barrier that follows that wait.  ``copy_async_commit``
+closes the copies a thread issued since its last commit into a group, and
+``copy_async_wait(n)`` waits until at most the ``n`` newest groups are still in
+flight: a pipeline of several tiles waits for the oldest alone.  The simulator
+copies at once, which is one of the orders the GPU may choose.
 
 ``ldmatrix_x4`` / ``ldmatrix_x2`` (/ ``ldmatrix_x2_trans``) are how 16-bit
 fragments leave shared memory: one instruction for four (two) 8x8 matrices,
@@ -48,6 +51,7 @@ row-major K (B = K^T, "col" layout) are (keys 0-7, k 0-7), (0-7, 8-15),
 (8-15, 0-7), (8-15, 8-15).
 """
 import threading
+from functools import lru_cache
 
 import numpy as np
 from numba import config, cuda, uint32
@@ -77,6 +81,9 @@ __all__ = [
     "ldmatrix_x2_trans",
     "copy_async16",
     "copy_async_wait_all",
+    "copy_async_commit",
+    "copy_async_wait",
+    "ptx_statement",
 ]
 
 WARP_SIZE = 32
@@ -333,16 +340,26 @@ if not config.ENABLE_CUDASIM:
 
         return types.void(dst, dst_index, src, src_index, valid), codegen
 
-    @intrinsic
-    def copy_async_wait_all(typingctx):
-        """Wait until every ``copy_async16`` this thread issued has landed in shared memory."""
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}",
-                               side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
+    def ptx_statement(text):
+        """An instruction without operands, kept in place and ordered with memory (a clobber)."""
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, sig, args):
+                function = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(function, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return instruction
 
-        return types.void(), codegen
+    #: Wait until every ``copy_async16`` this thread issued has landed in shared memory.
+    copy_async_wait_all = ptx_statement("cp.async.wait_all;")
+    #: The thread's copies since its last commit become one group (``copy_async_wait`` counts groups).
+    copy_async_commit = ptx_statement("cp.async.commit_group;")
+
+    @lru_cache(maxsize=None)
+    def copy_async_wait(pending):
+        """Wait until at most ``pending`` of this thread's committed groups are still in flight (the newest)."""
+        return ptx_statement(f"cp.async.wait_group {int(pending)};")
 
     @inlined_device_function
     def shfl_xor(value, lane_mask):
@@ -531,8 +548,18 @@ else:
         words = load_vec4(src, src_index) if valid else (0, 0, 0, 0)   # nothing is read when not valid
         store_vec4(dst, dst_index, *words)
 
-    def copy_async_wait_all():
-        """Wait until every ``copy_async16`` this thread issued has landed (here: they all have)."""
+    def ptx_statement(text):
+        """An instruction without operands: here, nothing to do (the twins act at once)."""
+        return _nothing
+
+    def _nothing():
+        pass
+
+    #: The copies have landed when they are issued here, so waiting and grouping do nothing.
+    copy_async_wait_all = copy_async_commit = _nothing
+
+    def copy_async_wait(pending):
+        return _nothing
 
     # Where each lane's registers sit in the warp's matrices (PTX ISA layouts).
     _LANES = np.arange(WARP_SIZE)

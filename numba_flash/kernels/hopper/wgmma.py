@@ -50,6 +50,7 @@ from numba import uint64
 from numba.cuda import config
 
 from ...runtime.launch import inlined_device_function
+from ..fast.primitives import ptx_statement
 
 #: Bytes of one row of a swizzled tile: 64 16-bit elements.
 ROW_BYTES = 128
@@ -106,25 +107,14 @@ if not config.ENABLE_CUDASIM:
 
     _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 
-    def _statement(text):
-        """An instruction without operands, kept in place (side effects, a memory clobber)."""
-        @intrinsic
-        def instruction(typingctx):
-            def codegen(context, builder, sig, args):
-                function = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(function, text, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return instruction
-
-    wgmma_fence = _statement("wgmma.fence.sync.aligned;")
-    wgmma_commit = _statement("wgmma.commit_group.sync.aligned;")
-    fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
+    wgmma_fence = ptx_statement("wgmma.fence.sync.aligned;")
+    wgmma_commit = ptx_statement("wgmma.commit_group.sync.aligned;")
+    fence_proxy_async = ptx_statement("fence.proxy.async.shared::cta;")
 
     @lru_cache(maxsize=None)
     def wgmma_wait(pending):
         """wait_group ``pending``: until at most that many committed groups are still in flight."""
-        return _statement(f"wgmma.wait_group.sync.aligned {int(pending)};")
+        return ptx_statement(f"wgmma.wait_group.sync.aligned {int(pending)};")
 
     @intrinsic
     def shared_address(typingctx, array):
