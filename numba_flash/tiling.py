@@ -339,12 +339,11 @@ def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=Fa
 DECODE_CHUNKS_PER_THREAD = 8
 #: K/V buffers of a decoding block (``attention_with_kv_cache``'s ``kv_stages`` = 0), so that this many
 #: tiles less one are in flight while one is computed on.  On the H200 (results/decode_h200.md,
-#: 2026-12-01) the two-buffer kernel reads the cache at 0.54 of copy bandwidth: a one-warp block of 16
-#: query rows has one 16-key tile (8 KB of K and V) on its way per tile period, and 8 such blocks per
-#: multiprocessor keep ~64 KB in flight, which by Little's law covers 16 GB/s per multiprocessor at a
-#: loaded latency of 4 us; the measured rate is 16.4 GB/s.  Deeper buffers are built and tested in the
-#: simulator, not yet timed: ``experiments/decode_bandwidth.py`` sweeps them; until then the default
-#: stays at what was measured.
+#: 2026-12-01) the two-buffer kernel reads the cache at 0.54 of copy bandwidth, 16 GB/s per
+#: multiprocessor: with two buffers a one-warp block has one 16-key tile (8 KB of K and V) on its way
+#: while it computes, so the bytes in flight, not the arithmetic, are the likely bound (Little's law).
+#: Deeper buffers are built and tested in the simulator, not yet timed (``experiments/decode_bandwidth.py``
+#: sweeps them); until they are, the default stays at what was measured.
 DECODE_KV_STAGES = 2
 
 

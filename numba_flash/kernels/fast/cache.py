@@ -106,10 +106,11 @@ def merge_launch(rows, splits, d_pad, head_dim, precision):
                   dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
 
 
-#: One-warp blocks per multiprocessor that the default split fills: at d = 128 a decoding block holds 255
-#: registers, so 8 fit at once.  One whole wave and no more: on the H200 at (B, H_kv) = (16, 8), 8 splits
-#: (1024 blocks) read the cache in 0.25 ms and 9 (a second wave of 96 blocks) in 0.33 ms
-#: (results/decode_h200.md).
+#: One-warp blocks per multiprocessor that the default split fills.  One whole wave and no more: on the
+#: H200 at (B, H_kv) = (16, 8), 8 splits (1024 blocks) read the cache in 0.25 ms and 9 (a second wave of
+#: 96 blocks) in 0.33 ms (2026-11-30, when a decoding block at d = 128 held 255 registers; since cp.async,
+#: ptxas gives it 172 and 22 KB of shared memory, so 10 may fit: to be re-timed with the buffers of
+#: ``tiling.DECODE_KV_STAGES``).
 SPLIT_BLOCKS_PER_MULTIPROCESSOR = 8
 
 
