@@ -71,8 +71,9 @@ def hopper_kernels():
     signature = (words,) * 4 + (nt.float32[::1],) + (nt.int64,) * 18 + (nt.float64,)
     for d in (64, 128):
         for causal in (False, True):
-            kernel = make_wgmma_forward(d, "f16", causal)
-            yield kernel.py_func.__name__, kernel.py_func, signature, (THREADS, 1)
+            for overlap in (False, True):   # each product waited for at once, or S_{j+1} beside the softmax
+                kernel = make_wgmma_forward(d, "f16", causal, overlap)
+                yield kernel.name, kernel.dispatcher.py_func, signature, (THREADS, 1)
 
 
 def machine_code(py_func, signature, launch_bounds, folder, arch="sm_90"):

@@ -13,8 +13,8 @@ lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
 empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
 element test), dropout, both, gqa (two query heads per key/value head,
-bottom-right causal), strided (q, k, v as transposed (B, N, H, d)
-views), nan (NaN in a value row and a query row: the masked-tile sanitising
+bottom-right causal), overlap (the wgmma forward's overlapped loop), strided
+(q, k, v as transposed (B, N, H, d) views), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
@@ -31,7 +31,7 @@ import torch
 import numba_flash
 import reference
 from numba_flash import masks
-from strategies import forward_warp_rows
+from strategies import forward_warp_rows, wgmma_overlap
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CASES = [
@@ -92,6 +92,9 @@ RUNS = [
     ("forward", "wgmma", np.float16, None, "dense"),
     ("forward", "wgmma", BF16, None, "gqa"),
     ("forward", "wgmma", np.float16, None, "strided"),
+    # Its loop with the next tile's scores overlapping this one's softmax (make_wgmma_forward, OVERLAP).
+    ("forward", "wgmma", np.float16, None, "overlap"),
+    ("forward", "wgmma", BF16, None, "gqa_overlap"),
 ]
 #: The wgmma forward's cases: d = 64 or 128 only; ragged lengths of one, two and three 64-row tiles.
 WGMMA_CASES = [
@@ -110,7 +113,7 @@ def run_name(run):
 def inputs(variant, dtype, blocks, case, rng):
     """q, k, v (torch CUDA tensors: strided views for "strided"), their float64 copies, the call's options."""
     batch, heads, n_q, n_k, d, causal = case
-    kv_heads = heads // 2 if variant == "gqa" else heads
+    kv_heads = heads // 2 if "gqa" in variant else heads
     q = rng.standard_normal((batch, heads, n_q, d))
     k, v = (rng.standard_normal((batch, kv_heads, n_k, d)) for _ in range(2))
     if variant == "nan":
@@ -122,7 +125,7 @@ def inputs(variant, dtype, blocks, case, rng):
         device = [x.view(torch.bfloat16) for x in device]
     if variant == "strided":
         device = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in device]
-    kwargs, ref_kwargs = dict(causal="bottom_right" if variant == "gqa" else causal), {}
+    kwargs, ref_kwargs = dict(causal="bottom_right" if "gqa" in variant else causal), {}
     if "sparse" in variant:
         mask_block = blocks if "whole" in variant else (MASK_BLOCK, MASK_BLOCK)   # whole: the kernel's tiles
         bm = masks.random(n_q, n_k, mask_block, 0.6, seed=int(rng.integers(1 << 30)))
@@ -187,7 +190,7 @@ def main(selected=()):
             if variant == "nan":
                 ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
-                with forward_warp_rows(32 if "warp32" in variant else 16):
+                with forward_warp_rows(32 if "warp32" in variant else 16), wgmma_overlap("overlap" in variant):
                     out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype))
                 continue

@@ -311,3 +311,20 @@ def forward_warp_rows(rows):
     finally:
         tiling.FORWARD_WARP_ROWS.update(saved)
         api._PLANS.clear()
+
+
+@contextlib.contextmanager
+def wgmma_overlap(on):
+    """The wgmma forward with its products overlapping the softmax or not (``OVERLAP_PRODUCTS``, which
+    ``NUMBA_FLASH_WGMMA_OVERLAP`` sets for a process), plans rebuilt before and after."""
+    from numba_flash import api
+    from numba_flash.kernels.hopper import forward as hopper
+
+    saved = hopper.OVERLAP_PRODUCTS
+    hopper.OVERLAP_PRODUCTS = on
+    api._PLANS.clear()
+    try:
+        yield
+    finally:
+        hopper.OVERLAP_PRODUCTS = saved
+        api._PLANS.clear()

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from numba_flash.kernels.hopper.wgmma import ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, swizzle_128
-from strategies import causal_mask
+from strategies import causal_mask, wgmma_overlap
 from test_nan import Poisoned, flags_of, nan_pattern, without_nan
 
 
@@ -60,7 +60,8 @@ def _where():
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
     """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
-    row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py)."""
+    row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py); both loops,
+    products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP)."""
     import ml_dtypes
 
     import numba_flash
@@ -81,6 +82,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
     poisoned = data.draw(st.sampled_from([None, "q", "k", "v"]))
+    overlap = data.draw(st.booleans())
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -102,12 +104,14 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
             tensor = torch.from_numpy(memory.view(np.int16)).cuda().view(as_torch)
             return tensor.transpose(1, 2) if token_major else tensor
 
-        out, lse = numba_flash.attention(*(to_gpu(host[x]) for x in "qkv"), causal=causal, algorithm="wgmma",
-                                         return_lse=True)
+        with wgmma_overlap(overlap):
+            out, lse = numba_flash.attention(*(to_gpu(host[x]) for x in "qkv"), causal=causal, algorithm="wgmma",
+                                             return_lse=True)
         out, lse = out.view(torch.int16).cpu().numpy().view(dtype), lse.cpu().numpy()
     else:
-        out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
-                                         return_lse=True)
+        with wgmma_overlap(overlap):
+            out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
+                                             return_lse=True)
     allowed = causal_mask(causal, n_q, n_k)
     allowed = np.ones((batch * heads, n_q, n_k), bool) if allowed is None else np.broadcast_to(
         allowed, (batch * heads, n_q, n_k))
@@ -181,3 +185,29 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     device.compute_capability = (9, 0)
     monkeypatch.setattr(hopper, "AUTOMATIC", False)   # NUMBA_FLASH_WGMMA=0
     assert kernel() == "flash2"
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_the_overlapped_wgmma_forward_runs_every_buffer(causal):
+    """Four key tiles (every K buffer refilled twice, every V buffer at least once, the last tile's ahead-steps
+    skipped), the diagonal crossing two of them, grouped heads: the overlapped loop against float64."""
+    import numba_flash
+    import reference
+    from numba_flash.kernels.hopper.forward import BLOCK_N
+    from tolerances import assert_close_to_reference
+
+    rng = np.random.default_rng(11)
+    n_q, n_k, d = 70, 3 * BLOCK_N + 17, 64
+    q = rng.standard_normal((1, 2, n_q, d)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, n_k, d)).astype(np.float16) for _ in range(2))
+    if _where() == "hopper":
+        import torch
+        q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    with wgmma_overlap(True):
+        out, lse = numba_flash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
+    q, k, v, out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (q, k, v, out, lse))
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    expanded = [reference.repeat_kv(x, 2) for x in (k64, v64)]
+    ref_out, ref_lse = reference.attention(q64, *expanded, causal=causal)
+    assert_close_to_reference(out, lse, ref_out, ref_lse, q64, *expanded, 1 / np.sqrt(d), np.float16)

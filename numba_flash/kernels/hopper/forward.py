@@ -23,8 +23,11 @@ online softmax below is the fast forward's, over 64-key tiles::
         O = alpha O;  O += P V_j         wgmma m64n{d}k16 x 4, P from registers, V_j transposed
     O / l, lse
 
-Each product group is waited for before its accumulator is read (``wgmma_wait(0)``); overlapping
-the softmax of tile j with the products of tile j + 1 is step 3 of the plan.
+Each product group is waited for before its accumulator is read (``wgmma_wait(0)``).  A second loop
+(``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``; tested in the simulator, not yet on a
+GPU) issues S_{j+1} = Q K_{j+1}^T before the softmax of S_j, so the tensor cores work while the
+warpgroup's other units do: half of step 3 of the plan (the other half, two warpgroups taking turns, is
+still to come).  The loop's steps are the same named device functions in both.
 
 Barriers and fences, each where it sits:
 
@@ -80,8 +83,26 @@ def shared_bytes(head_dim):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_forward(D, ELEMENT, CAUSAL):
-    """The kernel for head dim D (64 or 128), ELEMENT "f16" or "bf16", causal or not."""
+def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
+    """The kernel for head dim D (64 or 128), ELEMENT "f16" or "bf16", causal or not.
+
+    OVERLAP: the scores of the next key tile are computed while this one's softmax runs (half of step 3 of
+    the README's plan: FlashAttention-3's intra-warpgroup pipelining).  Without it, each step waits for its
+    products::
+
+        land K_j, V_j | S_j = Q K_j^T, wait | mask, softmax(S_j) | O = alpha O + P_j V_j, wait
+
+    With it, S_0 is computed before the loop, and::
+
+        land K_{j+1}, V_j | issue S_{j+1} | mask, softmax(S_j) | O = alpha O + P_j V_j | wait for both
+
+    which costs a second score array (BLOCK_N / 2 registers) and moves each K tile one iteration earlier:
+    K_{j+2} is copied at the top of iteration j into K_j's buffer (S_j was waited for in iteration j - 1),
+    V_{j+1} into V_{j-1}'s.  P_j V_j is waited for before the loop turns: left in flight across the
+    back-edge, the accumulator's loop-carried copies would read its registers during the product, and
+    ptxas serialises every wgmma of the kernel then (its C7514 "Potential Performance Loss", seen with
+    ptxas 13.0 at sm_90a).
+    """
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
@@ -107,6 +128,16 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
             copy_async16(smem, at + swizzle_128_device(staged_offset_device(row, col, BLOCK_N)) // 4, X, source, inside)
 
     @inlined_device_function
+    def land_tiles():
+        """Every copy this block started is in shared memory, for the tensor cores too: each thread waits for
+        its own, ``fence_proxy_async`` (cp.async's writes are ordinary ones; the tensor cores read through the
+        async proxy), and the barrier (every thread's part is there, and every thread is past the work
+        before it: the waits for the products that read the buffers about to be refilled)."""
+        copy_async_wait_all()
+        fence_proxy_async()
+        cuda.syncthreads()
+
+    @inlined_device_function
     def sanitize_value_row(smem, at, key):
         """NaN elements of row ``key`` of the swizzled V tile at word ``at`` to 0; 1 if there were any."""
         found = uint32(0)
@@ -120,6 +151,18 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         return found
 
     @inlined_device_function
+    def clean_values(smem, v_at, flags_at, t, tid):
+        """A tile the causal diagonal crosses: a NaN in a value row must reach only the rows allowed to see
+        it, but the tensor cores make 0 * NaN = NaN for the others too.  As in the mma.sync forward
+        (kernels/fast/common.py, "NaN"): NaN in V_j to 0, a flag per key row, and the allowed weights of
+        flagged keys to NaN (``poison``).  Returns this lane's keys' flags."""
+        if tid < BLOCK_N:
+            smem[flags_at + tid] = sanitize_value_row(smem, v_at, tid)
+        fence_proxy_async()   # the cleaned rows, before the tensor cores read V_j
+        cuda.syncthreads()    # V_j clean and its flags written, before any warp reads either
+        return flags_of_lane(smem, flags_at, t)
+
+    @inlined_device_function
     def row_and_key(i, q0, k0, warp, g, t):
         """The query row and key of this lane's score register i (the accumulator layout of wgmma.py)."""
         return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
@@ -129,6 +172,73 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         """The descriptor of k-step ``step`` (16 columns) of a K-major tile at shared address ``address``."""
         return descriptor_device(address + (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32, K_MAJOR_OFFSETS[0],
                                  K_MAJOR_OFFSETS[1], SWIZZLE_128B)
+
+    @inlined_device_function
+    def issue_scores(s, q_address, k_address):
+        """S = Q_i K_j^T into ``s`` (zeroed first), committed as one group; nothing waits for it."""
+        for i in range(S_REGISTERS):
+            s[i] = float32(0)
+        wgmma_fence()   # the zeroed accumulator, before the products write it
+        for step in range(K_STEPS):
+            scores_by_keys(s, k_major_descriptor(q_address, step), k_major_descriptor(k_address, step))
+        wgmma_commit()
+
+    @inlined_device_function
+    def mask(s, q0, k0, n_k, causal_offset, warp, g, t):
+        """Scores of keys past N_k, and (causal) right of the diagonal, to -inf."""
+        for i in range(S_REGISTERS):
+            row, key = row_and_key(i, q0, k0, warp, g, t)
+            if key >= n_k or (CAUSAL and key > row + causal_offset):
+                s[i] = float32(NEG_INF)
+
+    @inlined_device_function
+    def online_softmax(s, m_i, l_i, alpha, c_log2):
+        """Scores in log2 units, the scale inside the exponent's FMA: m, P = exp2(c S - m) in ``s``, l, and
+        alpha, the rescale of O, per row."""
+        for r in range(2):
+            m_tile = float32(NEG_INF)
+            for i in range(S_REGISTERS):
+                if (i % 4) // 2 == r:
+                    m_tile = max(m_tile, s[i])
+            m_tile = max(m_tile, shfl_xor(m_tile, 1))   # the four lanes of a row
+            m_tile = max(m_tile, shfl_xor(m_tile, 2))
+            m_new = max(m_i[r], m_tile * c_log2)
+            shift = m_new if m_new != float32(NEG_INF) else float32(0)   # no key yet: exp2(-inf) = 0
+            alpha[r] = exp2(m_i[r] - shift)
+            row_sum = float32(0)
+            for i in range(S_REGISTERS):
+                if (i % 4) // 2 == r:
+                    p = exp2(cuda.fma(s[i], c_log2, -shift))
+                    s[i] = p
+                    row_sum += p
+            l_i[r] = alpha[r] * l_i[r] + row_sum
+            m_i[r] = m_new
+
+    @inlined_device_function
+    def poison(s, v_nan, q0, k0, causal_offset, warp, g, t):
+        """NaN where this lane's key is allowed and its value row held a NaN (``clean_values``' flags)."""
+        for i in range(S_REGISTERS):
+            row, key = row_and_key(i, q0, k0, warp, g, t)
+            if (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1) and key <= row + causal_offset:
+                s[i] = float32(math.nan)
+
+    @inlined_device_function
+    def issue_values(acc, alpha, s, p_words, v_address):
+        """O = alpha O, then O += P V_j committed as one group; nothing waits for it.  P is packed whole
+        before the first product: a register the products still read is not rewritten while they are in
+        flight.  Pair x of k-step ``step``: the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8),
+        i.e. S's 8-key blocks 2 step and 2 step + 1."""
+        for i in range(O_REGISTERS):
+            acc[i] *= alpha[(i % 4) // 2]
+        for x in range(P_WORDS):
+            p_words[x] = pack(s[2 * x], s[2 * x + 1])
+        wgmma_fence()   # the rescaled accumulator and P's registers, before the products read them
+        for step in range(BLOCK_N // 16):
+            weights_by_values(acc, (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2],
+                                    p_words[4 * step + 3]),
+                              descriptor_device(v_address + step * 16 * ROW_BYTES, V_OFFSETS[0], V_OFFSETS[1],
+                                                SWIZZLE_128B))
+        wgmma_commit()
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, q_tiles, causal_offset, scale_log2):
@@ -144,23 +254,22 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         base = shared_address(smem)
         pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
         q_at = pad
-        kv_at = pad + TILE_WORDS                          # K stage s at kv_at + 2 s TILE_WORDS, V one tile on
-        flags_at = pad + 5 * TILE_WORDS                   # one word per key of V_j: did its row hold a NaN?
+        k_at = pad + TILE_WORDS                           # K_x at k_at + (x % 2) TILE_WORDS
+        v_at = k_at + 2 * TILE_WORDS                      # V_x at v_at + (x % 2) TILE_WORDS
+        flags_at = v_at + 2 * TILE_WORDS                  # one word per key of V_j: did its row hold a NaN?
+        q_address = base + q_at * 4
 
         n_tiles = ceil_div(n_k, BLOCK_N)
         if CAUSAL:  # no key beyond the last row's diagonal
             n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
         k_first = b * k_sb + (h // group) * k_sh      # key 0 of this head's K (and V below)
         v_first = b * v_sb + (h // group) * v_sh
-        start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
-        if n_tiles > 0:
-            start_tile(smem, kv_at, K, k_first, k_sn, n_k, tid)
-            start_tile(smem, kv_at + TILE_WORDS, V, v_first, v_sn, n_k, tid)
 
         m_i = cuda.local.array(2, float32)                # this lane's rows g and g + 8 (of 16 warp)
         l_i = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
         s = cuda.local.array(S_REGISTERS, float32)
+        s_next = cuda.local.array(S_REGISTERS if OVERLAP else 1, float32)   # S_{j+1} in flight
         acc = cuda.local.array(O_REGISTERS, float32)
         p_words = cuda.local.array(P_WORDS, uint32)   # P, packed: wgmma's A operand
         for r in range(2):
@@ -169,90 +278,63 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
         for i in range(O_REGISTERS):
             acc[i] = float32(0)
 
-        for j in range(n_tiles):
-            k0 = j * BLOCK_N
-            stage = (j % 2) * 2 * TILE_WORDS
-            copy_async_wait_all()
-            fence_proxy_async()   # cp.async's writes, before the tensor cores read them
-            cuda.syncthreads()    # tile j whole; every warp done with tile j - 1's buffer
-            if j + 1 < n_tiles:
-                other = kv_at + 2 * TILE_WORDS - stage
-                k1 = k0 + BLOCK_N
-                start_tile(smem, other, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
-                start_tile(smem, other + TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
-            k_address = base + (kv_at + stage) * 4
-            v_address = k_address + TILE_WORDS * 4
-            # A tile that the causal diagonal crosses (block-uniform): a NaN in a value row must reach only
-            # the rows allowed to see it, but the tensor cores make 0 * NaN = NaN for the others too.  As in
-            # the mma.sync forward (kernels/fast/common.py, "NaN"): NaN in V_j to 0, a flag per key row, and
-            # the allowed weights of flagged keys to NaN below.
-            diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
-            v_nan = uint64(0)
-            if diagonal:
-                if tid < BLOCK_N:
-                    smem[flags_at + tid] = sanitize_value_row(smem, kv_at + stage + TILE_WORDS, tid)
-                fence_proxy_async()   # the cleaned rows, before the tensor cores read V_j
-                cuda.syncthreads()    # V_j clean and its flags written, before any warp reads either
-                v_nan = flags_of_lane(smem, flags_at, t)
-
-            # ---- S = Q_i K_j^T ----
-            for i in range(S_REGISTERS):
-                s[i] = float32(0)
-            wgmma_fence()
-            for step in range(K_STEPS):
-                scores_by_keys(s, k_major_descriptor(base + q_at * 4, step), k_major_descriptor(k_address, step))
-            wgmma_commit()
-            wait_all_products()
-
-            # ---- mask: keys past N_k, and the causal diagonal (tiles below it need none) ----
-            if diagonal or k0 + BLOCK_N > n_k:
-                for i in range(S_REGISTERS):
-                    row, key = row_and_key(i, q0, k0, warp, g, t)
-                    if key >= n_k or (CAUSAL and key > row + causal_offset):
-                        s[i] = float32(NEG_INF)
-
-            # ---- online softmax (scores in log2 units; the scale inside the exponent's FMA) ----
-            for r in range(2):
-                m_tile = float32(NEG_INF)
-                for i in range(S_REGISTERS):
-                    if (i % 4) // 2 == r:
-                        m_tile = max(m_tile, s[i])
-                m_tile = max(m_tile, shfl_xor(m_tile, 1))   # the four lanes of a row
-                m_tile = max(m_tile, shfl_xor(m_tile, 2))
-                m_new = max(m_i[r], m_tile * c_log2)
-                shift = m_new if m_new != float32(NEG_INF) else float32(0)   # no key yet: exp2(-inf) = 0
-                alpha[r] = exp2(m_i[r] - shift)
-                row_sum = float32(0)
-                for i in range(S_REGISTERS):
-                    if (i % 4) // 2 == r:
-                        p = exp2(cuda.fma(s[i], c_log2, -shift))
-                        s[i] = p
-                        row_sum += p
-                l_i[r] = alpha[r] * l_i[r] + row_sum
-                m_i[r] = m_new
-
-            if v_nan != uint64(0):   # this lane's keys include a NaN value row: NaN where the key is allowed
-                for i in range(S_REGISTERS):
-                    row, key = row_and_key(i, q0, k0, warp, g, t)
-                    if (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1) and key <= row + causal_offset:
-                        s[i] = float32(math.nan)
-
-            # ---- O = alpha O + P V_j ----
-            for i in range(O_REGISTERS):
-                acc[i] *= alpha[(i % 4) // 2]
-            # P as 16-bit pairs, all of it before the first product: a register the products still read
-            # is not rewritten while they are in flight.  Pair x of k-step `step`: the A layout's
-            # (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8), i.e. S's 8-key blocks 2 step and 2 step + 1.
-            for x in range(P_WORDS):
-                p_words[x] = pack(s[2 * x], s[2 * x + 1])
-            wgmma_fence()   # the rescaled accumulator and P's registers, before the products read them
-            for step in range(BLOCK_N // 16):
-                weights_by_values(acc, (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2],
-                                        p_words[4 * step + 3]),
-                                  descriptor_device(v_address + step * 16 * ROW_BYTES, V_OFFSETS[0], V_OFFSETS[1],
-                                                    SWIZZLE_128B))
-            wgmma_commit()
-            wait_all_products()
+        start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
+        if not OVERLAP:
+            if n_tiles > 0:
+                start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
+                start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
+            for j in range(n_tiles):
+                k0 = j * BLOCK_N
+                land_tiles()   # K_j, V_j (and Q); every warp done with tile j - 1's buffers
+                if j + 1 < n_tiles:
+                    k1 = k0 + BLOCK_N
+                    start_tile(smem, k_at + ((j + 1) % 2) * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
+                    start_tile(smem, v_at + ((j + 1) % 2) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
+                diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset   # block-uniform
+                v_nan = clean_values(smem, v_at + (j % 2) * TILE_WORDS, flags_at, t, tid) if diagonal else uint64(0)
+                issue_scores(s, q_address, base + (k_at + (j % 2) * TILE_WORDS) * 4)
+                wait_all_products()
+                if diagonal or k0 + BLOCK_N > n_k:   # tiles below the diagonal need no mask
+                    mask(s, q0, k0, n_k, causal_offset, warp, g, t)
+                online_softmax(s, m_i, l_i, alpha, c_log2)
+                if v_nan != uint64(0):
+                    poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
+                issue_values(acc, alpha, s, p_words, base + (v_at + (j % 2) * TILE_WORDS) * 4)
+                wait_all_products()
+        else:
+            # Prologue: S_0 = Q K_0^T waited for; K_1 and V_0 on their way.
+            if n_tiles > 0:
+                start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
+                land_tiles()
+                start_tile(smem, k_at + TILE_WORDS, K, k_first + BLOCK_N * k_sn, k_sn, n_k - BLOCK_N, tid)
+                start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
+                issue_scores(s, q_address, base + k_at * 4)
+                wait_all_products()
+            for j in range(n_tiles):
+                k0 = j * BLOCK_N
+                ahead = j + 1 < n_tiles
+                land_tiles()   # K_{j+1} and V_j; every thread past its wait for S_j and P_{j-1} V_{j-1}
+                k2, k1 = k0 + 2 * BLOCK_N, k0 + BLOCK_N
+                if j + 2 < n_tiles:   # into K_j's buffer
+                    start_tile(smem, k_at + (j % 2) * TILE_WORDS, K, k_first + k2 * k_sn, k_sn, n_k - k2, tid)
+                if ahead:             # into V_{j-1}'s buffer
+                    start_tile(smem, v_at + ((j + 1) % 2) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn,
+                               n_k - k1, tid)
+                diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
+                v_nan = (clean_values(smem, v_at + (j % 2) * TILE_WORDS, flags_at, t, tid) if diagonal
+                         else uint64(0))
+                if ahead:   # S_{j+1} runs while this tile's softmax does
+                    issue_scores(s_next, q_address, base + (k_at + ((j + 1) % 2) * TILE_WORDS) * 4)
+                if diagonal or k0 + BLOCK_N > n_k:
+                    mask(s, q0, k0, n_k, causal_offset, warp, g, t)
+                online_softmax(s, m_i, l_i, alpha, c_log2)
+                if v_nan != uint64(0):
+                    poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
+                issue_values(acc, alpha, s, p_words, base + (v_at + (j % 2) * TILE_WORDS) * 4)
+                wait_all_products()   # S_{j+1} and P_j V_j
+                if ahead:
+                    for i in range(S_REGISTERS):
+                        s[i] = s_next[i]
 
         # ---- O / l and lse, once ----
         for r in range(2):
@@ -270,13 +352,16 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL):
                     LSE[bh * n_q + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
                                            if l_row != float32(0) else float32(NEG_INF))
 
-    return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else ""),
+    return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else ""),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32),
                   floats=("scale_log2",), launch_bounds=(THREADS, 1))
 
 
 #: ``NUMBA_FLASH_WGMMA=0`` keeps ``algorithm="flash2"`` on the mma.sync kernel on Hopper GPUs too.
 AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
+#: ``NUMBA_FLASH_WGMMA_OVERLAP=1`` runs the kernel whose products overlap the softmax (``make_wgmma_forward``,
+#: OVERLAP).  Off by default: it is tested in the simulator, not yet on a GPU, nor timed there.
+OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
 #: kernel on the H200 (2026-12-01, float16): dense d = 64 1.06-1.13x (``results/bench_wgmma_h200.md``), causal
 #: d = 64 1.03-1.06x once only the diagonal tiles were masked (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x
@@ -317,7 +402,7 @@ def forward_launch(call):
         raise ValueError(f"algorithm='wgmma': {reason}")
     if not in_simulator():
         enable_sm90a()
-    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal)
+    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS)
     words = word_extent(call)
     (qs, ks, vs), os_ = call.strides, call.result_strides("q")
     q_tiles = cdiv(call.n_q, BLOCK_M)
