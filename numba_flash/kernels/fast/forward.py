@@ -69,10 +69,10 @@ How it is fast, and what each trick costs in clarity:
   way, and one barrier per tile suffices, because the buffer being refilled
   was last read before that barrier.  With KV_STAGES > 2 buffers (decoding,
   where a block's few rows leave memory latency nothing to hide behind) tiles
-  j + 1 .. j + KV_STAGES - 1 are in flight at once, one cp.async group each.  Otherwise (3xTF32 splits each element
-  on the way; unaligned 16-bit rows) the tile waits in registers and is
-  stored to shared memory at the top of the iteration that uses it, between
-  two barriers.
+  j + 1 .. j + KV_STAGES - 1 are in flight at once, one cp.async group each.
+  Otherwise (3xTF32 splits each element on the way; unaligned 16-bit rows)
+  the tile waits in registers and is stored to shared memory at the top of
+  the iteration that uses it, between two barriers.
 * **ldmatrix** (16-bit): fragments leave shared memory as whole 8x8
   matrices, Q's and K's for S = Q K^T directly, V's for P V transposed on
   the way (``ldmatrix.trans``): K_j and V_j sit in shared memory row-major,
@@ -160,7 +160,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
     copy_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS)[0] if ASYNC else None
-    wait_oldest_tile = copy_async_wait(AHEAD - 1)   # cp.async: one group per tile, AHEAD in flight
+    wait_oldest_tile = copy_async_wait(AHEAD - 1) if ASYNC else None   # one group per tile, AHEAD in flight
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,

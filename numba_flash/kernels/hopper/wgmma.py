@@ -100,21 +100,25 @@ staged_offset_device = inlined_device_function(staged_offset)
 descriptor_device = inlined_device_function(descriptor)
 
 
+#: Instructions without operands (in the simulator, where a twin's product is complete when it returns, they
+#: have nothing to order and do nothing: ``primitives.ptx_statement``).
+wgmma_fence = ptx_statement("wgmma.fence.sync.aligned;")
+wgmma_commit = ptx_statement("wgmma.commit_group.sync.aligned;")
+fence_proxy_async = ptx_statement("fence.proxy.async.shared::cta;")
+
+
+@lru_cache(maxsize=None)
+def wgmma_wait(pending):
+    """wait_group ``pending``: until at most that many committed groups are still in flight."""
+    return ptx_statement(f"wgmma.wait_group.sync.aligned {int(pending)};")
+
+
 if not config.ENABLE_CUDASIM:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-
-    wgmma_fence = ptx_statement("wgmma.fence.sync.aligned;")
-    wgmma_commit = ptx_statement("wgmma.commit_group.sync.aligned;")
-    fence_proxy_async = ptx_statement("fence.proxy.async.shared::cta;")
-
-    @lru_cache(maxsize=None)
-    def wgmma_wait(pending):
-        """wait_group ``pending``: until at most that many committed groups are still in flight."""
-        return ptx_statement(f"wgmma.wait_group.sync.aligned {int(pending)};")
 
     @intrinsic
     def shared_address(typingctx, array):
@@ -212,15 +216,6 @@ else:
     from ..fast.primitives import collective
 
     WARPGROUP = 128
-
-    def _nothing():
-        pass
-
-    wgmma_fence = wgmma_commit = fence_proxy_async = _nothing
-
-    @lru_cache(maxsize=None)
-    def wgmma_wait(pending):
-        return _nothing
 
     def shared_address(array):
         threading.current_thread()._manager.__dict__["_numba_flash_shared"] = array
