@@ -2,8 +2,8 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments decode train ring hopper (default: all but backward,
-#                                        # decode, train, ring, hopper; ring needs two GPUs)
+#                                        # experiments decode train ring hopper sixteen (default: all but
+#                                        # backward, decode, train, ring, hopper, sixteen; ring needs two GPUs)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -45,6 +45,11 @@ for s in $STEPS; do
         step bench_forward 300 python3 -m numba_flash bench --repeats 20 $BASE --out experiments/results \
             --tag bench_h200 --command "python3 -m numba_flash bench --repeats 20 $BASE"
         tail -4 "$LOGS/bench_forward.log" ;;
+    sixteen)  # issue 15's 16-bit check in one process: forward, and forward + backward, beside torch and Flex
+        step bench_sixteen_bit ${SIXTEEN_LIMIT:-560} python3 -m numba_flash bench --sixteen-bit --repeats 10 $BASE \
+            --out experiments/results --tag bench_sixteen_bit_h200 \
+            --command "python3 -m numba_flash bench --sixteen-bit --repeats 10 $BASE"
+        grep -E "torch-flash \(target" "$LOGS/bench_sixteen_bit.log" | tail -20 ;;
     host)
         step bench_host 150 python3 -m numba_flash bench --host $BASE --dtypes float16,float32 \
             --out experiments/results --tag host_h200 --command "python3 -m numba_flash bench --host $BASE"
@@ -87,7 +92,7 @@ for s in $STEPS; do
     train)
         step train_gpt ${TRAIN_LIMIT:-300} python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;
-    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring, hopper)"
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring, hopper, sixteen)"
        exit 2 ;;
     esac
 done
