@@ -1,7 +1,9 @@
 """SASS instruction counts of the 16-bit flash2 kernels, compiled for sm_90 without a GPU.
 
 ``--hopper``: the wgmma forward of ``kernels/hopper`` instead, compiled for sm_90a (its products
-show as HGMMA, the waits for them as WARPGROUP.DEPBAR).
+show as HGMMA, the waits for them as WARPGROUP.DEPBAR).  ``--decode``: the decoding kernel (one-warp
+blocks of 16 query rows, 16-key tiles, split keys) at d = 128 with 2, 3 and 4 K/V buffers
+(``attention_with_kv_cache``'s ``kv_stages``; LDGDEPBAR and DEPBAR are cp.async's commits and waits).
 
 Each kernel is compiled to PTX by Numba (NVVM), assembled by ptxas and
 disassembled by cuobjdump; the table counts a few opcodes in the machine code
@@ -39,6 +41,7 @@ from numba_flash.kernels.fast.backward import make_dkdv, make_dq  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 
 OPCODES = ("LDS", "LDSM", "HMMA", "STS", "LDG", "LDGSTS", "BAR", "FFMA", "MUFU", "F2FP", "SHFL")
+DECODE_OPCODES = ("LDSM", "HMMA", "LDGSTS", "LDGDEPBAR", "DEPBAR", "BAR", "FFMA", "MUFU", "SHFL", "LDL", "STL")
 HOPPER_OPCODES = ("HGMMA", "WARPGROUP", "LDGSTS", "BAR", "FFMA", "MUFU", "F2FP", "SHFL", "STG", "LDL", "STL")
 #: (head dim, forward tiles): the default tiles at both head dims (tiling.FORWARD_BLOCK_SIZES), the forward with
 #: warps of 16 and of 32 query rows; backward (128, 64).
@@ -52,6 +55,15 @@ def kernels(precision):
             yield make_forward(*tiles, d, precision, True, True, False, False, WARP_ROWS=warp_rows)
         yield make_dkdv(128, 64, d, precision, True, False, False, False)
         yield make_dq(128, 64, d, precision, True, False, False, False)
+
+
+def decode_kernels():
+    """The decoding kernel at its default tiles for d = 128 (``tiling.decode_block_sizes``), with 2-4 buffers."""
+    from numba_flash.tiling import decode_block_sizes
+
+    block_m, block_n = decode_block_sizes(1, 128, "f16")
+    for stages in (2, 3, 4):
+        yield make_forward(block_m, block_n, 128, "f16", True, False, False, False, True, True, KV_STAGES=stages)
 
 
 def sass_counts(kernel, folder):
@@ -112,9 +124,11 @@ def hot_loop(sass):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
-    parser.add_argument("--hopper", action="store_true", help="the wgmma forward (sm_90a) instead")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--hopper", action="store_true", help="the wgmma forward (sm_90a) instead")
+    which.add_argument("--decode", action="store_true", help="the decoding kernel with 2-4 K/V buffers instead")
     args = parser.parse_args(argv)
-    opcodes = HOPPER_OPCODES if args.hopper else OPCODES
+    opcodes = HOPPER_OPCODES if args.hopper else DECODE_OPCODES if args.decode else OPCODES
     lines = ["| kernel | registers | spill bytes | loop instructions | loop HMMA | " + " | ".join(opcodes) + " |",
              "|---|---|---|---|---|" + "---|" * len(opcodes)]
     with tempfile.TemporaryDirectory() as folder:
@@ -124,12 +138,13 @@ def main(argv=None):
                 lines.append(f"| {name} | {registers} | {spills} | {loop} | {loop_hmma} | "
                              + " | ".join(str(ops.get(op, 0)) for op in opcodes) + " |")
                 print(lines[-1], flush=True)
-        for precision in () if args.hopper else ("f16", "bf16"):
-            for kernel in kernels(precision):
-                registers, spills, ops, (loop, loop_hmma) = sass_counts(kernel, folder)
-                lines.append(f"| {kernel.name} | {registers} | {spills} | {loop} | {loop_hmma} | "
-                             + " | ".join(str(ops.get(op, 0)) for op in OPCODES) + " |")
-                print(lines[-1], flush=True)
+        flash2 = (list(decode_kernels()) if args.decode else [] if args.hopper
+                  else [kernel for precision in ("f16", "bf16") for kernel in kernels(precision)])
+        for kernel in flash2:
+            registers, spills, ops, (loop, loop_hmma) = sass_counts(kernel, folder)
+            lines.append(f"| {kernel.name} | {registers} | {spills} | {loop} | {loop_hmma} | "
+                         + " | ".join(str(ops.get(op, 0)) for op in opcodes) + " |")
+            print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
