@@ -306,7 +306,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
             if n_tiles > 0:
                 start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
                 land_tiles()
-                start_tile(smem, k_at + TILE_WORDS, K, k_first + BLOCK_N * k_sn, k_sn, n_k - BLOCK_N, tid)
+                if n_tiles > 1:
+                    start_tile(smem, k_at + TILE_WORDS, K, k_first + BLOCK_N * k_sn, k_sn, n_k - BLOCK_N, tid)
                 start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
                 issue_scores(s, q_address, base + k_at * 4)
                 wait_all_products()
