@@ -115,6 +115,9 @@ def main(argv=None):
     p.add_argument("--sixteen-bit", action="store_true",
                    help="issue 15's 16-bit check in one process: the forward at its three shapes and forward + "
                         "backward at two, float16 and bfloat16, beside torch flash, cuDNN and FlexAttention")
+    p.add_argument("--device-time", action="store_true",
+                   help="time GPU work only: the stream is held while the host issues each call, so the events "
+                        "bracket the kernels alone (what a profiler reports); default: the whole call")
     p.add_argument("--host", action="store_true",
                    help="time what a call costs the host: a loop of --calls calls, one synchronisation")
     p.add_argument("--calls", type=int, default=1000, help="calls in the --host loop")

@@ -127,13 +127,13 @@ def flex_attention(torch, causal, n_q, n_k, head_dim, block_mask=None):
     return lambda q, k, v: compiled(q, k, v, block_mask=mask)
 
 
-def _time_rotating(fn, triples, repeats):
+def _time_rotating(fn, triples, repeats, device_only=False):
     state = {"i": 0}
 
     def setup():
         state["i"] = (state["i"] + 1) % len(triples)
 
-    return time_ms(lambda: fn(*triples[state["i"]]), repeats=repeats, warmup=3, setup=setup)
+    return time_ms(lambda: fn(*triples[state["i"]]), repeats=repeats, warmup=3, setup=setup, device_only=device_only)
 
 
 def _ours(algorithm, shape, dtype, causal):
@@ -145,20 +145,23 @@ def _ours(algorithm, shape, dtype, causal):
     return partial(attention, algorithm=algorithm)
 
 
-def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=(), peers=PEERS):
+def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=(), peers=PEERS, device_only=False):
+    """The forward of ours, the baselines and the peers on one case; ``device_only``: GPU time alone
+    (``time_ms``), without what the host spends issuing each call."""
     triples = _inputs(shape, dtype, 3, torch)
+    timed = partial(_time_rotating, triples=triples, repeats=repeats, device_only=device_only)
     rows = []
     for algorithm in algorithms:
         ours = _ours(algorithm, shape, dtype, causal)
         try:
-            ms = _time_rotating(lambda q, k, v: ours(q, k, v, causal=causal), triples, repeats)
+            ms = timed(lambda q, k, v: ours(q, k, v, causal=causal))
             rows.append(Row(shape, dtype, causal, algorithm, ms))
         except (TypeError, ValueError) as exc:  # wgmma: a dtype or head dim outside its scope
             rows.append(Row(shape, dtype, causal, algorithm, float("nan"), str(exc).splitlines()[0][:60]))
     for baseline in baselines:
         name = f"flash2@{baseline.label}"
         try:
-            ms = _time_rotating(lambda q, k, v: baseline.attention(q, k, v, causal=causal), triples, repeats)
+            ms = timed(lambda q, k, v: baseline.attention(q, k, v, causal=causal))
             rows.append(Row(shape, dtype, causal, name, ms))
         except (TypeError, ValueError) as exc:  # e.g. a dtype the baseline does not take
             rows.append(Row(shape, dtype, causal, name, float("nan"), str(exc).splitlines()[0][:60]))
@@ -172,14 +175,14 @@ def run_case(shape, dtype, causal, algorithms, repeats, torch, baselines=(), pee
                 continue
             try:
                 with sdpa_kernel(getattr(SDPBackend, backend)):
-                    ms = _time_rotating(lambda q, k, v: sdpa(q, k, v, is_causal=causal), triples, repeats)
+                    ms = timed(lambda q, k, v: sdpa(q, k, v, is_causal=causal))
                 rows.append(Row(shape, dtype, causal, name, ms))
             except (RuntimeError, torch.OutOfMemoryError) as exc:  # backend unavailable for this case
                 rows.append(Row(shape, dtype, causal, name, float("nan"), str(exc).splitlines()[0][:60]))
         flex = flex_attention(torch, causal, shape[2], shape[2], shape[3]) if "flex-attention" in peers else None
         if flex is not None:
             try:
-                rows.append(Row(shape, dtype, causal, "flex-attention", _time_rotating(flex, triples, repeats)))
+                rows.append(Row(shape, dtype, causal, "flex-attention", timed(flex)))
             except Exception as exc:  # noqa: BLE001  (Triton and inductor raise their own types)
                 rows.append(Row(shape, dtype, causal, "flex-attention", float("nan"), str(exc).splitlines()[0][:60]))
     del triples
@@ -192,7 +195,7 @@ BACKWARD_TARGETS = (("torch-math", 1.5), ("torch-efficient", 1.0))
 BACKWARD_BACKENDS = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION")
 
 
-def run_backward_case(shape, dtype, causal, repeats, torch, baselines=(), peers=PEERS):
+def run_backward_case(shape, dtype, causal, repeats, torch, baselines=(), peers=PEERS, device_only=False):
     """Backward and forward + backward through autograd: flash2 (numba_flash.torch) and torch's backends."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -218,8 +221,9 @@ def run_backward_case(shape, dtype, causal, repeats, torch, baselines=(), peers=
     for name, forward in implementations:
         try:
             backward_ms = time_ms(partial(torch.autograd.grad, forward(), (q, k, v), grad_out, retain_graph=True),
-                                  repeats=repeats, warmup=3)  # the graph is freed with the partial
-            both_ms = time_ms(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out), repeats=repeats, warmup=3)
+                                  repeats=repeats, warmup=3, device_only=device_only)  # the partial frees the graph
+            both_ms = time_ms(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out), repeats=repeats, warmup=3,
+                              device_only=device_only)
             rows.append(Row(shape, dtype, causal, f"{name} bwd", backward_ms, flop_factor=2.5))
             rows.append(Row(shape, dtype, causal, f"{name} fwd+bwd", both_ms, flop_factor=3.5))
         except Exception as exc:  # noqa: BLE001  (unavailable for this case; Triton raises its own types)
@@ -415,13 +419,15 @@ def sixteen_bit_summary(rows):
     return lines
 
 
-def write_results(rows, out_dir, tag, command, backward=False):
+def write_results(rows, out_dir, tag, command, backward=False, device_only=False):
     os.makedirs(out_dir, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     inputs = ("one set of inputs per case (through autograd, as training runs it)" if backward
               else "fresh inputs rotated among 3 sets")
+    region = ("GPU time only (the stream held while the host issues each call: `time_ms(device_only=True)`)"
+              if device_only else "the whole call, host time to the first launch included")
     header = (f"Command: `{command}`  \nDevice: {device_limits().name}  \nDate: {stamp}  \n"
-              f"Host: {platform.node()}; median of CUDA-event timings, {inputs}.\n")
+              f"Host: {platform.node()}; median of CUDA-event timings of {region}, {inputs}.\n")
     csv_path = os.path.join(out_dir, f"{tag}.csv")
     with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -490,9 +496,11 @@ def main(args):
             for shape in shapes:
                 for causal in (False, True):
                     if backward:
-                        new = run_backward_case(shape, dtype, causal, args.repeats, torch, baselines, peers)
+                        new = run_backward_case(shape, dtype, causal, args.repeats, torch, baselines, peers,
+                                                args.device_time)
                     else:
-                        new = run_case(shape, dtype, causal, algorithms, args.repeats, torch, baselines, peers)
+                        new = run_case(shape, dtype, causal, algorithms, args.repeats, torch, baselines, peers,
+                                       args.device_time)
                     rows.extend(new)
                     print(format_table(new).split("\n", 2)[2], flush=True)
     table = format_table(rows)
@@ -501,6 +509,6 @@ def main(args):
                     + sixteen_bit_summary(rows)))
     if args.out:
         paths = write_results(rows, args.out, args.tag, args.command or "numba-flash bench",
-                              args.backward and not args.sixteen_bit)
+                              args.backward and not args.sixteen_bit, args.device_time)
         print("wrote", *paths)
     return 0
