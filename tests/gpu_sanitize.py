@@ -6,9 +6,9 @@ Not a pytest module: run it under the sanitizer on a GPU, e.g.
     compute-sanitizer --tool racecheck python3 tests/gpu_sanitize.py flash2 backward
 
 Arguments select runs by name (any word of "forward flash2 float32 sparse
-...", all given words must match); none runs everything.  The word "quick"
-runs only the last (smallest) case: each run compiles its kernels, which
-dominates the time.  Shapes are small (the sanitizer slows kernels down a
+...", all given words must match; "a,b" matches either); none runs
+everything.  The word "quick" runs only the last (smallest) case: each run
+compiles its kernels, which dominates the time.  Shapes are small (the sanitizer slows kernels down a
 lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
 empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
@@ -166,7 +166,8 @@ def main(selected=()):
     quick = "quick" in selected
     selected = [word for word in selected if word != "quick"]
     for run in RUNS:
-        if not all(word in run_name(run).split() for word in selected):
+        words = run_name(run).split()
+        if not all(any(choice in words for choice in word.split(",")) for word in selected):
             continue
         direction, algorithm, dtype, blocks, variant = run
         if algorithm == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
