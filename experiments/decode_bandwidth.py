@@ -51,6 +51,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--no-sweep", action="store_true", help="the first table only (no tiles, splits or buffers)")
     args = parser.parse_args(argv)
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -106,7 +107,7 @@ def main(argv=None):
                          of_copy_bandwidth=f"{rate / copy_bandwidth:.2f}", whole_call_ms=f"{whole_ms:.4f}", note=""))
         print(rows[-1], flush=True)
     sweep = []
-    for tiles in SWEEP_TILES if not simulator else ((16, 16),):
+    for tiles in () if args.no_sweep else SWEEP_TILES if not simulator else ((16, 16),):
         for splits in SWEEP_SPLITS if not simulator else (0, 2):
             def tried(tiles=tiles, splits=splits):
                 numba_flash.attention_with_kv_cache(q, k_cache, v_cache, full, block_sizes=tiles, num_splits=splits)
@@ -118,7 +119,7 @@ def main(argv=None):
     # The buffers need tiles that travel by cp.async: 16-bit (the simulator's run converts to float16).
     q16, k16, v16 = (x if x.dtype != torch.float32 else x.half() for x in (q, k_cache, v_cache))
     buffers = []
-    for tiles in SWEEP_STAGE_TILES if not simulator else ((16, 16),):
+    for tiles in () if args.no_sweep else SWEEP_STAGE_TILES if not simulator else ((16, 16),):
         for stages in SWEEP_STAGES if not simulator else (2, 3):
             for splits in SWEEP_STAGE_SPLITS if not simulator else (0,):
                 def tried(tiles=tiles, stages=stages, splits=splits):
@@ -152,11 +153,12 @@ def main(argv=None):
                 f"ms: GPU time (the stream held while the host issues the call); whole_call_ms: the call from "
                 f"the host's first step to the last kernel's end.\n\n")
         f.write(markdown_table(rows))
-        f.write("\nTiles and split counts (num_splits 0: the library's choice for those tiles):\n\n")
-        f.write(markdown_table(sweep))
-        f.write("\nK/V buffers (``kv_stages``: that many tiles less one in flight while one is computed on; "
-                "float16 in the simulator's run):\n\n")
-        f.write(markdown_table(buffers))
+        if sweep:
+            f.write("\nTiles and split counts (num_splits 0: the library's choice for those tiles):\n\n")
+            f.write(markdown_table(sweep))
+            f.write("\nK/V buffers (``kv_stages``: that many tiles less one in flight while one is computed on; "
+                    "float16 in the simulator's run):\n\n")
+            f.write(markdown_table(buffers))
     print("wrote", stem + ".md")
     return 0
 

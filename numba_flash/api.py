@@ -423,7 +423,8 @@ def _varlen_plan(build, arrays, cu_seqlens_q, cu_seqlens_k, options):
                              total_q, total_k)
     lengths = (hosts[0].size - 1, int(np.diff(hosts[0]).max()), int(np.diff(hosts[1]).max()))
     plan = _plan(build, arrays, options + (lengths,))
-    sequences = tuple(_arrays.int32_on_device(x, host, plan.call.kind, plan.device)
+    stream = plan.stream(arrays) if plan.call.kind != "host" else None
+    sequences = tuple(_arrays.int32_on_device(x, host, plan.call.kind, plan.device, stream)
                       for x, host in zip((cu_seqlens_q, cu_seqlens_k), hosts))
     return plan, sequences
 
@@ -497,12 +498,12 @@ class _CachePlan(_Plan):
         q, k_cache, v_cache, *new = self.to_device(arrays)
         stream = self.stream((q, k_cache, v_cache, *new))
         if self.appends is not None:
-            seqlens = _arrays.int32_on_device(cache_seqlens, lengths - self.n_new, call.kind, self.device)
+            seqlens = _arrays.int32_on_device(cache_seqlens, lengths - self.n_new, call.kind, self.device, stream)
             for append, cache, fresh in zip(self.appends, (k_cache, v_cache), new):
                 append(stream, cache, fresh, seqlens)
         k_bounds = np.zeros(2 * call.batch, np.int64)
         k_bounds[1::2] = lengths   # entry b: keys 0 .. L_b - 1
-        k_bounds = _arrays.int32_on_device(None, k_bounds, call.kind, self.device)
+        k_bounds = _arrays.int32_on_device(None, k_bounds, call.kind, self.device, stream)
         o = self.empty(self.user_shape, call.dtype, stream)     # the kernels' q view has q's C order
         lse = self.empty(self.user_shape[:-1], "float32", stream)
         if self.merge is None:

@@ -130,28 +130,62 @@ def test_inputs_that_cannot_run_in_place_are_rejected_clearly(lib):
         numba_flash.attention(every_other_row, every_other_row, every_other_row, algorithm="flash1")
 
 
+#: Lengths given on the host, uploaded inside the call: the cache's entries, the packed sequences' bounds.
+CACHE_SEQLENS = np.array([256, 251], np.int32)
+CU_SEQLENS = np.array([0, 200, 512], np.int32)
+
+
+def _per_sequence(q, k, v):
+    """Packed (total, H, d) arrays attended sequence by sequence (CU_SEQLENS), in float64."""
+    parts = []
+    for a, b in zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]):
+        heads_first = [x[a:b].transpose(1, 0, 2)[None] for x in (q, k, v)]
+        parts.append(reference.attention(*heads_first)[0][0].transpose(1, 0, 2))
+    return np.concatenate(parts)
+
+
+#: name: (inputs from a (2, 4, 256, 64) host q, the call on device arrays, the float64 expectation).
+ENTRY_POINTS = {
+    "attention": (lambda q: (q, q, q), numba_flash.attention, lambda q, k, v: reference.attention(q, k, v)[0]),
+    "attention_with_kv_cache": (
+        lambda q: (np.ascontiguousarray(q[:, :, -1:]), q, q),
+        lambda q, k, v: numba_flash.attention_with_kv_cache(q, k, v, CACHE_SEQLENS),
+        lambda q, k, v: np.concatenate([reference.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])[0]
+                                        for b, n in enumerate(CACHE_SEQLENS)])),
+    "attention_varlen": (
+        lambda q: (np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(-1, *q.shape[1::2])),) * 3,
+        lambda q, k, v: numba_flash.attention_varlen(q, k, v, CU_SEQLENS, CU_SEQLENS),
+        _per_sequence),
+}
+
+
 @pytest.mark.gpu_only
-def test_a_call_returns_before_the_work_it_queues_behind_finishes():
+@pytest.mark.parametrize("lib", ["torch", "numba"])
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_a_call_returns_before_the_work_it_queues_behind_finishes(lib, name):
     # No host synchronisation inside a call: issued behind a long kernel on the same stream, the call
-    # returns while that kernel still runs, and its results come out right once the stream is done.
+    # returns while that kernel still runs, and its results come out right once the stream is done.  The
+    # cache and packed calls upload lengths given on the host: a synchronous copy would wait for the stream.
     import time
 
     import torch
 
-    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16)
-    numba_flash.attention(q, q, q)   # plan and compile first
+    inputs, call, expect = ENTRY_POINTS[name]
+    hosts = inputs(np.random.default_rng(0).standard_normal((2, 4, 256, 64)).astype(np.float16))
+    # Both kinds run on the legacy default stream, where torch queues the products below.
+    arrays = [torch.from_numpy(x).cuda() if lib == "torch" else cuda.to_device(x) for x in hosts]
+    call(*arrays)   # plan and compile first
     torch.cuda.synchronize()
     big = torch.randn(8192, 8192, device="cuda")
     for _ in range(20):
-        big = big @ big / 8192 ** 0.5   # tens of milliseconds queued on the current stream
-    out = numba_flash.attention(q, q, q)
+        big = big @ big / 8192 ** 0.5   # tens of milliseconds queued on the legacy default stream
+    out = call(*arrays)
     returned = time.perf_counter()
     busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     finished = time.perf_counter()
-    assert busy, "the stream had already drained: numba_flash.attention waited for it"
+    assert busy, f"the stream had already drained: numba_flash.{name} waited for it"
     assert finished - returned > 1e-3
-    q64 = q.double().cpu().numpy()
-    expected, _ = reference.attention(q64, q64, q64)
-    tol, _ = forward_tolerance(q64, q64, q64, q64.shape[-1] ** -0.5, np.float16)
-    np.testing.assert_allclose(out.double().cpu().numpy(), expected, rtol=0, atol=tol)
+    q64, k64, v64 = (x.astype(np.float64) for x in hosts)
+    tol, _ = forward_tolerance(k64, k64, k64, 64 ** -0.5, np.float16)   # q = k = v everywhere but the cache's q
+    np.testing.assert_allclose(_to_host(out).astype(np.float64), expect(q64, k64, v64), rtol=0, atol=tol)

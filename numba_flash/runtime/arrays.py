@@ -439,18 +439,26 @@ def integers_on_host(x):
     return np.asarray(x)
 
 
-def int32_on_device(x, host, kind, device=0):
+def int32_on_device(x, host, kind, device=0, stream=None):
     """``x`` as a 1-D int32 device array for the kernels: ``x`` itself when it already is one of the call's
-    ``kind`` (no copy), else a copy of ``host``."""
+    ``kind`` (no copy), else a copy of ``host``.
+
+    With ``stream`` (the raw handle the call launches on) the copy is ordered on it and the host does not
+    wait for the GPU: a pageable host array is staged at once, so it may go right after.  Without, the copy
+    is a synchronous one, which first waits for the work queued on the legacy default stream (fine while
+    a plan is built, not inside a call).
+    """
     if kind == "torch" and is_torch_tensor(x) and x.device.type == "cuda":
         if x.dtype == _torch.int32 and x.dim() == 1 and x.is_contiguous():
             return x
         return x.to(_torch.int32).contiguous()
-    if kind == "torch":
-        return _torch.from_numpy(host.astype(np.int32)).to(_torch_device(device))
+    if kind == "torch":   # torch copies on its current stream: the one a torch call launches on
+        return _torch.from_numpy(host.astype(np.int32)).to(_torch_device(device), non_blocking=stream is not None)
     if kind == "cuda" and is_numba_device_array(x) and x.dtype == np.int32 and x.ndim == 1 and x.is_c_contiguous():
         return x
-    return cuda.to_device(host.astype(np.int32))
+    if stream is None or in_simulator():
+        return cuda.to_device(host.astype(np.int32))
+    return cuda.to_device(host.astype(np.int32), stream=_external_stream(stream) if stream else cuda.default_stream())
 
 
 @functools.lru_cache(maxsize=None)
