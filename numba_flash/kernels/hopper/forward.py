@@ -24,10 +24,11 @@ online softmax below is the fast forward's, over 64-key tiles::
     O / l, lse
 
 Each product group is waited for before its accumulator is read (``wgmma_wait(0)``).  A second loop
-(``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``; tested in the simulator, not yet on a
-GPU) issues S_{j+1} = Q K_{j+1}^T before the softmax of S_j, so the tensor cores work while the
-warpgroup's other units do: half of step 3 of the plan (the other half, two warpgroups taking turns, is
-still to come).  The loop's steps are the same named device functions in both.
+(``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``) issues S_{j+1} = Q K_{j+1}^T before
+the softmax of S_j, so the tensor cores work while the warpgroup's other units do: half of step 3 of the
+plan.  On the H200 it took 1.19-1.34x the plain loop's time at d = 64 (its registers leave two blocks per
+multiprocessor instead of the plain loop's three or four: ``results/bench_wgmma_overlap_h200.md``), so it
+stays off; the other half, two warpgroups taking turns, is still to come.  The loop's steps are the same named device functions in both.
 
 Barriers and fences, each where it sits:
 
@@ -106,7 +107,6 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
-    CHUNKS = BLOCK_N * D // 8                # 16-byte chunks of a tile
     ROW_CHUNKS = D // 8
     TILE_WORDS = tile_bytes(D) // 4
     K_STEPS = D // 16
@@ -116,16 +116,29 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
     weights_by_values = wgmma_rs(D, ELEMENT, True)         # O += P V: P in registers, V MN-major
     wait_all_products = wgmma_wait(0)
 
+    # A thread keeps one column of 16-byte chunks and walks down the rows, ROWS_PER_PASS at a time.  That
+    # is a multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks
+    # land at one swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address
+    # increment (the general chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at
+    # d = 128, a rolled loop: experiments/results/sass_counts_wgmma.md).
+    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128
+    PASSES = BLOCK_N // ROWS_PER_PASS
+    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
+
     @inlined_device_function
     def start_tile(smem, at, X, first, row_stride, rows_valid, tid):
         """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
         on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid)."""
-        for i in range(CHUNKS // THREADS):
-            chunk = tid + i * THREADS
-            row, col = chunk // ROW_CHUNKS, (chunk % ROW_CHUNKS) * 8
-            inside = row < rows_valid
-            source = (first + row * row_stride + col) // 2 if inside else first // 2
-            copy_async16(smem, at + swizzle_128_device(staged_offset_device(row, col, BLOCK_N)) // 4, X, source, inside)
+        r, c = tid // ROW_CHUNKS, (tid % ROW_CHUNKS) * 8    # the thread's first row, and its column
+        to = at + swizzle_128_device(staged_offset_device(r, c, BLOCK_N)) // 4
+        # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
+        chunk = (first + r * row_stride + c) >> 1
+        step = (ROWS_PER_PASS * row_stride) >> 1
+        for i in range(PASSES):
+            inside = r + i * ROWS_PER_PASS < rows_valid
+            # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
+            copy_async16(smem, to + i * (ROWS_PER_PASS * ROW_BYTES // 4), X, chunk + i * step if inside else first >> 1,
+                         inside)
 
     @inlined_device_function
     def land_tiles():
@@ -361,13 +374,13 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
 #: ``NUMBA_FLASH_WGMMA=0`` keeps ``algorithm="flash2"`` on the mma.sync kernel on Hopper GPUs too.
 AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 #: ``NUMBA_FLASH_WGMMA_OVERLAP=1`` runs the kernel whose products overlap the softmax (``make_wgmma_forward``,
-#: OVERLAP).  Off by default: it is tested in the simulator, not yet on a GPU, nor timed there.
+#: OVERLAP).  Off by default: 1.04-1.34x the plain loop's time on the H200 (results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
 #: kernel on the H200 (2026-12-01, float16): dense d = 64 1.06-1.13x (``results/bench_wgmma_h200.md``), causal
 #: d = 64 1.03-1.06x once only the diagonal tiles were masked (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x
-#: before).  At d = 128 it ran at 0.56x: two blocks per multiprocessor, each product waited for before the
-#: next; step 3's overlap is what it lacks.
+#: before).  At d = 128 it ran at 0.56-0.59x (session 12, results/bench_wgmma_overlap_h200.md) while its tile
+#: copies cost ~95 instructions per 16 bytes (results/sass_counts_wgmma.md; fixed since, not yet timed).
 AUTOMATIC_SCOPE = {(64, False), (64, True)}
 
 
