@@ -74,18 +74,20 @@ def sass_counts(kernel, folder):
 
 
 def hopper_kernels():
-    """(name, Python function, signature, launch bounds) of the wgmma forward at d = 64 and 128, dense and causal."""
+    """(name, Python function, signature, launch bounds) of the wgmma forward at d = 64 and 128, dense and causal,
+    both loops, blocks of one warpgroup and of two."""
     from numba import types as nt
 
-    from numba_flash.kernels.hopper.forward import THREADS, make_wgmma_forward
+    from numba_flash.kernels.hopper.forward import WARPGROUP_COUNTS, make_wgmma_forward
 
     words = nt.uint32[::1]
     signature = (words,) * 4 + (nt.float32[::1],) + (nt.int64,) * 18 + (nt.float64,)
-    for d in (64, 128):
-        for causal in (False, True):
-            for overlap in (False, True):   # each product waited for at once, or S_{j+1} beside the softmax
-                kernel = make_wgmma_forward(d, "f16", causal, overlap)
-                yield kernel.name, kernel.dispatcher.py_func, signature, (THREADS, 1)
+    for warpgroups in WARPGROUP_COUNTS:
+        for d in (64, 128):
+            for causal in (False, True):
+                for overlap in (False, True):   # each product waited for at once, or S_{j+1} beside the softmax
+                    kernel = make_wgmma_forward(d, "f16", causal, overlap, warpgroups)
+                    yield kernel.name, kernel.dispatcher.py_func, signature, kernel.launch_bounds
 
 
 def machine_code(py_func, signature, launch_bounds, folder, arch="sm_90"):

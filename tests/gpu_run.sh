@@ -88,7 +88,15 @@ for s in $STEPS; do
             grep -hE "SUMMARY|rror" "$LOGS/wgmma_$tool.log" | tail -3
         done
         step wgmma_probe 150 python3 experiments/wgmma_probe.py
-        tail -6 "$LOGS/wgmma_probe.log" ;;
+        tail -6 "$LOGS/wgmma_probe.log"
+        for groups in 1 2; do   # blocks of one warpgroup or two, beside mma.sync and torch flash (GPU time)
+            NUMBA_FLASH_WGMMA_WARPGROUPS=$groups step wgmma_warpgroups$groups 150 python3 -m numba_flash bench \
+                --device-time --dtypes float16,bfloat16 --algorithms wgmma,mma --peers torch-flash --repeats 10 \
+                --shape 4 16 4096 64 --shape 2 16 8192 128 --shape 1 16 16384 64 --out experiments/results \
+                --tag bench_wgmma_warpgroups${groups}_h200 \
+                --command "NUMBA_FLASH_WGMMA_WARPGROUPS=$groups python3 -m numba_flash bench --device-time ..."
+            grep -E "\| wgmma \|" "$LOGS/wgmma_warpgroups$groups.log" | tail -12
+        done ;;
     train)
         step train_gpt ${TRAIN_LIMIT:-300} python3 experiments/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;

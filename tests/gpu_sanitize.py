@@ -13,7 +13,8 @@ lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
 empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
 element test), dropout, both, gqa (two query heads per key/value head,
-bottom-right causal), overlap (the wgmma forward's overlapped loop), strided
+bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
+(its blocks of two warpgroups), strided
 (q, k, v as transposed (B, N, H, d) views), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
@@ -31,7 +32,7 @@ import torch
 import numba_flash
 import reference
 from numba_flash import masks
-from strategies import forward_warp_rows, wgmma_overlap
+from strategies import forward_warp_rows, wgmma_loop
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CASES = [
@@ -95,6 +96,9 @@ RUNS = [
     # Its loop with the next tile's scores overlapping this one's softmax (make_wgmma_forward, OVERLAP).
     ("forward", "wgmma", np.float16, None, "overlap"),
     ("forward", "wgmma", BF16, None, "gqa_overlap"),
+    # Blocks of two warpgroups sharing each K/V tile (WARPGROUPS), with either loop.
+    ("forward", "wgmma", np.float16, None, "warpgroups2"),
+    ("forward", "wgmma", BF16, None, "gqa_overlap_warpgroups2"),
 ]
 #: The wgmma forward's cases: d = 64 or 128 only; ragged lengths of one, two and three 64-row tiles.
 WGMMA_CASES = [
@@ -191,7 +195,8 @@ def main(selected=()):
             if variant == "nan":
                 ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
-                with forward_warp_rows(32 if "warp32" in variant else 16), wgmma_overlap("overlap" in variant):
+                with (forward_warp_rows(32 if "warp32" in variant else 16),
+                      wgmma_loop("overlap" in variant, 2 if "warpgroups2" in variant else 1)):
                     out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype))
                 continue

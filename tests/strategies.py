@@ -314,17 +314,18 @@ def forward_warp_rows(rows):
 
 
 @contextlib.contextmanager
-def wgmma_overlap(on):
-    """The wgmma forward with its products overlapping the softmax or not (``OVERLAP_PRODUCTS``, which
-    ``NUMBA_FLASH_WGMMA_OVERLAP`` sets for a process), plans rebuilt before and after."""
+def wgmma_loop(overlap=False, warpgroups=1):
+    """The wgmma forward with its products overlapping the softmax or not, in blocks of one warpgroup or two
+    (``OVERLAP_PRODUCTS`` and ``WARPGROUPS``, which ``NUMBA_FLASH_WGMMA_OVERLAP`` and
+    ``NUMBA_FLASH_WGMMA_WARPGROUPS`` set for a process), plans rebuilt before and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    saved = hopper.OVERLAP_PRODUCTS
-    hopper.OVERLAP_PRODUCTS = on
+    saved = hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS
+    hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS = overlap, str(warpgroups)
     api._PLANS.clear()
     try:
         yield
     finally:
-        hopper.OVERLAP_PRODUCTS = saved
+        hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS = saved
         api._PLANS.clear()

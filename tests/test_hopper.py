@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from numba_flash.kernels.hopper.wgmma import ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, swizzle_128
-from strategies import causal_mask, wgmma_overlap
+from strategies import causal_mask, wgmma_loop
 from test_nan import Poisoned, flags_of, nan_pattern, without_nan
 
 
@@ -61,12 +61,13 @@ def _where():
 def test_the_wgmma_forward_matches_the_float64_reference(data):
     """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
     row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py); both loops,
-    products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP)."""
+    products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP), in blocks of
+    one warpgroup or two (WARPGROUPS)."""
     import ml_dtypes
 
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.forward import BLOCK_M, HEAD_DIMS
+    from numba_flash.kernels.hopper.forward import BLOCK_M, HEAD_DIMS, WARPGROUP_COUNTS
     from tolerances import assert_close_to_reference
 
     where = _where()
@@ -83,6 +84,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
     poisoned = data.draw(st.sampled_from([None, "q", "k", "v"]))
     overlap = data.draw(st.booleans())
+    warpgroups = data.draw(st.sampled_from(WARPGROUP_COUNTS))
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -104,12 +106,12 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
             tensor = torch.from_numpy(memory.view(np.int16)).cuda().view(as_torch)
             return tensor.transpose(1, 2) if token_major else tensor
 
-        with wgmma_overlap(overlap):
+        with wgmma_loop(overlap, warpgroups):
             out, lse = numba_flash.attention(*(to_gpu(host[x]) for x in "qkv"), causal=causal, algorithm="wgmma",
                                              return_lse=True)
         out, lse = out.view(torch.int16).cpu().numpy().view(dtype), lse.cpu().numpy()
     else:
-        with wgmma_overlap(overlap):
+        with wgmma_loop(overlap, warpgroups):
             out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
                                              return_lse=True)
     allowed = causal_mask(causal, n_q, n_k)
@@ -188,10 +190,11 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("causal", [False, "bottom_right"])
-def test_the_overlapped_wgmma_forward_runs_every_buffer(causal):
+@pytest.mark.parametrize("causal, warpgroups", [(False, 1), ("bottom_right", 1), ("bottom_right", 2)])
+def test_the_overlapped_wgmma_forward_runs_every_buffer(causal, warpgroups):
     """Four key tiles (every K buffer refilled twice, every V buffer at least once, the last tile's ahead-steps
-    skipped), the diagonal crossing two of them, grouped heads: the overlapped loop against float64."""
+    skipped), the diagonal crossing two of them, grouped heads: the overlapped loop against float64, in blocks
+    of one warpgroup and of two (70 rows: the second warpgroup's rows 64-69 and 58 rows past N_q)."""
     import numba_flash
     import reference
     from numba_flash.kernels.hopper.forward import BLOCK_N
@@ -204,7 +207,7 @@ def test_the_overlapped_wgmma_forward_runs_every_buffer(causal):
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with wgmma_overlap(True):
+    with wgmma_loop(True, warpgroups):
         out, lse = numba_flash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
     q, k, v, out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (q, k, v, out, lse))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))

@@ -136,6 +136,7 @@ class Kernel:
 
     def __init__(self, fn, name, *, arrays, floats=(), launch_bounds=None):
         self.name = name
+        self.launch_bounds = launch_bounds
         self.params = tuple(inspect.signature(fn).parameters)
         self.arrays = {param: np.dtype(dtype) for param, dtype in arrays.items()}
         self.floats = frozenset(floats)

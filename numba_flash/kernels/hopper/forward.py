@@ -10,9 +10,10 @@ yet.  ``tests/test_hopper.py`` checks it against the float64 reference in the si
 ``wgmma.py``'s twins, which read operands by its layout table) and on a Hopper GPU, where
 ``experiments/wgmma_layouts.py`` confirmed the table (2026-12-01).
 
-One thread block is one warpgroup (128 threads) and owns 64 query rows; each warp owns 16 of them,
-and its lanes hold S and O in the layout of ``mma.sync``'s C fragments (``wgmma.py``), so the
-online softmax below is the fast forward's, over 64-key tiles::
+One thread block is one warpgroup (128 threads) and owns 64 query rows, or two warpgroups that own
+64 each and share every K/V tile (``make_wgmma_forward``'s WARPGROUPS); each warp owns 16 rows, and
+its lanes hold S and O in the layout of ``mma.sync``'s C fragments (``wgmma.py``), so the online
+softmax below is the fast forward's, over 64-key tiles::
 
     Q_i -> shared (swizzled, once); K_0, V_0 -> stage 0                       cp.async
     for j in key tiles:
@@ -61,9 +62,10 @@ from .wgmma import (ROW_BYTES, SWIZZLE_128B, descriptor_device, enable_sm90a, fe
                     staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss,
                     wgmma_wait)
 
-THREADS = 128            # one warpgroup
-BLOCK_M = 64             # query rows per block: wgmma's M
+WARPGROUP = 128          # threads of a warpgroup
+BLOCK_M = 64             # query rows per warpgroup: wgmma's M
 BLOCK_N = 64             # keys per tile: N of S = Q K^T, and four k-steps of O += P V
+WARPGROUP_COUNTS = (1, 2)  # warpgroups per block, sharing each K/V tile
 HEAD_DIMS = (64, 128)
 #: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
 #: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
@@ -77,15 +79,19 @@ def tile_bytes(head_dim):
     return BLOCK_N * head_dim * 2
 
 
-def shared_bytes(head_dim):
-    """Q, and K and V in two stages, the NaN flags of V's rows, and slack to start the tiles on a 1024-byte
-    boundary."""
-    return 5 * tile_bytes(head_dim) + 4 * BLOCK_N + 1024
+def shared_bytes(head_dim, warpgroups=1):
+    """Q (a 64-row tile per warpgroup), and K and V in two stages, the NaN flags of V's rows, and slack to
+    start the tiles on a 1024-byte boundary."""
+    return (warpgroups + 4) * tile_bytes(head_dim) + 4 * BLOCK_N + 1024
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
+def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     """The kernel for head dim D (64 or 128), ELEMENT "f16" or "bf16", causal or not.
+
+    WARPGROUPS (1 or 2): warpgroups per block, each with its own 64 query rows (its Q tile, its accumulators),
+    sharing every K/V tile the block copies: two halve the copies and the L2 reads per query row, for a block
+    of 256 threads.  Everything else is per warpgroup as with one, and every barrier is the block's.
 
     OVERLAP: the scores of the next key tile are computed while this one's softmax runs (half of step 3 of
     the README's plan: FlashAttention-3's intra-warpgroup pipelining).  Without it, each step waits for its
@@ -104,6 +110,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
     ptxas serialises every wgmma of the kernel then (its C7514 "Potential Performance Loss", seen with
     ptxas 13.0 at sm_90a).
     """
+    THREADS = WARPGROUP * WARPGROUPS
+    ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
@@ -121,7 +129,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
     # land at one swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address
     # increment (the general chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at
     # d = 128, a rolled loop: experiments/results/sass_counts_wgmma.md).
-    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128
+    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128 (one warpgroup; two: 32, 16)
     PASSES = BLOCK_N // ROWS_PER_PASS
     assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
 
@@ -259,22 +267,23 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
         # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
         q_tile = q_tiles - 1 - tile if CAUSAL else tile   # rank 0: the longest tile
-        q0 = q_tile * BLOCK_M
+        q0 = q_tile * ROWS
         tid = cuda.threadIdx.x
         warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
         c_log2 = float32(scale_log2)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
         pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
-        q_at = pad
-        k_at = pad + TILE_WORDS                           # K_x at k_at + (x % 2) TILE_WORDS
+        q_at = pad                                        # warpgroup w's 64 rows of Q at q_at + w TILE_WORDS
+        k_at = pad + WARPGROUPS * TILE_WORDS              # K_x at k_at + (x % 2) TILE_WORDS
         v_at = k_at + 2 * TILE_WORDS                      # V_x at v_at + (x % 2) TILE_WORDS
         flags_at = v_at + 2 * TILE_WORDS                  # one word per key of V_j: did its row hold a NaN?
-        q_address = base + q_at * 4
+        # This warpgroup's Q (with one, a constant: a block-uniform address keeps the descriptors uniform too).
+        q_address = base + (q_at + ((warp // 4) * TILE_WORDS if WARPGROUPS > 1 else 0)) * 4
 
         n_tiles = ceil_div(n_k, BLOCK_N)
         if CAUSAL:  # no key beyond the last row's diagonal
-            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
+            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + ROWS, n_q) + causal_offset, BLOCK_N)))
         k_first = b * k_sb + (h // group) * k_sh      # key 0 of this head's K (and V below)
         v_first = b * v_sb + (h // group) * v_sh
 
@@ -291,7 +300,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
         for i in range(O_REGISTERS):
             acc[i] = float32(0)
 
-        start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
+        for w in range(WARPGROUPS):
+            q_w = q0 + w * BLOCK_M
+            start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + q_w * q_sn, q_sn, n_q - q_w, tid)
         if not OVERLAP:
             if n_tiles > 0:
                 start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
@@ -366,9 +377,13 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False):
                     LSE[bh * n_q + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
                                            if l_row != float32(0) else float32(NEG_INF))
 
-    return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else ""),
+    return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
+                  + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}"),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32),
-                  floats=("scale_log2",), launch_bounds=(THREADS, 1))
+                  # Two warpgroups at d = 64: two blocks per multiprocessor (128 registers), as four blocks of one
+                  # get; the overlapped loop would spill under that cap (ptxas: 64-96 bytes).
+                  floats=("scale_log2",),
+                  launch_bounds=(THREADS, 2 if WARPGROUPS == 2 and D == 64 and not OVERLAP else 1))
 
 
 #: ``NUMBA_FLASH_WGMMA=0`` keeps ``algorithm="flash2"`` on the mma.sync kernel on Hopper GPUs too.
@@ -376,6 +391,9 @@ AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 #: ``NUMBA_FLASH_WGMMA_OVERLAP=1`` runs the kernel whose products overlap the softmax (``make_wgmma_forward``,
 #: OVERLAP).  Off by default: 1.04-1.34x the plain loop's time on the H200 (results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
+#: ``NUMBA_FLASH_WGMMA_WARPGROUPS=2`` runs blocks of two warpgroups sharing each K/V tile (``make_wgmma_forward``,
+#: WARPGROUPS).  1 by default: two are tested in the simulator, not yet timed on a GPU.
+WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
 #: kernel on the H200 (2026-12-01, float16): dense d = 64 1.06-1.13x (``results/bench_wgmma_h200.md``), causal
 #: d = 64 1.03-1.06x once only the diagonal tiles were masked (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x
@@ -414,17 +432,20 @@ def forward_launch(call):
     reason = out_of_scope(call)
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
+    warpgroups = int(WARPGROUPS) if str(WARPGROUPS).isdigit() else None
+    if warpgroups not in WARPGROUP_COUNTS:
+        raise ValueError(f"NUMBA_FLASH_WGMMA_WARPGROUPS must be one of {WARPGROUP_COUNTS}, not {WARPGROUPS!r}")
     if not in_simulator():
         enable_sm90a()
-    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS)
+    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups)
     words = word_extent(call)
     (qs, ks, vs), os_ = call.strides, call.result_strides("q")
-    q_tiles = cdiv(call.n_q, BLOCK_M)
+    q_tiles = cdiv(call.n_q, BLOCK_M * warpgroups)
     fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, q_tiles=q_tiles,
                  causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E)
     extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
                    O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
-    return Launch(kernel, q_tiles * call.batch_heads, THREADS, shared_bytes(call.head_dim), fixed,
-                  ("Q", "K", "V", "O", "LSE"), extents)
+    return Launch(kernel, q_tiles * call.batch_heads, WARPGROUP * warpgroups, shared_bytes(call.head_dim, warpgroups),
+                  fixed, ("Q", "K", "V", "O", "LSE"), extents)
