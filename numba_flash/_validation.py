@@ -524,6 +524,18 @@ def check_cache_seqlens(cache_seqlens, batch, n_new, n_max):
     return lengths
 
 
+def check_device_cache_seqlens(lengths, batch, device):
+    """cache_seqlens that stay on the GPU (an ``Operand`` of the call's kind): their shape, dtype and layout.
+    Their values are the kernels' to check (``kernels/fast/cache.py``: an entry out of range gets NaN)."""
+    if lengths.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have one length per batch entry, shape ({batch},), got "
+                         f"{lengths.shape}")
+    if lengths.dtype != "int32":
+        raise TypeError(f"cache_seqlens on the GPU must be int32 (as flash-attn's), got {lengths.dtype}")
+    if lengths.device != device or (batch > 1 and lengths.strides != (1,)):
+        raise ValueError(f"cache_seqlens on the GPU must be a contiguous array on q's device ({device})")
+
+
 def check_backward_operands(call, o, lse, do):
     """o, lse, do (``Operand``s) against a validated backward call: kind, shape, dtype, strides."""
     lse_shape = (call.heads, call.n_q) if call.varlen else call.q_shape[:-1]
@@ -554,4 +566,4 @@ def _packed_strides(name, x):
 
 __all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen",
            "check_attention_args", "check_backward_operands", "check_block_sizes", "check_cache_args",
-           "check_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]
+           "check_cache_seqlens", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]

@@ -13,12 +13,12 @@ import numpy as np
 from numba import cuda
 
 from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_dropout, check_new_keys,
+                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_device_cache_seqlens, check_dropout, check_new_keys,
                           check_varlen_args, operand_strides)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
-from .kernels.fast.cache import append_launch, decode_splits, merge_launch
+from .kernels.fast.cache import append_launch, decode_splits, key_bounds_launch, merge_launch, poison_launch
 from .kernels.fast.forward import forward_launch
 from .kernels.hopper import forward as hopper
 from .kernels.literal.flash1_backward import flash1_backward
@@ -202,8 +202,11 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     k_cache, v_cache : arrays (B, H_kv, N_max, d)
         The caches; H_q a multiple of H_kv.  Entry b holds cache_seqlens[b] keys.
     cache_seqlens : integer array (B,)
-        Keys already in each entry.  Read on the host (device arrays are copied back: a wait on their
-        stream), checked, and left unchanged: the caller advances it, as with flash-attn.
+        Keys already in each entry, left unchanged: the caller advances it, as with flash-attn.  On the host
+        (NumPy, a list) they are checked before any launch.  A GPU array of q's kind (int32, contiguous)
+        is not read by the host, so the call does not wait for the GPU (and can be captured in a CUDA
+        graph): the kernels read it, and an entry whose length is out of range (negative, or its new keys
+        past N_max) gets no append and NaN in its rows of O and lse.
     k_new, v_new : arrays (B, H_kv, N_new, d), optional
         Written into the caches in place at rows cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before
         attending (host caches are written on the host).  Overflowing N_max raises a ValueError.
@@ -232,6 +235,9 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     check_new_keys(k_new, v_new)
     arrays = (q, k_cache, v_cache) + (() if k_new is None else (k_new, v_new))
     plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages))
+    if plan.call.on_device and _arrays.is_device_array(cache_seqlens):   # not read here: no wait for the GPU
+        check_device_cache_seqlens(_arrays.describe("cache_seqlens", cache_seqlens), plan.call.batch, plan.device)
+        return plan(arrays, cache_seqlens, None, return_lse)
     lengths = check_cache_seqlens(_arrays.integers_on_host(cache_seqlens), plan.call.batch, plan.n_new,
                                   plan.call.n_k)
     return plan(arrays, cache_seqlens, lengths, return_lse)
@@ -480,6 +486,10 @@ class _CachePlan(_Plan):
                       if self.splits > 1 else None)
         # Entry b's queries are rows 0 .. n_q - 1 (the bounds pair (0, n_q), read with step 0).
         self.q_bounds = _arrays.int32_on_device(None, np.array([0, self.call.n_q]), self.call.kind, self.device)
+        # Lengths that stay on the GPU: the key bounds computed there, and NaN for entries out of range.
+        self.key_bounds = key_bounds_launch(call.batch, self.n_new, call.n_k)
+        self.poison = poison_launch(call.batch, self.user_shape[1] * self.user_shape[2], call.head_dim, self.n_new,
+                                    call.n_k, call.precision)
         self.appends = None
         if k_new is not None and self.call.on_device:
             self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
@@ -488,6 +498,8 @@ class _CachePlan(_Plan):
                                                                     ("v_cache", v_cache, "v_new", v_new)))
 
     def __call__(self, arrays, cache_seqlens, lengths, return_lse):
+        """The call; ``lengths``: the checked keys per entry after the append, or None for lengths that stay on
+        the GPU (``cache_seqlens`` itself, of the call's kind: read by the kernels only)."""
         call = self.call
         if self.n_new and not call.on_device:  # host caches: append where they live, then copy
             seqlens = lengths - self.n_new
@@ -497,13 +509,19 @@ class _CachePlan(_Plan):
                     cache[b, :, start:start + self.n_new] = new[b]
         q, k_cache, v_cache, *new = self.to_device(arrays)
         stream = self.stream((q, k_cache, v_cache, *new))
+        on_gpu = lengths is None
         if self.appends is not None:
-            seqlens = _arrays.int32_on_device(cache_seqlens, lengths - self.n_new, call.kind, self.device, stream)
+            seqlens = cache_seqlens if on_gpu else _arrays.int32_on_device(cache_seqlens, lengths - self.n_new,
+                                                                           call.kind, self.device, stream)
             for append, cache, fresh in zip(self.appends, (k_cache, v_cache), new):
                 append(stream, cache, fresh, seqlens)
-        k_bounds = np.zeros(2 * call.batch, np.int64)
-        k_bounds[1::2] = lengths   # entry b: keys 0 .. L_b - 1
-        k_bounds = _arrays.int32_on_device(None, k_bounds, call.kind, self.device, stream)
+        if on_gpu:
+            k_bounds = self.empty((2 * call.batch,), "int32", stream)
+            self.key_bounds(stream, cache_seqlens, k_bounds)
+        else:
+            k_bounds = np.zeros(2 * call.batch, np.int64)
+            k_bounds[1::2] = lengths   # entry b: keys 0 .. L_b - 1
+            k_bounds = _arrays.int32_on_device(None, k_bounds, call.kind, self.device, stream)
         o = self.empty(self.user_shape, call.dtype, stream)     # the kernels' q view has q's C order
         lse = self.empty(self.user_shape[:-1], "float32", stream)
         if self.merge is None:
@@ -513,6 +531,8 @@ class _CachePlan(_Plan):
             partial_lse = self.empty((self.splits, self.rows), "float32", stream)
             self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
             self.merge(stream, partial_o, partial_lse, o, lse)
+        if on_gpu:
+            self.poison(stream, cache_seqlens, o, lse)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o
 

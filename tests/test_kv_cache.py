@@ -165,3 +165,51 @@ def test_nan_reaches_exactly_the_rows_that_see_it(tiles):
     np.testing.assert_array_equal(np.isnan(out[..., 0, :]).all(axis=-1), nan_rows)
     np.testing.assert_array_equal(np.isnan(lse[..., 0]), nan_rows)
     assert not np.isnan(out[~nan_rows]).any()
+
+
+def _gpu(x):
+    """A host array as a device array: a torch CUDA tensor on a GPU, a Numba (simulated) one in the simulator."""
+    if numba_flash.in_simulator():
+        return cuda.to_device(x)
+    import torch
+
+    return torch.from_numpy(x).cuda()
+
+
+def _host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else x.cpu().numpy()
+
+
+@pytest.mark.parametrize("bad_length", [-1, 39], ids=["negative", "new keys past N_max"])
+def test_lengths_left_on_the_gpu_that_do_not_fit_give_nan_rows_and_no_append(bad_length):
+    # Lengths on the GPU are not read by the host (no wait), so they cannot raise: an entry out of range gets no
+    # append and NaN in its rows of O and lse, loudly, and the other entries are what host lengths give.
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((3, 4, 1, 16)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((3, 2, 40, 16)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((3, 2, 2, 16)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([10, bad_length, 0], np.int32)
+    caches = _gpu(k_cache), _gpu(v_cache)
+    out, lse = numba_flash.attention_with_kv_cache(_gpu(q), *caches, _gpu(seqlens), k_new=_gpu(k_new),
+                                                   v_new=_gpu(v_new), return_lse=True)
+    out, lse, got_k, got_v = (_host(x) for x in (out, lse, *caches))
+    assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
+    np.testing.assert_array_equal(got_k[1], k_cache[1])   # nothing written for the entry out of range
+    np.testing.assert_array_equal(got_v[1], v_cache[1])
+    fits = [0, 2]
+    want, want_lse = numba_flash.attention_with_kv_cache(q[fits], k_cache[fits], v_cache[fits], seqlens[fits],
+                                                         k_new=k_new[fits], v_new=v_new[fits], return_lse=True)
+    np.testing.assert_array_equal(out[fits], want)   # bit for bit: the same kernels
+    np.testing.assert_array_equal(lse[fits], want_lse)
+    np.testing.assert_array_equal(got_k[0, :, 10:12], k_new[0])
+
+
+@pytest.mark.parametrize("lengths, error, words", [
+    (np.array([3, 4], np.int64), TypeError, "must be int32"),
+    (np.array([3], np.int32), ValueError, "one length per batch entry"),
+    (np.array([[3, 4]], np.int32), ValueError, "one length per batch entry"),
+], ids=["int64", "too few", "two dimensions"])
+def test_bad_lengths_on_the_gpu_are_rejected_before_any_launch(no_launch, lengths, error, words):
+    q, cache = _gpu(np.zeros((2, 4, 1, 8), np.float32)), _gpu(np.zeros((2, 2, 10, 8), np.float32))
+    with pytest.raises(error, match=words):
+        numba_flash.attention_with_kv_cache(q, cache, cache, _gpu(lengths))

@@ -215,6 +215,20 @@ def is_numba_device_array(x):
     return isinstance(x, _DEVICE_NDARRAY)
 
 
+def is_device_array(x):
+    """Whether ``x`` lives on the GPU: a CUDA torch tensor, a Numba device array (the simulator's too), or
+    another object with ``__cuda_array_interface__``."""
+    if is_torch_tensor(x):
+        return x.device.type == "cuda"
+    if is_numba_device_array(x):
+        return True
+    if in_simulator():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return isinstance(x, FakeCUDAArray)
+    return hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray)
+
+
 def stream_of(x):
     """The raw handle of the stream a CUDA array's data is ordered on (0: the legacy default stream)."""
     if is_numba_device_array(x):

@@ -4,6 +4,11 @@
   r), its threads along d: row r of ``new`` goes to row ``cache_seqlens[b] +
   r`` of the cache.  Elements move as they are (float32, or 16-bit words),
   with any strides whose last dimension is contiguous.
+* ``key_bounds`` and ``poison_overflowing`` (lengths that stay on the GPU, so that the host never waits
+  to read them): the key bounds pair (0, cache_seqlens[b] + N_new) of each entry, computed where the
+  lengths are; an entry whose length is out of range (negative, or its new keys past N_max) gets no
+  append, no keys, and then NaN in its rows of O and lse: a loud result, where reading past the cache
+  would be a silent one (the host cannot raise without reading the lengths).
 * ``merge`` (flash-decoding): with few queries and many keys, the forward
   splits each query tile's keys between ``splits`` thread blocks
   (``forward.py``, SPLIT), each leaving its O_s (normalised by its own l_s)
@@ -16,9 +21,10 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int64, uint16, uint32
 
 from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...tiling import cdiv
 from .common import NEG_INF, operand_extent
 from .fragments import sixteen_bit_ops
 
@@ -26,18 +32,26 @@ from .fragments import sixteen_bit_ops
 APPEND_THREADS = 64
 
 
+@inlined_device_function
+def entry_fits(held, n_new, n_max):
+    """Whether a cache entry holding ``held`` keys takes ``n_new`` more within its ``n_max`` rows."""
+    return held >= 0 and held + n_new <= n_max
+
+
 @lru_cache(maxsize=None)
 def make_append(ELEMENT):
     """The append kernel for elements of numpy dtype ``ELEMENT`` (float32, or uint16 for 16-bit data)."""
 
-    def kernel(CACHE, NEW, SEQLENS, c_sb, c_sh, c_sn, n_sb, n_sh, n_sn, kv_heads, n_new, head_dim):
+    def kernel(CACHE, NEW, SEQLENS, c_sb, c_sh, c_sn, n_sb, n_sh, n_sn, kv_heads, n_new, n_max, head_dim):
         row = cuda.blockIdx.x                 # (b, h, r), r fastest
         r = row % n_new
         h = (row // n_new) % kv_heads
         b = row // (n_new * kv_heads)
-        at = int64(SEQLENS[b]) + r
+        held = int64(SEQLENS[b])
+        if not entry_fits(held, n_new, n_max):   # lengths the host did not check (on the GPU): no write
+            return
         for x in range(cuda.threadIdx.x, head_dim, APPEND_THREADS):
-            CACHE[b * c_sb + h * c_sh + at * c_sn + x] = NEW[b * n_sb + h * n_sh + r * n_sn + x]
+            CACHE[b * c_sb + h * c_sh + (held + r) * c_sn + x] = NEW[b * n_sb + h * n_sh + r * n_sn + x]
 
     return Kernel(kernel, f"append_kv_{np.dtype(ELEMENT).name}",
                   arrays=dict(CACHE=ELEMENT, NEW=ELEMENT, SEQLENS=np.int32))
@@ -50,10 +64,63 @@ def append_launch(cache_shape, cache_strides, new_shape, new_strides, dtype):
     return Launch(make_append(element), batch * kv_heads * n_new, APPEND_THREADS, 0,
                   dict(c_sb=cache_strides.batch, c_sh=cache_strides.head, c_sn=cache_strides.row,
                        n_sb=new_strides.batch, n_sh=new_strides.head, n_sn=new_strides.row, kv_heads=kv_heads,
-                       n_new=n_new, head_dim=head_dim),
+                       n_new=n_new, n_max=cache_shape[2], head_dim=head_dim),
                   ("CACHE", "NEW", "SEQLENS"),
                   dict(CACHE=operand_extent(cache_shape, cache_strides), NEW=operand_extent(new_shape, new_strides),
                        SEQLENS=batch))
+
+
+#: Threads per block of the key-bounds kernel (one per entry) and of the poisoning one (along d).
+LENGTH_THREADS = 64
+
+
+@lru_cache(maxsize=None)
+def make_key_bounds():
+    """Entry b's key bounds pair (0, L_b), L_b = SEQLENS[b] + n_new, or (0, 0) when it does not fit."""
+
+    def kernel(SEQLENS, K_BOUNDS, batch, n_new, n_max):
+        b = cuda.blockIdx.x * LENGTH_THREADS + cuda.threadIdx.x
+        if b < batch:
+            held = int64(SEQLENS[b])
+            K_BOUNDS[2 * b] = 0
+            K_BOUNDS[2 * b + 1] = held + n_new if entry_fits(held, n_new, n_max) else 0
+
+    return Kernel(kernel, "kv_cache_key_bounds", arrays=dict(SEQLENS=np.int32, K_BOUNDS=np.int32))
+
+
+def key_bounds_launch(batch, n_new, n_max):
+    """A ``Launch`` of the key-bounds kernel; per call: (SEQLENS, K_BOUNDS), int32 (batch,) and (2 batch,)."""
+    return Launch(make_key_bounds(), cdiv(batch, LENGTH_THREADS), LENGTH_THREADS, 0,
+                  dict(batch=batch, n_new=n_new, n_max=n_max), ("SEQLENS", "K_BOUNDS"),
+                  dict(SEQLENS=batch, K_BOUNDS=2 * batch))
+
+
+@lru_cache(maxsize=None)
+def make_poison_overflowing(PRECISION):
+    """NaN in every row of O and lse of an entry whose length did not fit (``make_key_bounds``' (0, 0))."""
+    SIXTEEN = PRECISION != "tf32x3"
+    NAN = uint16(0x7FC0 if PRECISION == "bf16" else 0x7E00) if SIXTEEN else float32(math.nan)
+
+    def kernel(SEQLENS, O, LSE, rows_per_entry, n_new, n_max, head_dim):
+        row = cuda.blockIdx.x                 # a row of O, (batch, heads, N_q) in C order
+        if entry_fits(int64(SEQLENS[row // rows_per_entry]), n_new, n_max):
+            return
+        for x in range(cuda.threadIdx.x, head_dim, LENGTH_THREADS):
+            O[row * head_dim + x] = NAN
+        if cuda.threadIdx.x == 0:
+            LSE[row] = float32(math.nan)
+
+    element = np.uint16 if SIXTEEN else np.float32
+    return Kernel(kernel, f"kv_cache_poison_overflowing_{PRECISION}",
+                  arrays=dict(SEQLENS=np.int32, O=element, LSE=np.float32))
+
+
+def poison_launch(batch, rows_per_entry, head_dim, n_new, n_max, precision):
+    """A ``Launch`` of the poisoning kernel; per call: (SEQLENS, O, LSE), O and LSE C-contiguous."""
+    rows = batch * rows_per_entry
+    return Launch(make_poison_overflowing(precision), rows, LENGTH_THREADS, 0,
+                  dict(rows_per_entry=rows_per_entry, n_new=n_new, n_max=n_max, head_dim=head_dim),
+                  ("SEQLENS", "O", "LSE"), dict(SEQLENS=batch, O=rows * head_dim, LSE=rows))
 
 
 #: Threads per block of the merge kernel (along d).
@@ -122,4 +189,5 @@ def decode_splits(blocks, key_tiles, multiprocessors, most=32):
     return max(1, min(most, key_tiles, fitting))
 
 
-__all__ = ["append_launch", "decode_splits", "make_append", "make_merge", "merge_launch"]
+__all__ = ["append_launch", "decode_splits", "key_bounds_launch", "make_append", "make_key_bounds", "make_merge",
+           "make_poison_overflowing", "merge_launch", "poison_launch"]
