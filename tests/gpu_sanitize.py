@@ -254,8 +254,9 @@ DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
 def decode(dtype, blocks, rng, kv_stages=0):
-    """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), then three
-    queries (causal); each appends as many keys.  Returns the worst relative error."""
+    """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), its lengths on
+    the GPU (the key-bounds and poisoning kernels), then three queries (causal), lengths on the host; each
+    appends as many keys.  Returns the worst relative error."""
     heads, kv_heads, d = 8, 2, 40
     batch = len(DECODE_LENGTHS)
 
@@ -273,7 +274,8 @@ def decode(dtype, blocks, rng, kv_stages=0):
     for n_q in (1, 3):
         q = rng.standard_normal((batch, heads, n_q, d)).astype(dtype)
         new = [rng.standard_normal((batch, kv_heads, n_q, d)).astype(dtype) for _ in range(2)]
-        out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, torch.as_tensor(lengths, device="cuda"),
+        held = torch.as_tensor(lengths, device="cuda") if n_q == 1 else lengths
+        out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, held,
                                                   k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks,
                                                   kv_stages=kv_stages)
         lengths = lengths + n_q
