@@ -29,7 +29,9 @@ Each product group is waited for before its accumulator is read (``wgmma_wait(0)
 the softmax of S_j, so the tensor cores work while the warpgroup's other units do: half of step 3 of the
 plan.  On the H200 it took 1.19-1.34x the plain loop's time at d = 64 (its registers leave two blocks per
 multiprocessor instead of the plain loop's three or four: ``results/bench_wgmma_overlap_h200.md``), so it
-stays off; the other half, two warpgroups taking turns, is still to come.  The loop's steps are the same named device functions in both.
+stays off.  The other half of step 3 starts with the blocks of two warpgroups (built, not yet timed);
+making them take turns, one's softmax under the other's products, is still to come.  The loop's steps
+are the same named device functions in every variant.
 
 Barriers and fences, each where it sits:
 
