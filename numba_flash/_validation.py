@@ -524,9 +524,14 @@ def check_cache_seqlens(cache_seqlens, batch, n_new, n_max):
     return lengths
 
 
-def check_device_cache_seqlens(lengths, batch, device):
-    """cache_seqlens that stay on the GPU (an ``Operand`` of the call's kind): their shape, dtype and layout.
-    Their values are the kernels' to check (``kernels/fast/cache.py``: an entry out of range gets NaN)."""
+def check_device_cache_seqlens(lengths, call, device):
+    """cache_seqlens that stay on the GPU (an ``Operand``): their kind, shape, dtype and layout against the
+    validated call on ``device``.  Their values are the kernels' to check (``kernels/fast/cache.py``: an
+    entry out of range gets NaN)."""
+    batch = call.batch
+    if lengths.kind != call.kind:
+        raise TypeError(f"cache_seqlens on the GPU must be a {call.kind} array like q (or a host array), "
+                        f"got a {lengths.kind} one")
     if lengths.shape != (batch,):
         raise ValueError(f"cache_seqlens must have one length per batch entry, shape ({batch},), got "
                          f"{lengths.shape}")

@@ -236,7 +236,7 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     arrays = (q, k_cache, v_cache) + (() if k_new is None else (k_new, v_new))
     plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages))
     if plan.call.on_device and _arrays.is_device_array(cache_seqlens):   # not read here: no wait for the GPU
-        check_device_cache_seqlens(_arrays.describe("cache_seqlens", cache_seqlens), plan.call.batch, plan.device)
+        check_device_cache_seqlens(_arrays.describe("cache_seqlens", cache_seqlens), plan.call, plan.device)
         return plan(arrays, cache_seqlens, None, return_lse)
     lengths = check_cache_seqlens(_arrays.integers_on_host(cache_seqlens), plan.call.batch, plan.n_new,
                                   plan.call.n_k)

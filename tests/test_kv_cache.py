@@ -213,3 +213,12 @@ def test_bad_lengths_on_the_gpu_are_rejected_before_any_launch(no_launch, length
     q, cache = _gpu(np.zeros((2, 4, 1, 8), np.float32)), _gpu(np.zeros((2, 2, 10, 8), np.float32))
     with pytest.raises(error, match=words):
         numba_flash.attention_with_kv_cache(q, cache, cache, _gpu(lengths))
+
+
+@pytest.mark.gpu_only
+def test_lengths_on_the_gpu_of_another_kind_than_q_are_rejected(no_launch):
+    import torch
+
+    q, cache = (torch.zeros(shape, device="cuda") for shape in ((2, 4, 1, 8), (2, 2, 10, 8)))
+    with pytest.raises(TypeError, match="cache_seqlens on the GPU must be a torch array like q"):
+        numba_flash.attention_with_kv_cache(q, cache, cache, cuda.to_device(np.array([3, 4], np.int32)))
