@@ -69,7 +69,7 @@ def decode_kernels():
 def sass_counts(kernel, folder):
     """(registers, spill store bytes, opcode counts, hot loop) of one ``runtime.launch.Kernel`` at its signature."""
     signature = tuple(kernel.param_type(p) for p in kernel.params)
-    return machine_code(kernel.dispatcher.py_func, signature, kernel.dispatcher.targetoptions.get("launch_bounds"),
+    return machine_code(kernel.dispatcher.py_func, signature, kernel.launch_bounds,
                         folder)
 
 

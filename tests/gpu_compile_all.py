@@ -36,7 +36,8 @@ dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability
 # Sizes that depend on the device's limits (flash2's K/V buffers) take the H200's.
 numba_flash.tiling.device_limits = lambda: numba_flash.runtime.device.SIMULATED_DEVICE
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq, make_preprocess  # noqa: E402
-from numba_flash.kernels.fast.cache import make_append, make_merge  # noqa: E402
+from numba_flash.kernels.fast.cache import (make_append, make_key_bounds, make_merge,  # noqa: E402
+                                            make_poison_overflowing)
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
@@ -76,7 +77,7 @@ def check(name, py_func, sig, launch_bounds=None):
 def fast(kernel):
     """A fast kernel (``runtime.launch.Kernel``) at its explicit signature."""
     check(kernel.name, kernel.dispatcher.py_func, tuple(kernel.param_type(p) for p in kernel.params),
-          kernel.dispatcher.targetoptions.get("launch_bounds"))
+          kernel.launch_bounds)
 
 
 def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varlen=False):
@@ -98,11 +99,12 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
 
 def decode(precision, head_dim):
     """Decoding from a KV cache at its default tiles (one query, and 40): the forward over per-entry lengths,
-    its split-keys form, the merge."""
+    its split-keys form, the merge, the NaN of entries whose lengths (left on the GPU) do not fit."""
     for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
         fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
                           False, True, split))
     fast(make_merge(precision))
+    fast(make_poison_overflowing(precision))
 
 
 def main(argv):
@@ -147,6 +149,7 @@ def main(argv):
                               POSITIVE_SCALE=False))
     for element in (np.float32, np.uint16):
         fast(make_append(element))
+    fast(make_key_bounds())
     return f"{len(failures)} failed: {failures}" if failures else 0
 
 
