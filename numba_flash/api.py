@@ -9,12 +9,14 @@ cache keyed by a cheap summary of the arrays.  A later call with the same
 summary allocates its results, writes the data pointers and launches: no
 argument typing, no host synchronisation (``README``: "Host time per call").
 """
+import functools
+
 import numpy as np
 from numba import cuda
 
 from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_device_cache_seqlens, check_dropout, check_new_keys,
-                          check_varlen_args, operand_strides)
+                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_device_cache_seqlens,
+                          check_dropout, check_new_keys, check_varlen_args, operand_strides)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
@@ -486,16 +488,21 @@ class _CachePlan(_Plan):
                       if self.splits > 1 else None)
         # Entry b's queries are rows 0 .. n_q - 1 (the bounds pair (0, n_q), read with step 0).
         self.q_bounds = _arrays.int32_on_device(None, np.array([0, self.call.n_q]), self.call.kind, self.device)
-        # Lengths that stay on the GPU: the key bounds computed there, and NaN for entries out of range.
-        self.key_bounds = key_bounds_launch(call.batch, self.n_new, call.n_k)
-        self.poison = poison_launch(call.batch, self.user_shape[1] * self.user_shape[2], call.head_dim, self.n_new,
-                                    call.n_k, call.precision)
         self.appends = None
         if k_new is not None and self.call.on_device:
             self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
                                                operand_strides(new_name, new, "flash2"), self.call.dtype)
                                  for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
                                                                     ("v_cache", v_cache, "v_new", v_new)))
+
+    @functools.cached_property
+    def on_gpu_lengths(self):
+        """(key bounds, poisoning) launches for lengths that stay on the GPU: the key bounds computed there, and
+        NaN for entries out of range.  Built (and compiled) on the first such call only."""
+        call = self.call
+        return (key_bounds_launch(call.batch, self.n_new, call.n_k),
+                poison_launch(call.batch, self.user_shape[1] * self.user_shape[2], call.head_dim, self.n_new,
+                              call.n_k, call.precision))
 
     def __call__(self, arrays, cache_seqlens, lengths, return_lse):
         """The call; ``lengths``: the checked keys per entry after the append, or None for lengths that stay on
@@ -516,8 +523,9 @@ class _CachePlan(_Plan):
             for append, cache, fresh in zip(self.appends, (k_cache, v_cache), new):
                 append(stream, cache, fresh, seqlens)
         if on_gpu:
+            key_bounds, poison = self.on_gpu_lengths
             k_bounds = self.empty((2 * call.batch,), "int32", stream)
-            self.key_bounds(stream, cache_seqlens, k_bounds)
+            key_bounds(stream, cache_seqlens, k_bounds)
         else:
             k_bounds = np.zeros(2 * call.batch, np.int64)
             k_bounds[1::2] = lengths   # entry b: keys 0 .. L_b - 1
@@ -532,7 +540,7 @@ class _CachePlan(_Plan):
             self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
             self.merge(stream, partial_o, partial_lse, o, lse)
         if on_gpu:
-            self.poison(stream, cache_seqlens, o, lse)
+            poison(stream, cache_seqlens, o, lse)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o
 

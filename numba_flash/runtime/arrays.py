@@ -472,7 +472,7 @@ def int32_on_device(x, host, kind, device=0, stream=None):
         return x
     if stream is None or in_simulator():
         return cuda.to_device(host.astype(np.int32))
-    return cuda.to_device(host.astype(np.int32), stream=_external_stream(stream) if stream else cuda.default_stream())
+    return cuda.to_device(host.astype(np.int32), stream=numba_stream(stream) or cuda.default_stream())
 
 
 @functools.lru_cache(maxsize=None)

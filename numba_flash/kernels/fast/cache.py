@@ -21,7 +21,7 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int64, uint32
 
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
@@ -70,6 +70,20 @@ def append_launch(cache_shape, cache_strides, new_shape, new_strides, dtype):
                        SEQLENS=batch))
 
 
+def output_element(PRECISION):
+    """A device function: a float32 as an element of O in ``PRECISION``'s type (itself, or a 16-bit word)."""
+    SIXTEEN = PRECISION != "tf32x3"
+    pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
+
+    @inlined_device_function
+    def as_output(value):
+        if SIXTEEN:
+            return pack(value, float32(0)) & uint32(0xFFFF)
+        return value
+
+    return as_output
+
+
 #: Threads per block of the key-bounds kernel (one per entry) and of the poisoning one (along d).
 LENGTH_THREADS = 64
 
@@ -98,19 +112,18 @@ def key_bounds_launch(batch, n_new, n_max):
 @lru_cache(maxsize=None)
 def make_poison_overflowing(PRECISION):
     """NaN in every row of O and lse of an entry whose length did not fit (``make_key_bounds``' (0, 0))."""
-    SIXTEEN = PRECISION != "tf32x3"
-    NAN = uint16(0x7FC0 if PRECISION == "bf16" else 0x7E00) if SIXTEEN else float32(math.nan)
+    as_output = output_element(PRECISION)
 
     def kernel(SEQLENS, O, LSE, rows_per_entry, n_new, n_max, head_dim):
         row = cuda.blockIdx.x                 # a row of O, (batch, heads, N_q) in C order
         if entry_fits(int64(SEQLENS[row // rows_per_entry]), n_new, n_max):
             return
         for x in range(cuda.threadIdx.x, head_dim, LENGTH_THREADS):
-            O[row * head_dim + x] = NAN
+            O[row * head_dim + x] = as_output(float32(math.nan))
         if cuda.threadIdx.x == 0:
             LSE[row] = float32(math.nan)
 
-    element = np.uint16 if SIXTEEN else np.float32
+    element = np.float32 if PRECISION == "tf32x3" else np.uint16
     return Kernel(kernel, f"kv_cache_poison_overflowing_{PRECISION}",
                   arrays=dict(SEQLENS=np.int32, O=element, LSE=np.float32))
 
@@ -130,14 +143,7 @@ MERGE_THREADS = 64
 @lru_cache(maxsize=None)
 def make_merge(PRECISION):
     """The merge kernel writing O in ``PRECISION``'s type (float32 words, or 16-bit words for f16 / bf16)."""
-    SIXTEEN = PRECISION != "tf32x3"
-    pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
-
-    @inlined_device_function
-    def as_output(value):
-        if SIXTEEN:
-            return pack(value, float32(0)) & uint32(0xFFFF)
-        return value
+    as_output = output_element(PRECISION)
 
     def kernel(PARTIAL_O, PARTIAL_LSE, O, LSE, splits, rows, d_pad, head_dim):
         row = cuda.blockIdx.x
@@ -159,7 +165,7 @@ def make_merge(PRECISION):
         if cuda.threadIdx.x == 0:
             LSE[row] = shift + math.log(total) if total != float32(0) else float32(NEG_INF)
 
-    element = np.uint16 if SIXTEEN else np.float32
+    element = np.float32 if PRECISION == "tf32x3" else np.uint16
     return Kernel(kernel, f"merge_splits_{PRECISION}",
                   arrays=dict(PARTIAL_O=np.float32, PARTIAL_LSE=np.float32, O=element, LSE=np.float32))
 
