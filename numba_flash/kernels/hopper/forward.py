@@ -60,9 +60,9 @@ from ...tiling import cdiv
 from ..fast.common import LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, tile_coordinates, word_extent
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, shfl_xor, store_word
-from .wgmma import (ROW_BYTES, SWIZZLE_128B, descriptor_device, enable_sm90a, fence_proxy_async, shared_address,
-                    staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss,
-                    wgmma_wait)
+from .wgmma import (ROW_BYTES, SWIZZLE_128B, advanced_device, descriptor_device, enable_sm90a, fence_proxy_async,
+                    shared_address, staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs,
+                    wgmma_ss, wgmma_wait)
 
 WARPGROUP = 128          # threads of a warpgroup
 BLOCK_M = 64             # query rows per warpgroup: wgmma's M
@@ -118,7 +118,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
     ROW_CHUNKS = D // 8
-    TILE_WORDS = tile_bytes(D) // 4
+    TILE_BYTES = tile_bytes(D)
+    TILE_WORDS = TILE_BYTES // 4
     K_STEPS = D // 16
     cleaned = nan_cleaner(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
@@ -133,6 +134,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     # d = 128, a rolled loop: experiments/results/sass_counts_wgmma.md).
     ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128 (one warpgroup; two: 32, 16)
     PASSES = BLOCK_N // ROWS_PER_PASS
+    PASS_WORDS = ROWS_PER_PASS * ROW_BYTES // 4
     assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
 
     @inlined_device_function
@@ -144,11 +146,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
         chunk = (first + r * row_stride + c) >> 1
         step = (ROWS_PER_PASS * row_stride) >> 1
-        for i in range(PASSES):
-            inside = r + i * ROWS_PER_PASS < rows_valid
-            # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
-            copy_async16(smem, to + i * (ROWS_PER_PASS * ROW_BYTES // 4), X, chunk + i * step if inside else first >> 1,
-                         inside)
+        if rows_valid >= BLOCK_N:   # every tile but a ragged last one (block-uniform): no row tests, no selects
+            for i in range(PASSES):
+                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, True)
+        else:
+            for i in range(PASSES):
+                inside = r + i * ROWS_PER_PASS < rows_valid
+                # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
+                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
 
     @inlined_device_function
     def land_tiles():
@@ -190,20 +195,34 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         """The query row and key of this lane's score register i (the accumulator layout of wgmma.py)."""
         return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
 
+    # The descriptors are built once, for each tile's first k-step in stage 0 (``tile_descriptors``); a product's
+    # is that one advanced by constants (``wgmma.advanced``): the k-step's bytes within the tile, the stage's.
     @inlined_device_function
-    def k_major_descriptor(address, step):
-        """The descriptor of k-step ``step`` (16 columns) of a K-major tile at shared address ``address``."""
-        return descriptor_device(address + (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32, K_MAJOR_OFFSETS[0],
-                                 K_MAJOR_OFFSETS[1], SWIZZLE_128B)
+    def k_step_bytes(step):
+        """Where k-step ``step`` (16 columns) starts in a K-major tile: 32 bytes on per step, the next 64-column
+        tile of BLOCK_N rows after four."""
+        return (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32
 
     @inlined_device_function
-    def issue_scores(s, q_address, k_address):
+    def tile_descriptors(q_address, k_address, v_address):
+        """The descriptors of this warpgroup's Q tile and of the stage-0 K and V tiles (K-major, and MN-major V)."""
+        return (descriptor_device(q_address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B),
+                descriptor_device(k_address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B),
+                descriptor_device(v_address, V_OFFSETS[0], V_OFFSETS[1], SWIZZLE_128B))
+
+    @inlined_device_function
+    def staged(desc, stage):
+        """A stage-0 tile's descriptor moved to the buffer of stage ``stage`` (0 or 1)."""
+        return advanced_device(desc, stage * TILE_BYTES)
+
+    @inlined_device_function
+    def issue_scores(s, q_desc, k_desc):
         """S = Q_i K_j^T into ``s`` (zeroed first), committed as one group; nothing waits for it."""
         for i in range(S_REGISTERS):
             s[i] = float32(0)
         wgmma_fence()   # the zeroed accumulator, before the products write it
         for step in range(K_STEPS):
-            scores_by_keys(s, k_major_descriptor(q_address, step), k_major_descriptor(k_address, step))
+            scores_by_keys(s, advanced_device(q_desc, k_step_bytes(step)), advanced_device(k_desc, k_step_bytes(step)))
         wgmma_commit()
 
     @inlined_device_function
@@ -246,7 +265,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                 s[i] = float32(math.nan)
 
     @inlined_device_function
-    def issue_values(acc, alpha, s, p_words, v_address):
+    def issue_values(acc, alpha, s, p_words, v_desc):
         """O = alpha O, then O += P V_j committed as one group; nothing waits for it.  P is packed whole
         before the first product: a register the products still read is not rewritten while they are in
         flight.  Pair x of k-step ``step``: the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8),
@@ -259,8 +278,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         for step in range(BLOCK_N // 16):
             weights_by_values(acc, (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2],
                                     p_words[4 * step + 3]),
-                              descriptor_device(v_address + step * 16 * ROW_BYTES, V_OFFSETS[0], V_OFFSETS[1],
-                                                SWIZZLE_128B))
+                              advanced_device(v_desc, step * 16 * ROW_BYTES))
         wgmma_commit()
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
@@ -282,6 +300,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         flags_at = v_at + 2 * TILE_WORDS                  # one word per key of V_j: did its row hold a NaN?
         # This warpgroup's Q (with one, a constant: a block-uniform address keeps the descriptors uniform too).
         q_address = base + (q_at + ((warp // 4) * TILE_WORDS if WARPGROUPS > 1 else 0)) * 4
+        q_desc, k_desc, v_desc = tile_descriptors(q_address, base + k_at * 4, base + v_at * 4)
 
         n_tiles = ceil_div(n_k, BLOCK_N)
         if CAUSAL:  # no key beyond the last row's diagonal
@@ -310,22 +329,22 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                 start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
                 start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
             for j in range(n_tiles):
-                k0 = j * BLOCK_N
+                k0, stage = j * BLOCK_N, j & 1   # stage: tile j's buffers (j % 2 as a bit: no sign fix-up)
                 land_tiles()   # K_j, V_j (and Q); every warp done with tile j - 1's buffers
                 if j + 1 < n_tiles:
                     k1 = k0 + BLOCK_N
-                    start_tile(smem, k_at + ((j + 1) % 2) * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
-                    start_tile(smem, v_at + ((j + 1) % 2) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
+                    start_tile(smem, k_at + (stage ^ 1) * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
+                    start_tile(smem, v_at + (stage ^ 1) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
                 diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset   # block-uniform
-                v_nan = clean_values(smem, v_at + (j % 2) * TILE_WORDS, flags_at, t, tid) if diagonal else uint64(0)
-                issue_scores(s, q_address, base + (k_at + (j % 2) * TILE_WORDS) * 4)
+                v_nan = clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if diagonal else uint64(0)
+                issue_scores(s, q_desc, staged(k_desc, stage))
                 wait_all_products()
                 if diagonal or k0 + BLOCK_N > n_k:   # tiles below the diagonal need no mask
                     mask(s, q0, k0, n_k, causal_offset, warp, g, t)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
                     poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
-                issue_values(acc, alpha, s, p_words, base + (v_at + (j % 2) * TILE_WORDS) * 4)
+                issue_values(acc, alpha, s, p_words, staged(v_desc, stage))
                 wait_all_products()
         else:
             # Prologue: S_0 = Q K_0^T waited for; K_1 and V_0 on their way.
@@ -335,29 +354,29 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                 if n_tiles > 1:
                     start_tile(smem, k_at + TILE_WORDS, K, k_first + BLOCK_N * k_sn, k_sn, n_k - BLOCK_N, tid)
                 start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
-                issue_scores(s, q_address, base + k_at * 4)
+                issue_scores(s, q_desc, k_desc)
                 wait_all_products()
             for j in range(n_tiles):
-                k0 = j * BLOCK_N
+                k0, stage = j * BLOCK_N, j & 1
                 ahead = j + 1 < n_tiles
                 land_tiles()   # K_{j+1} and V_j; every thread past its wait for S_j and P_{j-1} V_{j-1}
                 k2, k1 = k0 + 2 * BLOCK_N, k0 + BLOCK_N
                 if j + 2 < n_tiles:   # into K_j's buffer
-                    start_tile(smem, k_at + (j % 2) * TILE_WORDS, K, k_first + k2 * k_sn, k_sn, n_k - k2, tid)
+                    start_tile(smem, k_at + stage * TILE_WORDS, K, k_first + k2 * k_sn, k_sn, n_k - k2, tid)
                 if ahead:             # into V_{j-1}'s buffer
-                    start_tile(smem, v_at + ((j + 1) % 2) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn,
+                    start_tile(smem, v_at + (stage ^ 1) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn,
                                n_k - k1, tid)
                 diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
-                v_nan = (clean_values(smem, v_at + (j % 2) * TILE_WORDS, flags_at, t, tid) if diagonal
+                v_nan = (clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if diagonal
                          else uint64(0))
                 if ahead:   # S_{j+1} runs while this tile's softmax does
-                    issue_scores(s_next, q_address, base + (k_at + ((j + 1) % 2) * TILE_WORDS) * 4)
+                    issue_scores(s_next, q_desc, staged(k_desc, stage ^ 1))
                 if diagonal or k0 + BLOCK_N > n_k:
                     mask(s, q0, k0, n_k, causal_offset, warp, g, t)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
                     poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
-                issue_values(acc, alpha, s, p_words, base + (v_at + (j % 2) * TILE_WORDS) * 4)
+                issue_values(acc, alpha, s, p_words, staged(v_desc, stage))
                 wait_all_products()   # S_{j+1} and P_j V_j
                 if ahead:
                     for i in range(S_REGISTERS):
@@ -397,11 +416,12 @@ OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: WARPGROUPS).  1 by default: two are tested in the simulator, not yet timed on a GPU.
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
-#: kernel on the H200 (2026-12-01, float16): dense d = 64 1.06-1.13x (``results/bench_wgmma_h200.md``), causal
-#: d = 64 1.03-1.06x once only the diagonal tiles were masked (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x
-#: before).  At d = 128 it ran at 0.56-0.59x (session 12, results/bench_wgmma_overlap_h200.md) while its tile
-#: copies cost ~95 instructions per 16 bytes (results/sass_counts_wgmma.md; fixed since, not yet timed).
-AUTOMATIC_SCOPE = {(64, False), (64, True)}
+#: kernel on the H200, float16 and bfloat16 alike.  d = 64: dense 1.06-1.13x (2026-12-01,
+#: ``results/bench_wgmma_h200.md``), causal 1.03-1.06x once only the diagonal tiles were masked
+#: (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x before).  d = 128: 0.56-0.59x while the tile copies cost
+#: ~95 instructions per 16 bytes, then 1.50x dense and 1.42x causal with each thread walking one column of chunks
+#: (2026-12-02, GPU time, ``results/bench_wgmma_warpgroups1_h200.md``; ``results/sass_counts_wgmma.md``).
+AUTOMATIC_SCOPE = {(64, False), (64, True), (128, False), (128, True)}
 
 
 def out_of_scope(call):
