@@ -43,7 +43,7 @@ SWEEP_SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 #: buffers, so memory latency may bound it (``tiling.DECODE_KV_STAGES``).
 SWEEP_STAGES = (2, 3, 4, 6)
 SWEEP_STAGE_TILES = ((16, 16), (16, 32), (16, 64))
-SWEEP_STAGE_SPLITS = (0, 8, 12, 16)
+SWEEP_STAGE_SPLITS = (0, 4, 6, 8, 12, 16)
 
 
 def main(argv=None):
