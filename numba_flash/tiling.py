@@ -338,12 +338,10 @@ def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=Fa
 #: The most 16-byte chunks a thread of a decoding block keeps in flight per K or V tile (more spills).
 DECODE_CHUNKS_PER_THREAD = 8
 #: K/V buffers of a decoding block (``attention_with_kv_cache``'s ``kv_stages`` = 0), so that this many
-#: tiles less one are in flight while one is computed on.  On the H200 (results/decode_h200.md,
-#: 2026-12-01) the two-buffer kernel reads the cache at 0.54 of copy bandwidth, 16 GB/s per
-#: multiprocessor: with two buffers a one-warp block has one 16-key tile (8 KB of K and V) on its way
-#: while it computes, so the bytes in flight, not the arithmetic, are the likely bound (Little's law).
-#: Deeper buffers are built and tested in the simulator, not yet timed (``experiments/decode_bandwidth.py``
-#: sweeps them); until they are, the default stays at what was measured.
+#: tiles less one are in flight while one is computed on.  Timed as GPU time on the H200 (2026-12-02,
+#: results/decode_h200.md, (16, 32, 8, 1, 8192, 128) float16): 3, 4 or 6 buffers at their best split took
+#: 0.151-0.154 ms against 0.151-0.152 for two, so the bytes in flight are not what bounds it there, and the
+#: default stays at two (the least shared memory).
 DECODE_KV_STAGES = 2
 
 

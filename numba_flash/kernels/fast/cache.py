@@ -179,12 +179,12 @@ def merge_launch(rows, splits, d_pad, head_dim, precision):
                   dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
 
 
-#: One-warp blocks per multiprocessor that the default split fills.  One whole wave and no more: on the
-#: H200 at (B, H_kv) = (16, 8), 8 splits (1024 blocks) read the cache in 0.25 ms and 9 (a second wave of
-#: 96 blocks) in 0.33 ms (2026-11-30, when a decoding block at d = 128 held 255 registers; since cp.async,
-#: ptxas gives it 172 and 22 KB of shared memory, so 10 may fit: to be re-timed with the buffers of
-#: ``tiling.DECODE_KV_STAGES``).
-SPLIT_BLOCKS_PER_MULTIPROCESSOR = 8
+#: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200
+#: at (B, H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``results/decode_h200.md``), (16, 16) tiles:
+#: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and more 0.165-0.174;
+#: the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30, when a
+#: decoding block held 255 registers: 8 splits 0.25 ms, 9, a second wave, 0.33.)
+SPLIT_BLOCKS_PER_MULTIPROCESSOR = 6
 
 
 def decode_splits(blocks, key_tiles, multiprocessors, most=32):

@@ -29,9 +29,16 @@ Each product group is waited for before its accumulator is read (``wgmma_wait(0)
 the softmax of S_j, so the tensor cores work while the warpgroup's other units do: half of step 3 of the
 plan.  On the H200 it took 1.19-1.34x the plain loop's time at d = 64 (its registers leave two blocks per
 multiprocessor instead of the plain loop's three or four: ``results/bench_wgmma_overlap_h200.md``), so it
-stays off.  The other half of step 3 starts with the blocks of two warpgroups (built, not yet timed);
-making them take turns, one's softmax under the other's products, is still to come.  The loop's steps
-are the same named device functions in every variant.
+stays off.  The other half of step 3 starts with the blocks of two warpgroups (``WARPGROUPS=2``: on the
+H200 0.96-1.05x one warpgroup's time at d = 64, 0.87-0.93x at d = 128, so not the default); making them take
+turns, one's softmax under the other's products, is still to come.  The loop's steps are the same named
+device functions in every variant.
+
+What a key tile costs the issue slots matters as much as the products: at d = 64 a warpgroup's tile is 256
+tensor-core cycles of work, and every warp of it issues the whole loop.  So the descriptors are built once
+and advanced by constants (``tile_descriptors``, ``staged``, ``wgmma.advanced``), whole tiles are copied
+without row tests (``start_tile``), and the stage is a bit: a full tile's path is 336 instructions at d = 64
+and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``results/sass_counts_wgmma.md``).
 
 Barriers and fences, each where it sits:
 
