@@ -30,7 +30,8 @@ the softmax of S_j, so the tensor cores work while the warpgroup's other units d
 plan.  On the H200 it took 1.19-1.34x the plain loop's time at d = 64 (its registers leave two blocks per
 multiprocessor instead of the plain loop's three or four: ``results/bench_wgmma_overlap_h200.md``), so it
 stays off.  The other half of step 3 starts with the blocks of two warpgroups (``WARPGROUPS=2``: on the
-H200 0.96-1.05x one warpgroup's time at d = 64, 0.87-0.93x at d = 128, so not the default); making them take
+H200 0.95-1.03x one warpgroup's time at d = 64 and 1.08-1.15x at d = 128, 2026-12-02 before the issue-slot
+work below, ``results/bench_wgmma_warpgroups{1,2}_h200.md``; so not the default); making them take
 turns, one's softmax under the other's products, is still to come.  The loop's steps are the same named
 device functions in every variant.
 
@@ -420,7 +421,7 @@ AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 #: OVERLAP).  Off by default: 1.04-1.34x the plain loop's time on the H200 (results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=2`` runs blocks of two warpgroups sharing each K/V tile (``make_wgmma_forward``,
-#: WARPGROUPS).  1 by default: two are tested in the simulator, not yet timed on a GPU.
+#: WARPGROUPS).  1 by default: two took 0.95-1.03x the time at d = 64 and 1.08-1.15x at d = 128 on the H200 (2026-12-02).
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
 #: kernel on the H200, float16 and bfloat16 alike.  d = 64: dense 1.06-1.13x (2026-12-01,
