@@ -421,7 +421,8 @@ AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 #: OVERLAP).  Off by default: 1.04-1.34x the plain loop's time on the H200 (results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=2`` runs blocks of two warpgroups sharing each K/V tile (``make_wgmma_forward``,
-#: WARPGROUPS).  1 by default: two took 0.95-1.03x the time at d = 64 and 1.08-1.15x at d = 128 on the H200 (2026-12-02).
+#: WARPGROUPS).  1 by default: two took 0.95-1.03x the time at d = 64 and 1.08-1.15x at d = 128 on the H200
+#: (2026-12-02).
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
 #: kernel on the H200, float16 and bfloat16 alike.  d = 64: dense 1.06-1.13x (2026-12-01,
