@@ -445,6 +445,15 @@ def tile_copier(ROWS, D_PAD, THREADS):
 
 
 @inlined_device_function
+def row_lse(m_log2, l_row):
+    """A row's log-sum-exp from its running max in log2 units and its sum l: m ln 2 + log l, as one explicit FMA.
+    Left to the compiler, the product was fused into the sum in the forward with 32-row warps and not in the one
+    with 16 (hoisted above a branch), and the two lse came out 1 ulp apart (H200, 2026-12-02: l = 1 + 1 ulp, a
+    single key); written out, every kernel rounds it once.  -inf for a row that saw no allowed key (l = 0)."""
+    return cuda.fma(m_log2, float32(1 / LOG2_E), math.log(l_row)) if l_row != float32(0) else float32(NEG_INF)
+
+
+@inlined_device_function
 def warp_lane(tid):
     """(warp, g, t) of a thread: its warp, and its lane as 4 g + t (the fragment layouts' names)."""
     lane = tid % 32
@@ -453,5 +462,5 @@ def warp_lane(tid):
 
 __all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
            "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
-           "partly_masked_tiles", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier",
+           "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier",
            "tile_movers", "warp_lane", "words_per_chunk_row"]

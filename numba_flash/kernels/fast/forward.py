@@ -104,9 +104,9 @@ from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
                        flash2_threads, padded_head_dim)
-from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments,
-                     dropout_words, kernel_name, lane_flags, partly_masked_tiles, sequence_arguments, sequence_bounds,
-                     tile_coordinates, keys_end, tile_copier, tile_movers, warp_lane, word_extent)
+from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
+                     kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
+                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import copy_async_commit, copy_async_wait, exp2, shfl_xor, store_word
 
@@ -298,8 +298,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if row < n_q:
                 store_fragment_row(O, acc, r, o_row + row * o_sn, head_dim, inv_l, t)
                 if t == 0:
-                    LSE[lse_first + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
-                                          if l_row != float32(0) else float32(NEG_INF))
+                    LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, M, mask_rows,

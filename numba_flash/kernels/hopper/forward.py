@@ -65,7 +65,8 @@ from numba import cuda, float32, uint32, uint64
 from ...runtime.device import device_limits, in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
-from ..fast.common import LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, tile_coordinates, word_extent
+from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, row_lse, tile_coordinates,
+                           word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, shfl_xor, store_word
 from .wgmma import (ROW_BYTES, SWIZZLE_128B, advanced_device, descriptor_device, enable_sm90a, fence_proxy_async,
@@ -403,8 +404,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                     store_word(O, (b * o_sb + h * o_sh + row * o_sn + 8 * block + 2 * t) // 2,
                                pack(acc[i] * inv_l, acc[i + 1] * inv_l))
                 if t == 0:
-                    LSE[bh * n_q + row] = (m_i[r] * float32(1 / LOG2_E) + math.log(l_row)
-                                           if l_row != float32(0) else float32(NEG_INF))
+                    LSE[bh * n_q + row] = row_lse(m_i[r], l_row)
 
     return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
                   + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}"),
