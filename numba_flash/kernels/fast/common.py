@@ -272,6 +272,21 @@ def nan_tests(PRECISION):
 
 
 @lru_cache(maxsize=None)
+def pair_has_nan(PRECISION):
+    """``has_nan(word)``: whether either 16-bit element of a packed pair is NaN, in three integer operations.  A
+    NaN's magnitude (its low 15 bits) exceeds the infinity's, so adding 0x7FFF - infinity to each magnitude sets
+    bit 15 exactly for NaN; no sum carries into the other half (at most 0x7FFF + 0x3FF)."""
+    EXPONENT = 0x7C00 if PRECISION == "f16" else 0x7F80   # the infinity: nan_tests' exponent bits
+    MAGNITUDES, ABOVE_INFINITY, SIGNS = uint32(0x7FFF7FFF), uint32((0x7FFF - EXPONENT) * 0x10001), uint32(0x80008000)
+
+    @inlined_device_function
+    def has_nan(word):
+        return ((word & MAGNITUDES) + ABOVE_INFINITY) & SIGNS != uint32(0)
+
+    return has_nan
+
+
+@lru_cache(maxsize=None)
 def nan_cleaner(PRECISION):
     """``cleaned(word)``: ``word`` with its NaN elements set to 0, and 1 if it had any (else 0)."""
     SIXTEEN = PRECISION != "tf32x3"
@@ -461,6 +476,6 @@ def warp_lane(tid):
 
 
 __all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
-           "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
+           "dropout_arguments", "operand_extent", "pair_has_nan", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
            "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier",
            "tile_movers", "warp_lane", "words_per_chunk_row"]
