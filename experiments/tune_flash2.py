@@ -129,7 +129,7 @@ def confirm(out, quick, dtypes=None, causal_only=False):
         samples = [[] for _ in candidates]
         for _ in range(1 if quick else CONFIRM_ROUNDS):
             for call, times in zip(calls, samples):
-                times.append(time_ms(call, repeats=1 if quick else 8, warmup=1))
+                times.append(time_ms(call, repeats=1, warmup=0) if quick else time_ms(call, repeats=8, warmup=1))
         default = flash2_tuned_block_sizes(shape[3], precision_of(dtype), backward=True, causal=causal)
         for tiles, times in zip(candidates, samples):
             rows.append(dict(dtype=dtype, shape=str(shape).replace(" ", ""), causal=causal, block_m=tiles[0],
