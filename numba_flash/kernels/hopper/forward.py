@@ -47,8 +47,7 @@ Barriers and fences, each where it sits:
   copies are ordinary writes, and the tensor cores read shared memory through the async proxy;
   then ``syncthreads``: every thread's part of the tile is there, and every warp has finished the
   products of tile j - 1 (each waited for its own), so its buffer may be refilled.
-* in a tile the causal diagonal crosses, ``syncthreads_or``: does any element of V_j hold a NaN (each
-  thread tests a share)?  Only if one does, the NaN pass rewrites V_j's rows (generic-proxy stores), then
+* in a tile the causal diagonal crosses, after the NaN pass rewrites V_j's rows (generic-proxy stores),
   ``fence_proxy_async`` and a second ``syncthreads``: the tensor cores must read the cleaned rows, and
   every lane its keys' flags.  0 * NaN = NaN in the tensor cores, so without the pass a NaN value row
   would reach rows the mask hides it from; with it, the allowed weights of a flagged key become NaN
@@ -66,10 +65,10 @@ from numba import cuda, float32, uint32, uint64
 from ...runtime.device import device_limits, in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
-from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, row_lse,
-                           tile_coordinates, word_extent)
+from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, row_lse, tile_coordinates,
+                           word_extent)
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, load_vec4, shfl_xor, store_word
+from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, shfl_xor, store_word
 from .wgmma import (ROW_BYTES, SWIZZLE_128B, advanced_device, descriptor_device, enable_sm90a, fence_proxy_async,
                     shared_address, staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs,
                     wgmma_ss, wgmma_wait)
@@ -132,7 +131,6 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     TILE_WORDS = TILE_BYTES // 4
     K_STEPS = D // 16
     cleaned = nan_cleaner(ELEMENT)
-    has_nan = pair_has_nan(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
     weights_by_values = wgmma_rs(D, ELEMENT, True)         # O += P V: P in registers, V MN-major
@@ -190,27 +188,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         return found
 
     @inlined_device_function
-    def any_nan(smem, at, tid):
-        """Whether any element of the V tile at word ``at`` is NaN, asked of the whole block: each thread tests
-        its share in 16-byte loads (where an element sits in the tile does not matter here) and the barrier ORs
-        the answers, so every thread gets the same one."""
-        found = 0
-        for x in range(TILE_WORDS // (4 * THREADS)):
-            a, b, c, d = load_vec4(smem, at + 4 * (x * THREADS + tid))
-            if has_nan(a) or has_nan(b) or has_nan(c) or has_nan(d):
-                found = 1
-        return cuda.syncthreads_or(found) != 0
-
-    @inlined_device_function
     def clean_values(smem, v_at, flags_at, t, tid):
         """A tile the causal diagonal crosses: a NaN in a value row must reach only the rows allowed to see
         it, but the tensor cores make 0 * NaN = NaN for the others too.  As in the mma.sync forward
         (kernels/fast/common.py, "NaN"): NaN in V_j to 0, a flag per key row, and the allowed weights of
-        flagged keys to NaN (``poison``).  Returns this lane's keys' flags.  Most such tiles hold no NaN: the
-        block asks first (``any_nan``, one barrier) and skips the row-by-row pass, its fence and its barrier
-        (64 threads walking 64 rows while the rest wait) when none does."""
-        if not any_nan(smem, v_at, tid):   # block-uniform (the barrier's OR)
-            return uint64(0)
+        flagged keys to NaN (``poison``).  Returns this lane's keys' flags."""
         if tid < BLOCK_N:
             smem[flags_at + tid] = sanitize_value_row(smem, v_at, tid)
         fence_proxy_async()   # the cleaned rows, before the tensor cores read V_j
