@@ -71,7 +71,8 @@ def append_launch(cache_shape, cache_strides, new_shape, new_strides, dtype):
 
 
 def output_element(PRECISION):
-    """A device function: a float32 as an element of O in ``PRECISION``'s type (itself, or a 16-bit word)."""
+    """(as_output, element): a device function writing a float32 as an element of O in ``PRECISION``'s type
+    (itself, or a 16-bit word), and the NumPy dtype of O's elements as the kernels see them."""
     SIXTEEN = PRECISION != "tf32x3"
     pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
 
@@ -81,7 +82,7 @@ def output_element(PRECISION):
             return pack(value, float32(0)) & uint32(0xFFFF)
         return value
 
-    return as_output
+    return as_output, (np.uint16 if SIXTEEN else np.float32)
 
 
 #: Threads per block of the key-bounds kernel (one per entry) and of the poisoning one (along d).
@@ -112,7 +113,7 @@ def key_bounds_launch(batch, n_new, n_max):
 @lru_cache(maxsize=None)
 def make_poison_overflowing(PRECISION):
     """NaN in every row of O and lse of an entry whose length did not fit (``make_key_bounds``' (0, 0))."""
-    as_output = output_element(PRECISION)
+    as_output, element = output_element(PRECISION)
 
     def kernel(SEQLENS, O, LSE, rows_per_entry, n_new, n_max, head_dim):
         row = cuda.blockIdx.x                 # a row of O, (batch, heads, N_q) in C order
@@ -123,7 +124,6 @@ def make_poison_overflowing(PRECISION):
         if cuda.threadIdx.x == 0:
             LSE[row] = float32(math.nan)
 
-    element = np.float32 if PRECISION == "tf32x3" else np.uint16
     return Kernel(kernel, f"kv_cache_poison_overflowing_{PRECISION}",
                   arrays=dict(SEQLENS=np.int32, O=element, LSE=np.float32))
 
@@ -143,7 +143,7 @@ MERGE_THREADS = 64
 @lru_cache(maxsize=None)
 def make_merge(PRECISION):
     """The merge kernel writing O in ``PRECISION``'s type (float32 words, or 16-bit words for f16 / bf16)."""
-    as_output = output_element(PRECISION)
+    as_output, element = output_element(PRECISION)
 
     def kernel(PARTIAL_O, PARTIAL_LSE, O, LSE, splits, rows, d_pad, head_dim):
         row = cuda.blockIdx.x
@@ -165,7 +165,6 @@ def make_merge(PRECISION):
         if cuda.threadIdx.x == 0:
             LSE[row] = shift + math.log(total) if total != float32(0) else float32(NEG_INF)
 
-    element = np.float32 if PRECISION == "tf32x3" else np.uint16
     return Kernel(kernel, f"merge_splits_{PRECISION}",
                   arrays=dict(PARTIAL_O=np.float32, PARTIAL_LSE=np.float32, O=element, LSE=np.float32))
 
