@@ -214,3 +214,25 @@ def test_the_overlapped_wgmma_forward_runs_every_buffer(causal, warpgroups):
     expanded = [reference.repeat_kv(x, 2) for x in (k64, v64)]
     ref_out, ref_lse = reference.attention(q64, *expanded, causal=causal)
     assert_close_to_reference(out, lse, ref_out, ref_lse, q64, *expanded, 1 / np.sqrt(d), np.float16)
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_it(overlap):
+    """A NaN in value row 40, inside the first key tile, which the diagonal of the first 64 query rows crosses:
+    the tile is cleaned only when the barrier that lands it has found the NaN (``land_tiles``), and rows 0-39,
+    which may not see key 40, stay finite while rows 40-69 become NaN.  Without the NaN pass, or with the
+    question answered wrong, the tensor cores' 0 * NaN would reach rows 0-39 too."""
+    import numba_flash
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 1, 70, 64)).astype(np.float16) for _ in range(3))
+    v[0, 0, 40, 17] = np.nan
+    if _where() == "hopper":
+        import torch
+        q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    with wgmma_loop(overlap, 1):
+        out = numba_flash.attention(q, k, v, causal=True, algorithm="wgmma")
+    out = out.cpu().numpy() if hasattr(out, "cpu") else np.asarray(out)
+    nan_rows = np.isnan(out.astype(np.float32)).any(-1)[0, 0]
+    assert np.flatnonzero(nan_rows).tolist() == list(range(40, 70))

@@ -278,3 +278,29 @@ def test_copy_async_lands_each_chunk_or_zeros():
     _copy_async_kernel[1, 32](source, sources, valid, out)
     expected = np.where(valid[:, None] != 0, source.reshape(-1, 4)[sources], 0).ravel()
     np.testing.assert_array_equal(out, expected)
+
+
+def _pair_nan_kernel(has_nan):
+    @cuda.jit
+    def kernel(words, out):
+        start = cuda.grid(1)
+        for i in range(start, words.size, cuda.gridsize(1)):
+            out[i] = 1 if has_nan(words[i]) else 0
+    return kernel
+
+
+@pytest.mark.parametrize("precision, dtype", [("f16", np.float16), ("bf16", BFLOAT16)])
+def test_the_packed_nan_test_finds_exactly_the_nan_elements(precision, dtype):
+    """``common.pair_has_nan`` against NumPy on every 16-bit pattern in each half, beside an infinity and a
+    NaN in the other (the largest magnitudes, where a carry between the halves would show)."""
+    from numba_flash.kernels.fast.common import pair_has_nan
+
+    every = np.arange(1 << 16, dtype=np.uint32)
+    infinity = int(np.array(np.inf, dtype).view(np.uint16))
+    nan = int(np.array(np.nan, dtype).view(np.uint16)) | 0x7FFF       # the largest NaN magnitude
+    words = np.concatenate([every | (infinity << 16), (every << 16) | infinity, every | (0xFFFF << 16),
+                            (every << 16) | nan])
+    out = np.zeros(words.size, np.int32)
+    _pair_nan_kernel(pair_has_nan(precision))[4, 32](words, out)
+    halves = words.view(np.uint16).reshape(-1, 2).view(dtype)
+    np.testing.assert_array_equal(out.astype(bool), np.isnan(halves.astype(np.float32)).any(axis=1))

@@ -47,7 +47,7 @@ from ...runtime.launch import inlined_device_function
 from ...sparsity.tile_lists import mask_arguments
 from ...tiling import ROWS_PER_WARP, cdiv, row_stride
 from .fragments import split_tf32
-from .primitives import copy_async16, copy_async_wait_all, load_vec4, load_word, store_vec4, store_word
+from .primitives import copy_async16, copy_async_wait_all, load_vec4, load_word, store_vec4
 
 NEG_INF = -math.inf
 LOG2_E = 1.4426950408889634
@@ -253,12 +253,17 @@ def is_nan_f32_bits(bits):
     return (bits & uint32(0x7F800000)) == uint32(0x7F800000) and (bits & uint32(0x007FFFFF)) != uint32(0)
 
 
+#: The bits of +infinity in each 16-bit precision: every exponent bit set, no mantissa bit.
+INFINITY_BITS = {"f16": 0x7C00, "bf16": 0x7F80}
+
+
 @lru_cache(maxsize=None)
 def nan_tests(PRECISION):
     """(low-half NaN?, high-half NaN?) for a packed 16-bit pair, or the float32/tf32 word test twice."""
     if PRECISION == "tf32x3":
         return is_nan_f32_bits, is_nan_f32_bits
-    EXPONENT, MANTISSA = (0x7C00, 0x03FF) if PRECISION == "f16" else (0x7F80, 0x007F)
+    EXPONENT = INFINITY_BITS[PRECISION]     # all exponent bits set; a NaN has a mantissa besides
+    MANTISSA = 0x7FFF ^ EXPONENT
 
     @inlined_device_function
     def low_is_nan(word):
@@ -269,6 +274,21 @@ def nan_tests(PRECISION):
         return low_is_nan(word >> uint32(16))
 
     return low_is_nan, high_is_nan
+
+
+@lru_cache(maxsize=None)
+def pair_has_nan(PRECISION):
+    """``has_nan(word)``: whether either 16-bit element of a packed pair is NaN, in three integer operations.  A
+    NaN's magnitude (its low 15 bits) exceeds the infinity's, so adding 0x7FFF - infinity to each magnitude sets
+    bit 15 exactly for NaN; no sum carries into the other half (at most 0x7FFF + 0x3FF)."""
+    MAGNITUDES, SIGNS = uint32(0x7FFF7FFF), uint32(0x80008000)
+    ABOVE_INFINITY = uint32((0x7FFF - INFINITY_BITS[PRECISION]) * 0x10001)   # in both halves
+
+    @inlined_device_function
+    def has_nan(word):
+        return ((word & MAGNITUDES) + ABOVE_INFINITY) & SIGNS != uint32(0)
+
+    return has_nan
 
 
 @lru_cache(maxsize=None)
@@ -460,7 +480,7 @@ def warp_lane(tid):
     return tid // 32, lane >> 2, lane & 3
 
 
-__all__ = ["LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div", "chunk_loader",
-           "dropout_arguments", "operand_extent", "word_extent", "chunk_iterations", "dropout_words", "kernel_name",
-           "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_bounds", "tile_coordinates", "tile_copier",
-           "tile_movers", "warp_lane", "words_per_chunk_row"]
+__all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div",
+           "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "kernel_name", "operand_extent",
+           "pair_has_nan", "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_bounds",
+           "tile_coordinates", "tile_copier", "tile_movers", "warp_lane", "word_extent", "words_per_chunk_row"]

@@ -20,7 +20,7 @@ softmax below is the fast forward's, over 64-key tiles::
         land K_j, V_j; start K_{j+1}, V_{j+1} into the other stage             cp.async, one barrier
         S = Q_i K_j^T                    wgmma m64n64k16 x d/16, both operands from shared memory
         mask (causal diagonal, the last tile's keys past N_k), m, P = exp2(c S - m), l, alpha
-        (a tile the causal diagonal crosses: NaN value rows cleaned and flagged first, see below)
+        (a tile the causal diagonal crosses whose V_j holds a NaN: its rows cleaned and flagged first, below)
         O = alpha O;  O += P V_j         wgmma m64n{d}k16 x 4, P from registers, V_j transposed
     O / l, lse
 
@@ -46,8 +46,11 @@ Barriers and fences, each where it sits:
 * after a thread's ``cp.async`` copies land (``copy_async_wait_all``), ``fence_proxy_async``: the
   copies are ordinary writes, and the tensor cores read shared memory through the async proxy;
   then ``syncthreads``: every thread's part of the tile is there, and every warp has finished the
-  products of tile j - 1 (each waited for its own), so its buffer may be refilled.
-* in a tile the causal diagonal crosses, after the NaN pass rewrites V_j's rows (generic-proxy stores),
+  products of tile j - 1 (each waited for its own), so its buffer may be refilled.  In a tile the
+  causal diagonal crosses, that barrier is ``syncthreads_or`` and also answers whether V_j holds a NaN:
+  each thread tests the chunks of V_j it copied itself (its own copies are visible to it once it has
+  waited for them), and the barrier ORs the answers, so the question costs no barrier of its own.
+* only if it does: after the NaN pass rewrites V_j's rows (generic-proxy stores),
   ``fence_proxy_async`` and a second ``syncthreads``: the tensor cores must read the cleaned rows, and
   every lane its keys' flags.  0 * NaN = NaN in the tensor cores, so without the pass a NaN value row
   would reach rows the mask hides it from; with it, the allowed weights of a flagged key become NaN
@@ -65,10 +68,10 @@ from numba import cuda, float32, uint32, uint64
 from ...runtime.device import device_limits, in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
-from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, row_lse, tile_coordinates,
-                           word_extent)
+from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, row_lse,
+                           tile_coordinates, word_extent)
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, shfl_xor, store_word
+from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, load_vec4, shfl_xor, store_word
 from .wgmma import (ROW_BYTES, SWIZZLE_128B, advanced_device, descriptor_device, enable_sm90a, fence_proxy_async,
                     shared_address, staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs,
                     wgmma_ss, wgmma_wait)
@@ -131,6 +134,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     TILE_WORDS = TILE_BYTES // 4
     K_STEPS = D // 16
     cleaned = nan_cleaner(ELEMENT)
+    has_nan = pair_has_nan(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
     weights_by_values = wgmma_rs(D, ELEMENT, True)         # O += P V: P in registers, V MN-major
@@ -147,11 +151,17 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
 
     @inlined_device_function
+    def own_chunk(at, tid):
+        """The word where this thread's first 16-byte chunk of the swizzled tile at word ``at`` lies (the others
+        follow PASS_WORDS apart), and the row and column of X it holds."""
+        r, c = tid // ROW_CHUNKS, (tid % ROW_CHUNKS) * 8    # the thread's first row, and its column
+        return at + swizzle_128_device(staged_offset_device(r, c, BLOCK_N)) // 4, r, c
+
+    @inlined_device_function
     def start_tile(smem, at, X, first, row_stride, rows_valid, tid):
         """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
         on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid)."""
-        r, c = tid // ROW_CHUNKS, (tid % ROW_CHUNKS) * 8    # the thread's first row, and its column
-        to = at + swizzle_128_device(staged_offset_device(r, c, BLOCK_N)) // 4
+        to, r, c = own_chunk(at, tid)
         # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
         chunk = (first + r * row_stride + c) >> 1
         step = (ROWS_PER_PASS * row_stride) >> 1
@@ -165,14 +175,28 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                 copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
 
     @inlined_device_function
-    def land_tiles():
+    def land_tiles(smem, v_tile, ask_for_nan, tid):
         """Every copy this block started is in shared memory, for the tensor cores too: each thread waits for
         its own, ``fence_proxy_async`` (cp.async's writes are ordinary ones; the tensor cores read through the
         async proxy), and the barrier (every thread's part is there, and every thread is past the work
-        before it: the waits for the products that read the buffers about to be refilled)."""
+        before it: the waits for the products that read the buffers about to be refilled).
+
+        ``ask_for_nan`` (block-uniform): also whether the V tile at word ``v_tile`` holds a NaN, answered by
+        the same barrier.  Each thread tests the chunks it copied there (its own copies are visible to it
+        after its wait) and ``syncthreads_or`` gives every thread the OR of the answers.  Returns the answer
+        (False when not asked)."""
         copy_async_wait_all()
         fence_proxy_async()
-        cuda.syncthreads()
+        if not ask_for_nan:
+            cuda.syncthreads()
+            return False
+        found = 0
+        at = own_chunk(v_tile, tid)[0]
+        for i in range(PASSES):
+            a, b, c, d = load_vec4(smem, at + i * PASS_WORDS)
+            if has_nan(a) or has_nan(b) or has_nan(c) or has_nan(d):
+                found = 1
+        return cuda.syncthreads_or(found) != 0
 
     @inlined_device_function
     def sanitize_value_row(smem, at, key):
@@ -189,10 +213,10 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
 
     @inlined_device_function
     def clean_values(smem, v_at, flags_at, t, tid):
-        """A tile the causal diagonal crosses: a NaN in a value row must reach only the rows allowed to see
-        it, but the tensor cores make 0 * NaN = NaN for the others too.  As in the mma.sync forward
-        (kernels/fast/common.py, "NaN"): NaN in V_j to 0, a flag per key row, and the allowed weights of
-        flagged keys to NaN (``poison``).  Returns this lane's keys' flags."""
+        """A tile the causal diagonal crosses whose V_j holds a NaN (``land_tiles`` asked): a NaN in a value
+        row must reach only the rows allowed to see it, but the tensor cores make 0 * NaN = NaN for the others
+        too.  As in the mma.sync forward (kernels/fast/common.py, "NaN"): NaN in V_j to 0, a flag per key row,
+        and the allowed weights of flagged keys to NaN (``poison``).  Returns this lane's keys' flags."""
         if tid < BLOCK_N:
             smem[flags_at + tid] = sanitize_value_row(smem, v_at, tid)
         fence_proxy_async()   # the cleaned rows, before the tensor cores read V_j
@@ -339,13 +363,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                 start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
             for j in range(n_tiles):
                 k0, stage = j * BLOCK_N, j & 1   # stage: tile j's buffers (j % 2 as a bit: no sign fix-up)
-                land_tiles()   # K_j, V_j (and Q); every warp done with tile j - 1's buffers
+                diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset   # block-uniform
+                # K_j, V_j (and Q); every warp done with tile j - 1's buffers; on the diagonal, any NaN in V_j?
+                v_has_nan = land_tiles(smem, v_at + stage * TILE_WORDS, diagonal, tid)
                 if j + 1 < n_tiles:
                     k1 = k0 + BLOCK_N
                     start_tile(smem, k_at + (stage ^ 1) * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
                     start_tile(smem, v_at + (stage ^ 1) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
-                diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset   # block-uniform
-                v_nan = clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if diagonal else uint64(0)
+                v_nan = clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if v_has_nan else uint64(0)
                 issue_scores(s, q_desc, staged(k_desc, stage))
                 wait_all_products()
                 if diagonal or k0 + BLOCK_N > n_k:   # tiles below the diagonal need no mask
@@ -359,7 +384,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
             # Prologue: S_0 = Q K_0^T waited for; K_1 and V_0 on their way.
             if n_tiles > 0:
                 start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
-                land_tiles()
+                land_tiles(smem, v_at, False, tid)
                 if n_tiles > 1:
                     start_tile(smem, k_at + TILE_WORDS, K, k_first + BLOCK_N * k_sn, k_sn, n_k - BLOCK_N, tid)
                 start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
@@ -368,15 +393,16 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
             for j in range(n_tiles):
                 k0, stage = j * BLOCK_N, j & 1
                 ahead = j + 1 < n_tiles
-                land_tiles()   # K_{j+1} and V_j; every thread past its wait for S_j and P_{j-1} V_{j-1}
+                diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
+                # K_{j+1} and V_j; every thread past its wait for S_j and P_{j-1} V_{j-1}; any NaN in V_j?
+                v_has_nan = land_tiles(smem, v_at + stage * TILE_WORDS, diagonal, tid)
                 k2, k1 = k0 + 2 * BLOCK_N, k0 + BLOCK_N
                 if j + 2 < n_tiles:   # into K_j's buffer
                     start_tile(smem, k_at + stage * TILE_WORDS, K, k_first + k2 * k_sn, k_sn, n_k - k2, tid)
                 if ahead:             # into V_{j-1}'s buffer
                     start_tile(smem, v_at + (stage ^ 1) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn,
                                n_k - k1, tid)
-                diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
-                v_nan = (clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if diagonal
+                v_nan = (clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if v_has_nan
                          else uint64(0))
                 if ahead:   # S_{j+1} runs while this tile's softmax does
                     issue_scores(s_next, q_desc, staged(k_desc, stage ^ 1))
