@@ -4,11 +4,14 @@
 script says where that time goes, for the three calls it times at the
 smallest size (1, 1, 128, 64) float16: the forward on torch tensors, the
 forward on Numba device arrays, and a training step (forward and backward
-through ``numba_flash.torch``).  Prints, per call, the 15 functions with the
+through ``numba_flash.torch``), and the backward alone (in a step it runs on
+autograd's device thread, out of the profiler's sight).  Prints, per call, the 15 functions with the
 most time of their own; then, without the profiler (which inflates every
 Python call), microseconds per call of the pieces a forward is made of, each
 in a loop of its own: the plan lookup, a result from torch's allocator,
-torch's current stream, one kernel launch, and the whole call.  Needs a GPU
+torch's current stream, one kernel launch, and the whole call; and a
+training step's pieces: autograd's own floor (an identity Function),
+torch's flash step and ours, with and without accumulation into .grad.  Needs a GPU
 and torch; prints only.
 
     PYTHONPATH=$PWD python3 experiments/host_profile.py
@@ -31,10 +34,13 @@ def main():
     q, k, v, grad = (torch.randn(SHAPE, device="cuda", dtype=torch.float16) for _ in range(4))
     trained = tuple(x.clone().requires_grad_() for x in (q, k, v))
     views = tuple(cuda.as_cuda_array(x) for x in (q, k, v))
+    out, lse = numba_flash.attention(q, k, v, return_lse=True)
     calls = {
         "forward, torch tensors": lambda: numba_flash.attention(q, k, v),
         "forward, Numba arrays": lambda: numba_flash.attention(*views),
         "forward and backward (numba_flash.torch)": lambda: nft.attention(*trained).backward(grad),
+        # The step's backward runs on autograd's device thread, which the profiler does not see: alone here.
+        "backward alone (api.attention_backward)": lambda: numba_flash.attention_backward(q, k, v, out, lse, grad),
     }
     for name, call in calls.items():
         for _ in range(20):
@@ -49,6 +55,7 @@ def main():
         print(f"==== {name}: {CALLS} calls", flush=True)
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
     pieces(q, k, v)
+    step_pieces(q, k, v, grad)
 
 
 def per_call_us(call):
@@ -83,6 +90,61 @@ def pieces(q, k, v):
     print(f"==== pieces of a forward at {SHAPE} float16, {CALLS} calls each, no profiler", flush=True)
     for name, call in rows.items():
         print(f"{per_call_us(call):8.2f} us  {name}", flush=True)
+
+
+
+class _Identity(torch.autograd.Function):
+    """The cheapest differentiable op of three inputs: what any custom op's training step costs at least."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, grad_out, grad_out
+
+
+def step_pieces(q, k, v, grad):
+    """A training step's pieces (host microseconds per step, no profiler): what autograd costs with any op,
+    torch's own step, and ours, with and without gradient accumulation into .grad."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    trained = tuple(x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = numba_flash.attention(q, k, v, return_lse=True)
+
+    def fresh(step):
+        """The step with .grad cleared first, so the engine assigns instead of adding."""
+        def call():
+            for x in trained:
+                x.grad = None
+            step()
+        return call
+
+    rows = {
+        "clearing three .grad fields": fresh(lambda: None),
+        "autograd floor: an identity Function, forward + backward (accumulating)":
+            lambda: _Identity.apply(*trained).backward(grad),
+        "autograd floor, .grad cleared": fresh(lambda: _Identity.apply(*trained).backward(grad)),
+        "autograd floor, torch.autograd.grad": lambda: torch.autograd.grad(_Identity.apply(*trained), trained, grad),
+        "numba-flash backward alone (api.attention_backward)":
+            lambda: numba_flash.attention_backward(q, k, v, out, lse, grad),
+        "numba-flash forward through FlashAttentionFunction (no backward)": lambda: nft.attention(*trained),
+        "numba-flash step (accumulating)": lambda: nft.attention(*trained).backward(grad),
+        "numba-flash step, .grad cleared": fresh(lambda: nft.attention(*trained).backward(grad)),
+        "numba-flash step, torch.autograd.grad": lambda: torch.autograd.grad(nft.attention(*trained), trained, grad),
+    }
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        rows.update({
+            "torch flash forward (requires_grad inputs)": lambda: sdpa(*trained),
+            "torch flash step (accumulating)": lambda: sdpa(*trained).backward(grad),
+            "torch flash step, .grad cleared": fresh(lambda: sdpa(*trained).backward(grad)),
+            "torch flash step, torch.autograd.grad": lambda: torch.autograd.grad(sdpa(*trained), trained, grad),
+        })
+        print(f"==== a training step's pieces at {SHAPE} float16, {CALLS} calls each, no profiler", flush=True)
+        for name, call in rows.items():
+            print(f"{per_call_us(call):8.2f} us  {name}", flush=True)
 
 
 if __name__ == "__main__":
