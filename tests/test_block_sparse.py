@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import numba_flash
 import reference
 from numba_flash import BlockMask
-from numba_flash.sparsity.tile_lists import tile_lists, tile_visits
+from numba_flash.sparsity.tile_lists import longest_first, tile_lists, tile_visits
 from strategies import FORWARD_VARIANTS, block_masks, block_sizes, flash1_fits, forward_warp_rows, problems, variants
 from tolerances import assert_close_to_reference
 
@@ -76,6 +76,14 @@ def test_flash2_visits_only_listed_tiles():
     offsets, entries = tile_lists(*tile_visits(layout, (4, 4), (16, 8), 32, 32))
     assert offsets.tolist() == [[0, 1, 2]]
     assert entries.tolist() == [0 * 2 + 1, 1 * 2 + 0]
+
+
+def test_blocks_take_the_longest_tile_lists_first():
+    """``longest_first``: every own tile once, by decreasing list length, ties in grid order (head-major)."""
+    layout = np.zeros((2, 4, 4), bool)
+    layout[0, 1, :3] = layout[0, 3, :1] = layout[1, 0, :] = layout[1, 2, :3] = True
+    offsets, _ = tile_lists(*tile_visits(layout, (8, 8), (8, 8), 32, 32))
+    assert longest_first(offsets).tolist() == [4, 1, 6, 3, 0, 2, 5, 7]   # lengths 4, 3, 3, 1, then the empty ones
 
 
 def test_flash2_tile_lists_respect_causality():

@@ -30,7 +30,7 @@ BUFFERS = {
                  {"A": "p", "B": "v", "C": "o"}],
     "flash1": [{"Q": "q", "K": "k", "V": "v", "O": "o", "l": "l", "m": "m", "lse": "lse", "M": "layout"}],
     "flash2": [{"Q": "q", "K": "k", "V": "v", "O": "o", "LSE": "lse", "M": "layout",
-                "tile_offsets": "tile_offsets", "tile_entries": "tile_entries"}],
+                "tile_offsets": "tile_offsets", "tile_entries": "tile_entries", "tile_order": "tile_order"}],
 }
 
 

@@ -13,7 +13,10 @@ read (``listed_tile`` below decodes one entry):
     entry = other tile * 2 + partly-masked bit
 
 Three roles: the forward and the backward's dQ pass list key tiles per
-query tile; the dK/dV pass lists query tiles per key tile.  ``mask_arguments``
+query tile; the dK/dV pass lists query tiles per key tile.  ``longest_first``
+orders the own tiles by the length of their lists, longest first: the forward
+runs its blocks in that order, so the tiles with the most work start first and
+the shortest (and empty) ones fill the tail.  ``mask_arguments``
 builds a role's device arrays once per (mask, shapes, tiles) and keeps them
 on the mask, which is immutable.
 """
@@ -70,6 +73,14 @@ def tile_lists(visit, partly):
     return offsets.astype(np.int32), (others * 2 + partly[visit]).astype(np.int32)
 
 
+def longest_first(offsets):
+    """The own tiles of ``tile_lists``' offsets (BH, T_own + 1) in decreasing order of their list's length (ties
+    in grid order), each as bh * T_own + tile: the order a kernel's blocks take them (longest-processing-time
+    first, as the causal grids' ``tile_coordinates``), int32."""
+    counts = np.diff(offsets.astype(np.int64), axis=1).ravel()
+    return np.argsort(-counts, kind="stable").astype(np.int32)
+
+
 @inlined_device_function
 def listed_tile(tile_entries, index, block):
     """Entry ``index`` of a tile list: the listed tile's first row (or key), and whether it is partly masked."""
@@ -90,6 +101,7 @@ class MaskArguments:
 
     tile_offsets: object   # int32, (BH, own tiles + 1) flattened
     tile_entries: object   # int32
+    tile_order: object     # int32, (BH * own tiles): ``longest_first``
     layout: object         # uint8 (BH, T_r, T_c) flattened
     mask_rows: int
     mask_cols: int
@@ -122,6 +134,7 @@ def mask_arguments(block_mask, leading_shape, n_q, n_k, tiles, causal_offset, ro
                                                        causal_offset))
         forms[key] = MaskArguments(cuda.to_device(offsets.reshape(-1)),
                                    cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
+                                   cuda.to_device(longest_first(offsets)),
                                    cuda.to_device(layout.view(np.uint8).reshape(-1)),  # flat on the host: Numba
                                    *block_mask.block_size, *layout.shape[1:],      # reshapes few device arrays
                                    partly=bool((entries & 1).any()))

@@ -21,7 +21,7 @@ really does:
 
 Each returns an ``AttentionTraffic``: one ``KernelTraffic`` per launch with
 the bytes read and written per buffer, named as in ``api.py`` (q, k, v, o,
-lse, s, p, l, m, layout, tile_offsets, tile_entries).  ``device_allocations``
+lse, s, p, l, m, layout, tile_offsets, tile_entries, tile_order).  ``device_allocations``
 gives the bytes of the buffers a call allocates, and ``theorem2_standard``,
 ``theorem2_flash`` and ``proposition4_block_sparse`` the paper's leading
 terms.  ``tests/test_io.py`` runs every kernel in the simulator on arrays
@@ -258,12 +258,14 @@ def flash1_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, causal=False
 
 
 def _flash2_visited_tiles(n_q, n_k, tile, causal, mask):
-    """(query tile, key tile, partly masked) of every key tile flash2 visits, as arrays.
+    """(query tile, key tile, partly masked) of every key tile flash2 visits, as arrays, and the query tile of
+    every block that loads its Q_i.
 
     Without a mask the kernel walks key tiles 0 .. n_blocks - 1 (causal: up to
     the last one holding a key <= the query tile's last row), the same in
-    every head: these are one head's.  With a mask the host's
-    ``tile_lists`` decides, and these are all heads' tiles.
+    every head: these are one head's, and every block loads Q_i.  With a mask
+    the host's ``tile_lists`` decides, and these are all heads' tiles; a block
+    whose list is empty skips Q_i.
     """
     block_m, block_n = tile
     t_q, t_k = cdiv(n_q, block_m), cdiv(n_k, block_n)
@@ -273,12 +275,12 @@ def _flash2_visited_tiles(n_q, n_k, tile, causal, mask):
         if causal:
             visit &= block_n * np.arange(t_k)[None, None, :] <= last_row[None, :, None]
         _, q_tile, k_tile = np.nonzero(visit)
-        return q_tile, k_tile, np.zeros(len(k_tile), bool)
+        return q_tile, k_tile, np.zeros(len(k_tile), bool), np.arange(t_q)
     offsets, entries = tile_lists(*tile_visits(np.asarray(mask[0], bool), tuple(mask[1]), tile, n_q, n_k,
                                                0 if causal else None))
     per_query_tile = np.diff(offsets, axis=1).ravel()
     owner = np.repeat(np.arange(per_query_tile.size), per_query_tile)
-    return owner % t_q, entries >> 1, (entries & 1).astype(bool)
+    return owner % t_q, entries >> 1, (entries & 1).astype(bool), np.flatnonzero(per_query_tile) % t_q
 
 
 def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.float32, causal=False, mask=None):
@@ -294,14 +296,15 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     element = np.dtype(dtype).itemsize
     precision = precision_of(dtype)
     heads_each = batch_heads if mask is None else 1
-    q_tile, k_tile, partly = _flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)
+    q_tile, k_tile, partly, loading_q = _flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)
     warp_rows = flash2_forward_warp_rows(block_m, padded_head_dim(head_dim, precision), precision,
                                          plain=not partly.any())
     threads = flash2_threads(block_m, warp_rows)
 
     keys = _block_lengths(n_k, block_n)[k_tile]
     reads = {
-        "q": element * n_q * head_dim * batch_heads,                     # Q_i once per block
+        "q": element * head_dim * _block_lengths(n_q, block_m)[loading_q].sum() * heads_each,
+        # Q_i once per block that visits a key tile
         "k": element * head_dim * keys.sum() * heads_each,               # K_j, V_j once per visited tile
         "v": element * head_dim * keys.sum() * heads_each,
     }
@@ -312,8 +315,9 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
         # (row < N_q, key < N_k) that causality leaves reads its layout byte.
         checked = _causal_pairs(q0, rows_hi, k0, keys_hi) if causal else (rows_hi - q0) * (keys_hi - k0)
         reads["layout"] = UINT8 * checked[partly].sum()
-        # Every thread reads its query tile's two offsets, and each visited
-        # entry twice: when fetching the tile ahead, and when computing on it.
+        # Every thread reads its block's entry of the order and its query tile's two offsets, and each
+        # visited entry twice: when fetching the tile ahead, and when computing on it.
+        reads["tile_order"] = INT32 * threads * cdiv(n_q, block_m) * batch_heads
         reads["tile_offsets"] = INT32 * 2 * threads * cdiv(n_q, block_m) * batch_heads
         reads["tile_entries"] = INT32 * 2 * threads * len(k_tile)
     writes = {"o": element * n_q * head_dim * batch_heads, "lse": FLOAT32 * n_q * batch_heads}
@@ -464,6 +468,7 @@ def device_allocations(algorithm, batch_heads, n_q, n_k, head_dim, *, dtype=np.f
         buffers["layout"] = UINT8 * np.asarray(mask[0]).size
         if algorithm == "flash2":
             buffers["tile_offsets"] = INT32 * batch_heads * (cdiv(n_q, block_sizes[0]) + 1)
+            buffers["tile_order"] = INT32 * batch_heads * cdiv(n_q, block_sizes[0])
             visited = len(_flash2_visited_tiles(n_q, n_k, block_sizes, causal, mask)[1])
             buffers["tile_entries"] = INT32 * max(visited, 1)  # an empty list still gets one entry
     return {name: int(size) for name, size in buffers.items()}

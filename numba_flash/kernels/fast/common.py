@@ -97,10 +97,12 @@ def _mask_lists(call, tiles, role):
 def block_mask_arguments(call, tiles, role):
     """A call's block mask as a fast kernel's arguments for ``role`` (``sparsity/tile_lists.py``), or placeholders."""
     if call.block_mask is None:
-        return dict(tile_offsets=placeholder(np.int32), tile_entries=placeholder(np.int32), M=placeholder(np.uint8),
-                    mask_rows=1, mask_cols=1, mask_t_r=1, mask_t_c=1)
+        return dict(tile_offsets=placeholder(np.int32), tile_entries=placeholder(np.int32),
+                    tile_order=placeholder(np.int32), M=placeholder(np.uint8), mask_rows=1, mask_cols=1, mask_t_r=1,
+                    mask_t_c=1)
     lists = _mask_lists(call, tiles, role)
-    return dict(tile_offsets=lists.tile_offsets, tile_entries=lists.tile_entries, M=lists.layout,
+    return dict(tile_offsets=lists.tile_offsets, tile_entries=lists.tile_entries, tile_order=lists.tile_order,
+                M=lists.layout,
                 mask_rows=lists.mask_rows, mask_cols=lists.mask_cols, mask_t_r=lists.mask_t_r, mask_t_c=lists.mask_t_c)
 
 

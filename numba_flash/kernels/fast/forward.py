@@ -301,15 +301,19 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
-               n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, M, mask_rows,
+               n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M, mask_rows,
                mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
                splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
-        # ...] (``listed_tile``); M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
+        # ...] (``listed_tile``), and block i runs tile tile_order[i] (bh q_tiles + qt: the longest lists first);
+        # M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
         # VARLEN: q_bounds, k_bounds bound each batch entry's rows (``sequence_bounds``).
-        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL)
+        if HAS_MASK:
+            tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
+        else:
+            tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL)
         split = tile // q_tiles if SPLIT else 0
         if SPLIT:
             tile %= q_tiles
@@ -317,8 +321,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                              causal_offset, bottom_right)
         # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
-        # rank 0 starts first (``tile_coordinates``).
-        q_tile = q_tiles - 1 - tile if CAUSAL else tile
+        # rank 0 starts first (``tile_coordinates``).  A block mask's order already says which tile.
+        q_tile = q_tiles - 1 - tile if CAUSAL and not HAS_MASK else tile
         q0 = q_tile * BLOCK_M
         if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
             return
@@ -330,10 +334,25 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
         smem = cuda.shared.array(0, uint32)
 
+        # ---- the key tiles this query tile visits ----
+        if HAS_MASK:  # listed by the host
+            first = tile_offsets[bh * (q_tiles + 1) + q_tile]
+            n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
+        else:
+            first = 0
+            n_tiles = ceil_div(n_k, BLOCK_N)
+            if CAUSAL:  # no key beyond the last row's diagonal
+                n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
+            if SPLIT:  # this block's share of the key tiles: ceil(n / splits) each, the last ones maybe none
+                share = ceil_div(n_tiles, splits)
+                first = split * share
+                n_tiles = max(0, min(n_tiles - first, share))
+
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
-        fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
-        commit_q(smem, q_regs, Q_HI, Q_LO, tid)
+        if not HAS_MASK or n_tiles > 0:   # a block mask's tile may visit nothing: O = 0, lse = -inf without Q
+            fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
+            commit_q(smem, q_regs, Q_HI, Q_LO, tid)
 
         m_i = cuda.local.array(LANE_ROWS, float32)    # running max (log2 units) of the lane's rows
         l_i = cuda.local.array(LANE_ROWS, float32)    # running sum, this lane's columns only
@@ -350,19 +369,6 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             for e in range(4):
                 acc[x_row, e] = float32(0)
 
-        # ---- the key tiles this query tile visits ----
-        if HAS_MASK:  # listed by the host
-            first = tile_offsets[bh * (q_tiles + 1) + q_tile]
-            n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
-        else:
-            first = 0
-            n_tiles = ceil_div(n_k, BLOCK_N)
-            if CAUSAL:  # no key beyond the last row's diagonal
-                n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
-            if SPLIT:  # this block's share of the key tiles: ceil(n / splits) each, the last ones maybe none
-                share = ceil_div(n_tiles, splits)
-                first = split * share
-                n_tiles = max(0, min(n_tiles - first, share))
         k_first_tile = 0 if HAS_MASK else first * BLOCK_N   # the key of the first visited tile, unmasked
         for x in range(AHEAD):
             start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
@@ -416,7 +422,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + ("" if POSITIVE_SCALE else "_nonpositive_scale")
                   + (f"_stages{STAGES}" if STAGES > 2 else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
-                              tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
+                              tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
+                              q_bounds=np.int32,
                               k_bounds=np.int32),
                   floats=("scale_log2", "keep_scale"),
                   # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
