@@ -80,6 +80,7 @@ __all__ = [
     "ldmatrix_x4",
     "ldmatrix_x2_trans",
     "copy_async16",
+    "copy_async16_prefetching",
     "copy_async_wait_all",
     "copy_async_commit",
     "copy_async_wait",
@@ -315,30 +316,43 @@ if not config.ENABLE_CUDASIM:
     ldmatrix_x4 = _ldmatrix_intrinsic(4)
     ldmatrix_x2_trans = _ldmatrix_intrinsic(2, trans=True)
 
-    @intrinsic
-    def copy_async16(typingctx, dst, dst_index, src, src_index, valid):
-        """Start copying ``src[src_index:src_index + 4]`` to ``dst[dst_index:dst_index + 4]`` (32-bit words;
-        dst in shared memory, src in device memory, both 16-byte aligned); 16 zero bytes instead when not
-        ``valid`` (``src_index`` must still be an address inside ``src``: nothing is read from it)."""
-        if not (_flat_words(dst, dst_index, 32) and _flat_words(src, src_index, 32)
-                and isinstance(valid, types.Boolean)):
-            return None
+    def _copy_async_intrinsic(l2_prefetch=None):
+        """``cp.async`` of 16 bytes; ``l2_prefetch`` (128 or 256): the ``.L2::NB`` hint, which asks L2 to fetch
+        that many bytes around the copy from device memory."""
+        hint = f".L2::{l2_prefetch}B" if l2_prefetch else ""
 
-        def codegen(context, builder, sig, args):
-            to = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            to = builder.ptrtoint(builder.addrspacecast(to, ir.PointerType(to.type.pointee, 3)), _I32)
-            origin = _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-            origin = builder.ptrtoint(builder.addrspacecast(origin, ir.PointerType(origin.type.pointee, 1)),
-                                      ir.IntType(64))
-            # The source size operand: 16 bytes, or 0 (the hardware fills the 16 bytes with zeros).
-            size = builder.select(args[4], ir.Constant(_I32, 16), ir.Constant(_I32, 0))
-            # .cg: the tile goes to shared memory through L2 only (every block reads it once from there).
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32]),
-                               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
-            builder.call(asm, [to, origin, size])
-            return context.get_dummy_value()
+        @intrinsic
+        def copy_async16(typingctx, dst, dst_index, src, src_index, valid):
+            """Start copying ``src[src_index:src_index + 4]`` to ``dst[dst_index:dst_index + 4]`` (32-bit words;
+            dst in shared memory, src in device memory, both 16-byte aligned); 16 zero bytes instead when not
+            ``valid`` (``src_index`` must still be an address inside ``src``: nothing is read from it)."""
+            if not (_flat_words(dst, dst_index, 32) and _flat_words(src, src_index, 32)
+                    and isinstance(valid, types.Boolean)):
+                return None
 
-        return types.void(dst, dst_index, src, src_index, valid), codegen
+            def codegen(context, builder, sig, args):
+                to = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                to = builder.ptrtoint(builder.addrspacecast(to, ir.PointerType(to.type.pointee, 3)), _I32)
+                origin = _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+                origin = builder.ptrtoint(builder.addrspacecast(origin, ir.PointerType(origin.type.pointee, 1)),
+                                          ir.IntType(64))
+                # The source size operand: 16 bytes, or 0 (the hardware fills the 16 bytes with zeros).
+                size = builder.select(args[4], ir.Constant(_I32, 16), ir.Constant(_I32, 0))
+                # .cg: the tile goes to shared memory through L2 only (every block reads it once from there).
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32]),
+                                   f"cp.async.cg.shared.global{hint} [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [to, origin, size])
+                return context.get_dummy_value()
+
+            return types.void(dst, dst_index, src, src_index, valid), codegen
+
+        return copy_async16
+
+    copy_async16 = _copy_async_intrinsic()
+    #: ``copy_async16`` with L2 asked to fetch 128 or 256 bytes around each copy (timed against it by
+    #: experiments/cp_async_stream.py; no kernel uses it yet).
+    copy_async16_prefetching = {size: _copy_async_intrinsic(size) for size in (128, 256)}
 
     def ptx_statement(text):
         """An instruction without operands, kept in place and ordered with memory (a clobber)."""
@@ -547,6 +561,9 @@ else:
         _check_index("copy_async16 (device)", src_index, 4)
         words = load_vec4(src, src_index) if valid else (0, 0, 0, 0)   # nothing is read when not valid
         store_vec4(dst, dst_index, *words)
+
+    #: A prefetch hint changes nothing here.
+    copy_async16_prefetching = {128: copy_async16, 256: copy_async16}
 
     def ptx_statement(text):
         """An instruction without operands: here, nothing to do (the twins act at once)."""
