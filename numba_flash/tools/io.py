@@ -302,10 +302,9 @@ def flash2_traffic(batch_heads, n_q, n_k, head_dim, block_sizes, *, dtype=np.flo
     threads = flash2_threads(block_m, warp_rows)
 
     keys = _block_lengths(n_k, block_n)[k_tile]
-    reads = {
+    reads = {   # Q_i once per block that visits a key tile; K_j, V_j once per visited tile
         "q": element * head_dim * _block_lengths(n_q, block_m)[loading_q].sum() * heads_each,
-        # Q_i once per block that visits a key tile
-        "k": element * head_dim * keys.sum() * heads_each,               # K_j, V_j once per visited tile
+        "k": element * head_dim * keys.sum() * heads_each,
         "v": element * head_dim * keys.sum() * heads_each,
     }
     if mask is not None:
