@@ -60,7 +60,7 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, fl
                        padded_head_dim)
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
                      lane_flags, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates, tile_copier,
-                     tile_movers, visited_key_tiles, warp_lane, word_extent)
+                     tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
 from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
@@ -343,7 +343,6 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(K_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
-    visited = visited_key_tiles(HAS_MASK, CAUSAL, BLOCK_QUERIES, BLOCK_KEYS)
 
     @inlined_device_function
     def start_key_tile(smem, stage, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
@@ -443,7 +442,14 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         rows = cuda.local.array((ROW_ITERS, 4), WORD)
         _zero(dq_acc)
 
-        first, n_tiles = visited(tile_offsets, bh, q_tiles, q_tile, q0, n_q, n_k, causal_offset)
+        if HAS_MASK:
+            first = tile_offsets[bh * (q_tiles + 1) + q_tile]
+            n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
+        else:
+            first = 0
+            n_tiles = ceil_div(n_k, BLOCK_KEYS)
+            if CAUSAL:  # no key beyond the last row's diagonal
+                n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_QUERIES, n_q) + causal_offset, BLOCK_KEYS)))
         if ASYNC and n_tiles > 0:
             k0 = listed_tile(tile_entries, first, BLOCK_KEYS)[0] if HAS_MASK else 0
             start_key_tile(smem, 0, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0, head_dim, tid)

@@ -202,26 +202,6 @@ def keys_end(row, n_q, n_k, causal, causal_offset):
     return min(n_k, row + causal_offset + 1) if causal else n_k
 
 
-@lru_cache(maxsize=None)
-def visited_key_tiles(HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N):
-    """``visited(tile_offsets, bh, q_tiles, q_tile, q0, n_q, n_k, causal_offset)``: the key tiles query tile
-    ``q_tile`` (BLOCK_M rows from row q0) of head ``bh`` visits, as (first, count).  With a block mask, its list: entries first ..
-    first + count - 1 of ``tile_entries`` (``listed_tile``); else key tiles first = 0 .. count - 1 of BLOCK_N keys,
-    causal: none beyond the diagonal of the tile's last row.  For the forward and the dQ pass."""
-
-    @inlined_device_function
-    def visited(tile_offsets, bh, q_tiles, q_tile, q0, n_q, n_k, causal_offset):
-        if HAS_MASK:  # listed by the host
-            first = tile_offsets[bh * (q_tiles + 1) + q_tile]
-            return first, tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
-        n_tiles = ceil_div(n_k, BLOCK_N)
-        if CAUSAL:  # no key beyond the last row's diagonal
-            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
-        return 0, n_tiles
-
-    return visited
-
-
 @inlined_device_function
 def allowed_below(end, row, key, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c):
     """``allowed`` with the row's ``keys_end`` computed once for all its keys."""
@@ -505,5 +485,4 @@ def warp_lane(tid):
 __all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div",
            "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "kernel_name", "operand_extent",
            "pair_has_nan", "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_bounds",
-           "tile_coordinates", "tile_copier", "tile_movers", "visited_key_tiles", "warp_lane", "word_extent",
-           "words_per_chunk_row"]
+           "tile_coordinates", "tile_copier", "tile_movers", "warp_lane", "word_extent", "words_per_chunk_row"]

@@ -106,8 +106,7 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_
                        flash2_threads, padded_head_dim)
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
-                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, visited_key_tiles, warp_lane,
-                     word_extent)
+                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import copy_async_commit, copy_async_wait, exp2, shfl_xor, store_word
 
@@ -168,7 +167,6 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                                                                                    VEC)
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
-    visited = visited_key_tiles(HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N)
 
     @inlined_device_function
     def key_of(tile_entries, first, x, k_first_tile):
@@ -337,11 +335,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         smem = cuda.shared.array(0, uint32)
 
         # ---- the key tiles this query tile visits ----
-        first, n_tiles = visited(tile_offsets, bh, q_tiles, q_tile, q0, n_q, n_k, causal_offset)
-        if SPLIT:  # this block's share of the key tiles: ceil(n / splits) each, the last ones maybe none
-            share = ceil_div(n_tiles, splits)
-            first = split * share
-            n_tiles = max(0, min(n_tiles - first, share))
+        if HAS_MASK:  # listed by the host
+            first = tile_offsets[bh * (q_tiles + 1) + q_tile]
+            n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
+        else:
+            first = 0
+            n_tiles = ceil_div(n_k, BLOCK_N)
+            if CAUSAL:  # no key beyond the last row's diagonal
+                n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
+            if SPLIT:  # this block's share of the key tiles: ceil(n / splits) each, the last ones maybe none
+                share = ceil_div(n_tiles, splits)
+                first = split * share
+                n_tiles = max(0, min(n_tiles - first, share))
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
