@@ -103,8 +103,9 @@ def main():
                         dict(X=BYTES // 4, out=blocks * 32 * warps))
         stream = torch.cuda.current_stream().cuda_stream
         ms = event_ms(torch, lambda: launch(stream, x, out))
-        rows.append((f"{warps} warp(s) x {per_sm} blocks/SM, {stages} buffers, "
-                     f"{'no hint' if prefetch is None else f'L2::{prefetch}B'}", ms * BYTES / (blocks * tiles * tile_bytes)))
+        hint = "no hint" if prefetch is None else f"L2::{prefetch}B"
+        rows.append((f"{warps} warp(s) x {per_sm} blocks/SM, {stages} buffers, {hint}",
+                     ms * BYTES / (blocks * tiles * tile_bytes)))
     lines = ["| copy | ms per 537 MB | GB/s |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.4f} | {BYTES / ms / 1e6:.0f} |" for name, ms in rows]
     table = "\n".join(lines)
@@ -112,7 +113,8 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cp_async_stream_h200.md"), "w") as f:
-            f.write(f"# Streaming device memory through cp.async\n\nCommand: `python3 experiments/cp_async_stream.py`  \n"
+            f.write("# Streaming device memory through cp.async\n\n"
+                    "Command: `python3 experiments/cp_async_stream.py`  \n"
                     f"Device: {device_limits().name}  \nCUDA events, median of 20; times scaled to the whole "
                     f"537 MB where a variant reads whole tiles only (at most a tile per block short).\n\n{table}\n")
 

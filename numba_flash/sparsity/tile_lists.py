@@ -15,7 +15,7 @@ read (``listed_tile`` below decodes one entry):
 Three roles: the forward and the backward's dQ pass list key tiles per
 query tile; the dK/dV pass lists query tiles per key tile.  ``longest_first``
 orders the own tiles by the length of their lists, longest first: the forward
-runs its blocks in that order, so the tiles with the most work start first and
+runs its blocks in that order (the backward's passes keep grid order), so the tiles with the most work start first and
 the shortest (and empty) ones fill the tail.  ``mask_arguments``
 builds a role's device arrays once per (mask, shapes, tiles) and keeps them
 on the mask, which is immutable.
@@ -101,7 +101,7 @@ class MaskArguments:
 
     tile_offsets: object   # int32, (BH, own tiles + 1) flattened
     tile_entries: object   # int32
-    tile_order: object     # int32, (BH * own tiles): ``longest_first``
+    tile_order: object     # int32, (BH * own tiles): ``longest_first``; the forward's role only (None otherwise)
     layout: object         # uint8 (BH, T_r, T_c) flattened
     mask_rows: int
     mask_cols: int
@@ -134,7 +134,7 @@ def mask_arguments(block_mask, leading_shape, n_q, n_k, tiles, causal_offset, ro
                                                        causal_offset))
         forms[key] = MaskArguments(cuda.to_device(offsets.reshape(-1)),
                                    cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
-                                   cuda.to_device(longest_first(offsets)),
+                                   cuda.to_device(longest_first(offsets)) if role == "forward" else None,
                                    cuda.to_device(layout.view(np.uint8).reshape(-1)),  # flat on the host: Numba
                                    *block_mask.block_size, *layout.shape[1:],      # reshapes few device arrays
                                    partly=bool((entries & 1).any()))

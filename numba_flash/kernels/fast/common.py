@@ -101,8 +101,8 @@ def block_mask_arguments(call, tiles, role):
                     tile_order=placeholder(np.int32), M=placeholder(np.uint8), mask_rows=1, mask_cols=1, mask_t_r=1,
                     mask_t_c=1)
     lists = _mask_lists(call, tiles, role)
-    return dict(tile_offsets=lists.tile_offsets, tile_entries=lists.tile_entries, tile_order=lists.tile_order,
-                M=lists.layout,
+    order = placeholder(np.int32) if lists.tile_order is None else lists.tile_order
+    return dict(tile_offsets=lists.tile_offsets, tile_entries=lists.tile_entries, tile_order=order, M=lists.layout,
                 mask_rows=lists.mask_rows, mask_cols=lists.mask_cols, mask_t_r=lists.mask_t_r, mask_t_c=lists.mask_t_c)
 
 

@@ -133,6 +133,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     and leaves the kernel the loops of a dense one (32-row warps included).  KV_STAGES: the most shared
     buffers for K_j, V_j when they travel by cp.async (``tiling.flash2_stages``: as many as fit).
     """
+    assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_M, WARP_ROWS)
     WARP_TILES = WARP_ROWS // ROWS_PER_WARP   # 16-row fragments per warp
@@ -301,9 +302,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
-               n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M, mask_rows,
-               mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
-               splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
+               n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
+               mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb,
+               lse_sh, splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
@@ -423,8 +424,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + (f"_stages{STAGES}" if STAGES > 2 else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
-                              q_bounds=np.int32,
-                              k_bounds=np.int32),
+                              q_bounds=np.int32, k_bounds=np.int32),
                   floats=("scale_log2", "keep_scale"),
                   # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
                   # and for 16-bit at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas
