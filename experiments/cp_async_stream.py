@@ -1,4 +1,5 @@
-"""How fast can Numba kernels stream device memory through ``cp.async``?  The bound under decoding.
+"""How fast can Numba kernels stream device memory, through ``cp.async`` or the bulk copy engine?  The bound under
+decoding.
 
 Decoding one token against a KV cache reads every key and value once and does little else, so its speed
 is the speed at which its blocks can pull bytes into shared memory.  On the H200 our decoding kernel's
@@ -8,7 +9,12 @@ the fast kernels copy (each lane 16 bytes per ``cp.async``, a warp's copies cont
 block with STAGES - 1 tiles in flight, one commit group per tile), over the bytes of issue 16's case, for
 block shapes like the decoding kernel's (one warp, six blocks per multiprocessor) and bigger ones, with
 and without the ``.L2::128B`` / ``.L2::256B`` prefetch hint (``primitives.copy_async16_prefetching``).
-Each thread reads back one word of each chunk it copied, so the copies cannot be skipped.  Beside them,
+Each thread reads back one word of each chunk it copied, so the copies cannot be skipped.
+
+Then the same bytes through Hopper's bulk copy engine (``cp.async.bulk`` completing on an mbarrier,
+``kernels/hopper/bulk.py``): one thread per copy, whole tiles in one copy or row by row into rows padded
+by 16 bytes (the layout the decoding kernel's ldmatrix reads without bank conflicts), several buffers
+deep, and every thread reading one word of each 16 bytes that landed.  Beside them,
 torch's own read of the same bytes (a sum) and copy (read + write), as references.  Needs a GPU and torch.
 
     PYTHONPATH=$PWD python3 experiments/cp_async_stream.py [--out experiments/results]
@@ -23,6 +29,8 @@ from numba import cuda, uint32
 
 from numba_flash.kernels.fast.primitives import (copy_async16, copy_async16_prefetching, copy_async_commit,
                                                  copy_async_wait, load_word)
+from numba_flash.kernels.hopper.bulk import (BARRIER_BYTES, barrier_expect_bytes, barrier_init, barrier_wait,
+                                             bulk_copy, fence_barrier_init)
 from numba_flash.runtime.device import device_limits
 from numba_flash.runtime.launch import Kernel, Launch
 
@@ -30,10 +38,16 @@ from numba_flash.runtime.launch import Kernel, Launch
 BYTES = 2 * 16 * 8 * 8192 * 128 * 2
 CHUNKS = 8   # 16-byte copies per thread per tile: a one-warp tile is 4 KB (the decoding kernel's K + V tile: 8 KB)
 #: (warps per block, blocks per multiprocessor, buffers, L2 prefetch bytes or None)
-#: (shared memory per multiprocessor: at most 192 KB here, of the H200's 228)
+#: (shared memory per multiprocessor: at most 216 KB here, of the H200's 228)
 VARIANTS = [(1, 6, 2, None), (1, 6, 2, 256), (1, 6, 4, None), (1, 6, 4, 128), (1, 6, 4, 256),
             (1, 12, 4, None), (1, 12, 4, 256), (4, 4, 2, None), (4, 3, 4, None), (4, 3, 4, 256), (8, 2, 3, None),
             (8, 2, 3, 256)]
+#: Bulk copies: (warps per block, blocks per multiprocessor, buffers, tile bytes, bytes per copy, rows padded).
+#: One-warp blocks of 8 KB tiles are the decoding kernel's (16 keys of K and of V at d = 128, 256-byte rows).
+BULK_VARIANTS = [(1, 6, 2, 4096, 4096, False), (1, 6, 2, 8192, 256, True), (1, 6, 3, 8192, 256, True),
+                 (1, 6, 4, 8192, 256, True), (1, 6, 4, 8192, 8192, False), (1, 8, 3, 8192, 256, True),
+                 (1, 3, 4, 16384, 256, True), (1, 3, 4, 16384, 16384, False), (1, 2, 3, 32768, 32768, False),
+                 (4, 2, 3, 32768, 256, True), (4, 2, 6, 16384, 16384, False)]
 
 
 @lru_cache(maxsize=None)
@@ -70,6 +84,54 @@ def make_stream(WARPS, STAGES, PREFETCH):
     return Kernel(stream, name, arrays=dict(X=np.uint32, out=np.uint32)), TILE_WORDS * 4 * STAGES
 
 
+@lru_cache(maxsize=None)
+def make_bulk_stream(WARPS, STAGES, TILE_BYTES, COPY_BYTES, PADDED):
+    """Each block streams ``tiles`` tiles of TILE_BYTES through STAGES shared buffers, STAGES - 1 in flight,
+    each tile in TILE_BYTES / COPY_BYTES bulk copies issued by the first warp's lanes; shared rows of
+    COPY_BYTES, 16 bytes apart more when PADDED."""
+    THREADS = 32 * WARPS
+    COPIES = TILE_BYTES // COPY_BYTES
+    COPY_WORDS, PITCH_WORDS = COPY_BYTES // 4, (COPY_BYTES + (16 if PADDED else 0)) // 4
+    BUFFER_WORDS = COPIES * PITCH_WORDS
+    TILE_WORDS = TILE_BYTES // 4
+    CHUNKS_PER_THREAD = TILE_BYTES // 16 // THREADS
+    BARRIERS = STAGES * BUFFER_WORDS   # one mbarrier per buffer after them
+    assert COPY_BYTES % 16 == 0 and TILE_BYTES % COPY_BYTES == 0 and TILE_BYTES % (16 * THREADS) == 0
+
+    def stream(X, out, tiles):
+        tid = cuda.threadIdx.x
+        first = cuda.blockIdx.x * tiles * TILE_WORDS
+        smem = cuda.shared.array(0, uint32)
+        if tid < STAGES:
+            barrier_init(smem, BARRIERS + 2 * tid, 1)
+        fence_barrier_init()
+        cuda.syncthreads()   # the barriers initialised, for the copy engine and every thread
+        seen = uint32(0)
+        for j in range(-(STAGES - 1), tiles):
+            ahead = j + STAGES - 1   # into the buffer tile j - 1 used: every thread read it before this barrier
+            if j >= 0:
+                cuda.syncthreads()
+            if tid < 32 and ahead < tiles:
+                buffer = ahead % STAGES
+                if tid == 0:
+                    barrier_expect_bytes(smem, BARRIERS + 2 * buffer, TILE_BYTES)
+                for c in range(tid, COPIES, 32):
+                    bulk_copy(smem, buffer * BUFFER_WORDS + c * PITCH_WORDS, X, first + ahead * TILE_WORDS
+                              + c * COPY_WORDS, COPY_BYTES, smem, BARRIERS + 2 * buffer)
+            if j >= 0:
+                buffer = j % STAGES
+                barrier_wait(smem, BARRIERS + 2 * buffer, (j // STAGES) & 1)
+                for c in range(CHUNKS_PER_THREAD):
+                    chunk = c * THREADS + tid     # 16-byte chunk of the tile
+                    row, within = chunk // (COPY_BYTES // 16), chunk % (COPY_BYTES // 16)
+                    seen ^= load_word(smem, buffer * BUFFER_WORDS + row * PITCH_WORDS + within * 4)
+        out[cuda.blockIdx.x * THREADS + tid] = seen
+
+    name = f"bulk_stream_{WARPS}w_{STAGES}s_{TILE_BYTES}b_by{COPY_BYTES}" + ("_padded" if PADDED else "")
+    kernel = Kernel(stream, name, arrays=dict(X=np.uint32, out=np.uint32))
+    return kernel, STAGES * BUFFER_WORDS * 4 + STAGES * BARRIER_BYTES
+
+
 def event_ms(torch, call, repeats=20):
     samples = []
     for i in range(repeats + 3):
@@ -81,6 +143,17 @@ def event_ms(torch, call, repeats=20):
         if i >= 3:
             samples.append(begin.elapsed_time(end))
     return statistics.median(samples)
+
+
+def streamed_ms(torch, x, kernel, shared, warps, blocks, tile_bytes):
+    """A streaming kernel's time over ``x``, each of ``blocks`` blocks taking whole tiles (the rest of the bytes
+    unread), scaled to the whole of ``x``."""
+    tiles = BYTES // (blocks * tile_bytes)
+    out = torch.empty(blocks * 32 * warps, dtype=torch.int32, device="cuda")
+    launch = Launch(kernel, blocks, 32 * warps, shared, dict(tiles=tiles), ("X", "out"),
+                    dict(X=BYTES // 4, out=blocks * 32 * warps))
+    stream = torch.cuda.current_stream().cuda_stream
+    return event_ms(torch, lambda: launch(stream, x, out)) * BYTES / (blocks * tiles * tile_bytes)
 
 
 def main():
@@ -95,17 +168,15 @@ def main():
             ("torch clone (read + write, bytes counted once)", event_ms(torch, lambda: x.clone()))]
     for warps, per_sm, stages, prefetch in VARIANTS:
         kernel, shared = make_stream(warps, stages, prefetch)
-        blocks = sms * per_sm
         tile_bytes = 32 * warps * CHUNKS * 16
-        tiles = BYTES // (blocks * tile_bytes)   # each block whole tiles; the rest of the bytes unread
-        out = torch.empty(blocks * 32 * warps, dtype=torch.int32, device="cuda")
-        launch = Launch(kernel, blocks, 32 * warps, shared, dict(tiles=tiles), ("X", "out"),
-                        dict(X=BYTES // 4, out=blocks * 32 * warps))
-        stream = torch.cuda.current_stream().cuda_stream
-        ms = event_ms(torch, lambda: launch(stream, x, out))
         hint = "no hint" if prefetch is None else f"L2::{prefetch}B"
         rows.append((f"{warps} warp(s) x {per_sm} blocks/SM, {stages} buffers, {hint}",
-                     ms * BYTES / (blocks * tiles * tile_bytes)))
+                     streamed_ms(torch, x, kernel, shared, warps, sms * per_sm, tile_bytes)))
+    for warps, per_sm, stages, tile_bytes, copy_bytes, padded in BULK_VARIANTS:
+        kernel, shared = make_bulk_stream(warps, stages, tile_bytes, copy_bytes, padded)
+        rows.append((f"bulk: {warps} warp(s) x {per_sm} blocks/SM, {stages} buffers of {tile_bytes // 1024} KB, "
+                     f"{copy_bytes} B per copy" + (", rows padded" if padded else ""),
+                     streamed_ms(torch, x, kernel, shared, warps, sms * per_sm, tile_bytes)))
     lines = ["| copy | ms per 537 MB | GB/s |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.4f} | {BYTES / ms / 1e6:.0f} |" for name, ms in rows]
     table = "\n".join(lines)
@@ -113,7 +184,7 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cp_async_stream_h200.md"), "w") as f:
-            f.write("# Streaming device memory through cp.async\n\n"
+            f.write("# Streaming device memory through cp.async and the bulk copy engine\n\n"
                     "Command: `python3 experiments/cp_async_stream.py`  \n"
                     f"Device: {device_limits().name}  \nCUDA events, median of 20; times scaled to the whole "
                     f"537 MB where a variant reads whole tiles only (at most a tile per block short).\n\n{table}\n")

@@ -435,10 +435,26 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
                   + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}"),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32),
-                  # Two warpgroups at d = 64: two blocks per multiprocessor (128 registers), as four blocks of one
-                  # get; the overlapped loop would spill under that cap (ptxas: 64-96 bytes).
                   floats=("scale_log2",),
-                  launch_bounds=(THREADS, 2 if WARPGROUPS == 2 and D == 64 and not OVERLAP else 1))
+                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS)))
+
+
+def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
+    """The blocks per multiprocessor the kernel's registers must allow (``launch_bounds``' second number), or 1
+    where ptxas is best left alone.
+
+    At d = 64 the registers decide it: shared memory (42 KB a block of one warpgroup, 50 KB of two) leaves
+    room for four and two, and 65536 registers give four blocks of 128 threads at 128 registers each, three at
+    129-170.  Left alone, ptxas gives the dense kernel 128 (four blocks) and the causal one 136 (its mask and
+    NaN steps): three.  Asked for four, the causal kernel fits in 126 with no spills (ptxas 13.0, sm_90a), and
+    ran 1.12-1.23x faster on the H200; the dense one, already at four, took 1.05x longer at (4, 16, 4096, 64)
+    under the cap (126 registers, 23 more instructions a tile; 2026-12-02,
+    ``results/bench_blocks4_h200.md``), so it keeps its own allocation.  Two warpgroups: two blocks (128
+    registers), the same 16 warps.  The overlapped loop would spill under either cap (64-96 bytes), and d = 128
+    (168-180 registers, 83 KB of shared memory) runs two blocks either way."""
+    if head_dim != 64 or overlap or (warpgroups == 1 and not causal):
+        return 1
+    return 4 // warpgroups
 
 
 #: ``NUMBA_FLASH_WGMMA=0`` keeps ``algorithm="flash2"`` on the mma.sync kernel on Hopper GPUs too.

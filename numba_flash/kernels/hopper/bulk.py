@@ -1,0 +1,161 @@
+"""Hopper's bulk copy engine from Numba: ``cp.async.bulk`` and the mbarriers it completes on.
+
+numba-cuda exposes neither; these intrinsics emit them as inline PTX (plain sm_90, no arch-specific
+target).  PTX ISA, "Data Movement and Conversion Instructions: cp.async.bulk" and "Parallel
+Synchronization and Communication Instructions: mbarrier".  How the pieces fit:
+
+* ``bulk_copy(dst, dst_word, src, src_word, nbytes, smem, barrier)`` asks the copy engine for
+  ``nbytes`` (a multiple of 16, both ends 16-byte aligned) from device memory into shared memory.  One
+  thread issues it; no register holds the data and no thread waits for it.  When the bytes have
+  landed, the engine counts them off the *transaction count* of the mbarrier at word ``barrier`` of
+  ``smem`` (``.mbarrier::complete_tx::bytes``).  Where ``cp.async`` moves 16 bytes per thread and
+  instruction, one instruction here moves a whole row or tile.
+* An mbarrier (8 bytes of shared memory, 8-byte aligned) counts *phases*.  ``barrier_init(smem, word,
+  arrivals)`` sets how many arrivals a phase needs; ``barrier_expect_bytes(smem, word, nbytes)`` is one
+  arrival that also adds ``nbytes`` to the transaction count the phase must see counted off before it
+  completes.  A phase completes when both are spent; its *parity* then flips.
+  ``barrier_try_wait(smem, word, parity)`` is True once the phase of that parity has completed (it
+  suspends the thread a while before answering False, so a loop on it does not spin hot).  A buffer
+  used for tile j of a ring of S buffers waits with parity (j // S) & 1.
+* Ordering.  ``barrier_init`` is an ordinary store; ``fence_barrier_init`` makes it visible to the
+  copy engine, and a block barrier after it to the other threads, before anyone waits or copies.  The
+  bytes a completed phase announces are visible to every thread that saw it complete: no further fence
+  or barrier is needed to read them.  The other way round (a buffer read by ordinary loads, then
+  refilled by the engine) is ordered by the block barrier all readers pass before the refill is issued.
+  A thread that wrote a buffer with ordinary stores which the engine will write later needs
+  ``fence.proxy.async`` (``wgmma.fence_proxy_async``) before the barrier that hands the buffer over.
+
+The simulator has no copy engine: there ``bulk_copy`` copies at once (one of the orders the GPU may
+choose), the barriers count nothing and ``barrier_try_wait`` is True.  Whether a kernel waits for its
+tiles before it reads them only the GPU can say (compute-sanitizer's racecheck and synccheck, and its
+results: ``tests/gpu_sanitize.py``).
+"""
+from numba import config
+
+from ...runtime.launch import inlined_device_function
+from ..fast.primitives import ptx_statement
+
+#: Bytes of an mbarrier (and its alignment).
+BARRIER_BYTES = 8
+
+#: The barriers' initialisation, made visible to the copy engine (then a block barrier: to the threads).
+fence_barrier_init = ptx_statement("fence.mbarrier_init.release.cluster;")
+
+if not config.ENABLE_CUDASIM:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from ..fast.primitives import _element_pointer, _flat_words
+
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+    def _shared_address(context, builder, arrty, arr, index, indexty):
+        """The 32-bit shared-window address of ``arr[index]``."""
+        pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
+        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 3)), _I32)
+
+    def _device_address(context, builder, arrty, arr, index, indexty):
+        """The 64-bit global address of ``arr[index]``."""
+        pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
+        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1)), _I64)
+
+    def _as_i32(context, builder, value, ty):
+        return context.cast(builder, value, ty, types.uint32)
+
+    @intrinsic
+    def barrier_init(typingctx, smem, word, arrivals):
+        """mbarrier at ``smem[word:word + 2]``: a phase needs ``arrivals`` arrivals (and its bytes)."""
+        if not (_flat_words(smem, word, 32) and isinstance(arrivals, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]),
+                               "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", side_effect=True)
+            builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
+            return context.get_dummy_value()
+
+        return types.void(smem, word, arrivals), codegen
+
+    @intrinsic
+    def barrier_expect_bytes(typingctx, smem, word, nbytes):
+        """One arrival on the mbarrier at ``smem[word]`` that also expects ``nbytes`` more of copies."""
+        if not (_flat_words(smem, word, 32) and isinstance(nbytes, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]),
+                               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
+            return context.get_dummy_value()
+
+        return types.void(smem, word, nbytes), codegen
+
+    @intrinsic
+    def barrier_try_wait(typingctx, smem, word, parity):
+        """Whether the phase of ``parity`` (0 or 1) of the mbarrier at ``smem[word]`` has completed."""
+        if not (_flat_words(smem, word, 32) and isinstance(parity, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32, _I32]),
+                               "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
+                               "selp.u32 $0, 1, 0, done; }", "=r,r,r,~{memory}", side_effect=True)
+            done = builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
+            return builder.icmp_unsigned("!=", done, ir.Constant(_I32, 0))
+
+        return types.boolean(smem, word, parity), codegen
+
+    @intrinsic
+    def bulk_copy(typingctx, dst, dst_word, src, src_word, nbytes, smem, barrier):
+        """Start copying ``nbytes`` from ``src[src_word]`` (device memory) to ``dst[dst_word]`` (shared memory),
+        counted off the mbarrier at ``smem[barrier]`` when they land (32-bit words; 16-byte aligned ends,
+        ``nbytes`` a multiple of 16)."""
+        if not (_flat_words(dst, dst_word, 32) and _flat_words(src, src_word, 32) and _flat_words(smem, barrier, 32)
+                and isinstance(nbytes, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            to = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            origin = _device_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            at = _shared_address(context, builder, sig.args[5], args[5], args[6], sig.args[6])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32, _I32]),
+                               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+                               "r,l,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [to, origin, _as_i32(context, builder, args[4], sig.args[4]), at])
+            return context.get_dummy_value()
+
+        return types.void(dst, dst_word, src, src_word, nbytes, smem, barrier), codegen
+
+else:
+    def barrier_init(smem, word, arrivals):
+        """Nothing to count here: the simulator's copies land when they are issued."""
+
+    def barrier_expect_bytes(smem, word, nbytes):
+        """Nothing to count here."""
+
+    def barrier_try_wait(smem, word, parity):
+        """Every copy issued has landed."""
+        return True
+
+    def bulk_copy(dst, dst_word, src, src_word, nbytes, smem, barrier):
+        """Copy now (16-byte aligned ends and a multiple of 16 bytes, as the engine requires)."""
+        if dst_word % 4 or src_word % 4 or nbytes % 16 or nbytes <= 0:
+            raise IndexError(f"bulk_copy: words {dst_word}, {src_word} and {nbytes} bytes are not 16-byte units")
+        words = nbytes // 4
+        dst[dst_word:dst_word + words] = src[src_word:src_word + words]
+
+
+@inlined_device_function
+def barrier_wait(smem, word, parity):
+    """Wait until the phase of ``parity`` of the mbarrier at ``smem[word]`` has completed."""
+    while not barrier_try_wait(smem, word, parity):
+        pass
+
+
+__all__ = ["BARRIER_BYTES", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait", "bulk_copy",
+           "fence_barrier_init"]
