@@ -63,36 +63,31 @@ if not config.ENABLE_CUDASIM:
     def _as_i32(context, builder, value, ty):
         return context.cast(builder, value, ty, types.uint32)
 
-    @intrinsic
-    def barrier_init(typingctx, smem, word, arrivals):
-        """mbarrier at ``smem[word:word + 2]``: a phase needs ``arrivals`` arrivals (and its bytes)."""
-        if not (_flat_words(smem, word, 32) and isinstance(arrivals, types.Integer)):
-            return None
+    def _barrier_operation(text, doc):
+        """An mbarrier instruction on ``smem[word]`` with one 32-bit operand: ``f(smem, word, value)``."""
+        @intrinsic
+        def operation(typingctx, smem, word, value):
+            if not (_flat_words(smem, word, 32) and isinstance(value, types.Integer)):
+                return None
 
-        def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]),
-                               "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", side_effect=True)
-            builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), text, "r,r,~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
+                return context.get_dummy_value()
 
-        return types.void(smem, word, arrivals), codegen
+            return types.void(smem, word, value), codegen
 
-    @intrinsic
-    def barrier_expect_bytes(typingctx, smem, word, nbytes):
-        """One arrival on the mbarrier at ``smem[word]`` that also expects ``nbytes`` more of copies."""
-        if not (_flat_words(smem, word, 32) and isinstance(nbytes, types.Integer)):
-            return None
+        operation.__doc__ = doc
+        return operation
 
-        def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]),
-                               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
-            return context.get_dummy_value()
-
-        return types.void(smem, word, nbytes), codegen
+    barrier_init = _barrier_operation(
+        "mbarrier.init.shared::cta.b64 [$0], $1;",
+        "mbarrier at ``smem[word:word + 2]``: a phase needs ``arrivals`` arrivals (and its bytes).")
+    barrier_expect_bytes = _barrier_operation(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        "One arrival on the mbarrier at ``smem[word]`` that also expects ``nbytes`` more of copies.")
 
     @intrinsic
     def barrier_try_wait(typingctx, smem, word, parity):
