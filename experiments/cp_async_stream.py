@@ -9,13 +9,18 @@ the fast kernels copy (each lane 16 bytes per ``cp.async``, a warp's copies cont
 block with STAGES - 1 tiles in flight, one commit group per tile), over the bytes of issue 16's case, for
 block shapes like the decoding kernel's (one warp, six blocks per multiprocessor) and bigger ones, with
 and without the ``.L2::128B`` / ``.L2::256B`` prefetch hint (``primitives.copy_async16_prefetching``).
-Each thread reads back one word of each chunk it copied, so the copies cannot be skipped.
+Each thread reads back one word of each chunk it copied, so the copies cannot be skipped.  Two orders: each
+block its own contiguous run of tiles (as the decoding kernel's splits read their keys), or interleaved
+(block b's x-th tile is tile x * blocks + b: the blocks running at one time read neighbouring tiles).
 
 Then the same bytes through Hopper's bulk copy engine (``cp.async.bulk`` completing on an mbarrier,
 ``kernels/hopper/bulk.py``): one thread per copy, whole tiles in one copy or row by row into rows padded
 by 16 bytes (the layout the decoding kernel's ldmatrix reads without bank conflicts), several buffers
 deep, and every thread reading one word of each 16 bytes that landed.  Beside them,
-torch's own read of the same bytes (a sum) and copy (read + write), as references.  Needs a GPU and torch.
+torch's own read of the same bytes (a sum) and copy (read + write), as references.  Every row is timed twice:
+over one buffer again and again, and over ROTATE buffers in turn, so that what the 50 MB L2 kept of the
+last pass cannot serve the next one (the way a model's layers each read their own cache).  Needs a GPU and
+torch.
 
     PYTHONPATH=$PWD python3 experiments/cp_async_stream.py [--out experiments/results]
 """
@@ -32,16 +37,20 @@ from numba_flash.kernels.fast.primitives import (copy_async16, copy_async16_pref
 from numba_flash.kernels.hopper.bulk import (BARRIER_BYTES, barrier_expect_bytes, barrier_init, barrier_wait,
                                              bulk_copy, fence_barrier_init)
 from numba_flash.runtime.device import device_limits
-from numba_flash.runtime.launch import Kernel, Launch
+from numba_flash.runtime.launch import Kernel, Launch, inlined_device_function
 
 #: Issue 16's decoding case: (B, H_kv, N, d) = (16, 8, 8192, 128) float16, K and V.
 BYTES = 2 * 16 * 8 * 8192 * 128 * 2
 CHUNKS = 8   # 16-byte copies per thread per tile: a one-warp tile is 4 KB (the decoding kernel's K + V tile: 8 KB)
 #: (warps per block, blocks per multiprocessor, buffers, L2 prefetch bytes or None)
 #: (shared memory per multiprocessor: at most 216 KB here, of the H200's 228)
-VARIANTS = [(1, 6, 2, None), (1, 6, 2, 256), (1, 6, 4, None), (1, 6, 4, 128), (1, 6, 4, 256),
-            (1, 12, 4, None), (1, 12, 4, 256), (4, 4, 2, None), (4, 3, 4, None), (4, 3, 4, 256), (8, 2, 3, None),
-            (8, 2, 3, 256)]
+#: (the last, interleaved: whether the blocks' tiles interleave)
+VARIANTS = [(1, 6, 2, None, False), (1, 6, 4, None, False), (1, 6, 4, None, True), (1, 6, 4, 128, False),
+            (1, 6, 4, 256, False), (1, 6, 6, None, False), (1, 6, 6, None, True), (1, 12, 4, None, False),
+            (1, 12, 4, None, True), (4, 4, 2, None, False), (4, 4, 2, None, True), (4, 3, 4, None, False),
+            (8, 2, 3, None, False), (8, 2, 3, None, True)]
+#: Buffers of BYTES read in turn by the rotating timing.
+ROTATE = 4
 #: Bulk copies: (warps per block, blocks per multiprocessor, buffers, tile bytes, bytes per copy, rows padded).
 #: One-warp blocks of 8 KB tiles are the decoding kernel's (16 keys of K and of V at d = 128, 256-byte rows).
 BULK_VARIANTS = [(1, 6, 2, 4096, 4096, False), (1, 6, 2, 8192, 256, True), (1, 6, 3, 8192, 256, True),
@@ -51,22 +60,28 @@ BULK_VARIANTS = [(1, 6, 2, 4096, 4096, False), (1, 6, 2, 8192, 256, True), (1, 6
 
 
 @lru_cache(maxsize=None)
-def make_stream(WARPS, STAGES, PREFETCH):
+def make_stream(WARPS, STAGES, PREFETCH, INTERLEAVED):
     THREADS = 32 * WARPS
     TILE_WORDS = THREADS * CHUNKS * 4
     copy = copy_async16 if PREFETCH is None else copy_async16_prefetching[PREFETCH]
     wait_oldest = copy_async_wait(STAGES - 2)
 
+    @inlined_device_function
+    def tile_word(x, tiles_per_block):
+        """The first word of this block's x-th tile."""
+        if INTERLEAVED:
+            return (x * cuda.gridDim.x + cuda.blockIdx.x) * TILE_WORDS
+        return (cuda.blockIdx.x * tiles_per_block + x) * TILE_WORDS
+
     def stream(X, out, tiles):
         tid = cuda.threadIdx.x
-        first = cuda.blockIdx.x * tiles * TILE_WORDS   # this block's words: tiles whole tiles
         smem = cuda.shared.array(0, uint32)
         seen = uint32(0)
         for x in range(STAGES - 1):   # the pipeline's prologue
             if x < tiles:
                 for c in range(CHUNKS):   # chunk c of every lane: a warp's 32 copies are 512 contiguous bytes
                     word = (c * THREADS + tid) * 4
-                    copy(smem, (x % STAGES) * TILE_WORDS + word, X, first + x * TILE_WORDS + word, True)
+                    copy(smem, (x % STAGES) * TILE_WORDS + word, X, tile_word(x, tiles) + word, True)
             copy_async_commit()
         for j in range(tiles):
             wait_oldest()   # tile j has landed (for this thread: it reads only its own copies)
@@ -74,13 +89,14 @@ def make_stream(WARPS, STAGES, PREFETCH):
             if ahead < tiles:   # into the buffer tile j - 1 used, which this thread has read
                 for c in range(CHUNKS):
                     word = (c * THREADS + tid) * 4
-                    copy(smem, (ahead % STAGES) * TILE_WORDS + word, X, first + ahead * TILE_WORDS + word, True)
+                    copy(smem, (ahead % STAGES) * TILE_WORDS + word, X, tile_word(ahead, tiles) + word, True)
             copy_async_commit()
             for c in range(CHUNKS):
                 seen ^= load_word(smem, (j % STAGES) * TILE_WORDS + (c * THREADS + tid) * 4)
         out[cuda.blockIdx.x * THREADS + tid] = seen
 
-    name = f"cp_async_stream_{WARPS}w_{STAGES}s" + ("" if PREFETCH is None else f"_l2_{PREFETCH}")
+    name = (f"cp_async_stream_{WARPS}w_{STAGES}s" + ("" if PREFETCH is None else f"_l2_{PREFETCH}")
+            + ("_interleaved" if INTERLEAVED else ""))
     return Kernel(stream, name, arrays=dict(X=np.uint32, out=np.uint32)), TILE_WORDS * 4 * STAGES
 
 
@@ -133,11 +149,12 @@ def make_bulk_stream(WARPS, STAGES, TILE_BYTES, COPY_BYTES, PADDED):
 
 
 def event_ms(torch, call, repeats=20):
+    """Median ms of ``call(i)`` for i = 0, 1, ... (after 3 untimed calls): the call picks its buffer by i."""
     samples = []
     for i in range(repeats + 3):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        call()
+        call(i)
         end.record()
         end.synchronize()
         if i >= 3:
@@ -145,15 +162,16 @@ def event_ms(torch, call, repeats=20):
     return statistics.median(samples)
 
 
-def streamed_ms(torch, x, kernel, shared, warps, blocks, tile_bytes):
-    """A streaming kernel's time over ``x``, each of ``blocks`` blocks taking whole tiles (the rest of the bytes
-    unread), scaled to the whole of ``x``."""
+def streamed_ms(torch, xs, kernel, shared, warps, blocks, tile_bytes):
+    """A streaming kernel's times (ms over xs[0] again and again, ms over the buffers xs in turn), each of
+    ``blocks`` blocks taking whole tiles (the rest of the bytes unread), scaled to the whole of a buffer."""
     tiles = BYTES // (blocks * tile_bytes)
     out = torch.empty(blocks * 32 * warps, dtype=torch.int32, device="cuda")
     launch = Launch(kernel, blocks, 32 * warps, shared, dict(tiles=tiles), ("X", "out"),
                     dict(X=BYTES // 4, out=blocks * 32 * warps))
     stream = torch.cuda.current_stream().cuda_stream
-    return event_ms(torch, lambda: launch(stream, x, out)) * BYTES / (blocks * tiles * tile_bytes)
+    scale = BYTES / (blocks * tiles * tile_bytes)
+    return tuple(event_ms(torch, lambda i: launch(stream, xs[i % rotate], out)) * scale for rotate in (1, len(xs)))
 
 
 def main():
@@ -163,22 +181,29 @@ def main():
     import torch
 
     sms = device_limits().multiprocessors
-    x = torch.empty(BYTES // 4, dtype=torch.int32, device="cuda").random_()
-    rows = [("torch sum (read)", event_ms(torch, lambda: x.sum())),
-            ("torch clone (read + write, bytes counted once)", event_ms(torch, lambda: x.clone()))]
-    for warps, per_sm, stages, prefetch in VARIANTS:
-        kernel, shared = make_stream(warps, stages, prefetch)
+    xs = [torch.empty(BYTES // 4, dtype=torch.int32, device="cuda").random_() for _ in range(ROTATE)]
+
+    def both(call):
+        return tuple(event_ms(torch, lambda i: call(xs[i % rotate])) for rotate in (1, ROTATE))
+
+    rows = [("torch sum (read)", both(lambda x: x.sum())),
+            ("torch clone (read + write, bytes counted once)", both(lambda x: x.clone()))]
+    for warps, per_sm, stages, prefetch, interleaved in VARIANTS:
+        kernel, shared = make_stream(warps, stages, prefetch, interleaved)
         tile_bytes = 32 * warps * CHUNKS * 16
         hint = "no hint" if prefetch is None else f"L2::{prefetch}B"
-        rows.append((f"{warps} warp(s) x {per_sm} blocks/SM, {stages} buffers, {hint}",
-                     streamed_ms(torch, x, kernel, shared, warps, sms * per_sm, tile_bytes)))
+        rows.append((f"{warps} warp(s) x {per_sm} blocks/SM, {stages} buffers, {hint}"
+                     + (", interleaved" if interleaved else ""),
+                     streamed_ms(torch, xs, kernel, shared, warps, sms * per_sm, tile_bytes)))
     for warps, per_sm, stages, tile_bytes, copy_bytes, padded in BULK_VARIANTS:
         kernel, shared = make_bulk_stream(warps, stages, tile_bytes, copy_bytes, padded)
         rows.append((f"bulk: {warps} warp(s) x {per_sm} blocks/SM, {stages} buffers of {tile_bytes // 1024} KB, "
                      f"{copy_bytes} B per copy" + (", rows padded" if padded else ""),
-                     streamed_ms(torch, x, kernel, shared, warps, sms * per_sm, tile_bytes)))
-    lines = ["| copy | ms per 537 MB | GB/s |", "|---|---|---|"]
-    lines += [f"| {name} | {ms:.4f} | {BYTES / ms / 1e6:.0f} |" for name, ms in rows]
+                     streamed_ms(torch, xs, kernel, shared, warps, sms * per_sm, tile_bytes)))
+    lines = [f"| copy | ms per 537 MB, one buffer | GB/s | ms, {ROTATE} buffers in turn | GB/s |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {name} | {one:.4f} | {BYTES / one / 1e6:.0f} | {turn:.4f} | {BYTES / turn / 1e6:.0f} |"
+              for name, (one, turn) in rows]
     table = "\n".join(lines)
     print(table, flush=True)
     if args.out:

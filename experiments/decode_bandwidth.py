@@ -11,6 +11,10 @@ call's whole time, host included.  In the same process:
 ``numba_flash.attention_with_kv_cache`` (with and without appending the new
 token's key and value), and torch's SDPA backends on the same q, k, v
 (``enable_gqa=True``; a backend that refuses the shapes is listed as such).
+Every call reads the next of ``--caches`` sets of inputs (4: 2.1 GB), as a
+model's layers each read their own cache, so that what the 50 MB L2 kept of
+one call cannot serve the next; a column gives the time over one set read
+again and again, as the runs before 2026-12-02 (session 16) timed it.
 
     PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py            # (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128)
     PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py --quick    # a small case (runs in the simulator, times nothing)
@@ -51,6 +55,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--caches", type=int, default=4, help="sets of q and caches read in turn (default 4)")
     parser.add_argument("--no-sweep", action="store_true", help="the first table only (no tiles, splits or buffers)")
     args = parser.parse_args(argv)
     import torch
@@ -66,65 +71,92 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if not simulator else torch.float32
     b, h, hk, n, d = (shape[key] for key in ("batch", "heads", "kv_heads", "n", "d"))
     generator = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=generator)
-    k_cache, v_cache = (torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=generator) for _ in range(2))
-    k_new, v_new = (torch.randn(b, hk, 1, d, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    # CACHES sets of inputs, read in turn: a model's layers each read their own cache, so what L2 (50 MB)
+    # kept of one call's 537 MB never serves the next.  The ``ms, one cache`` column reads one set again and
+    # again, as earlier runs of this script did.
+    sets = [dict(q=torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=generator),
+                 k_cache=torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=generator),
+                 v_cache=torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=generator),
+                 k_new=torch.randn(b, hk, 1, d, device=device, dtype=dtype, generator=generator),
+                 v_new=torch.randn(b, hk, 1, d, device=device, dtype=dtype, generator=generator))
+            for _ in range(1 if simulator else args.caches)]
+    turn = [0]
+
+    def now():
+        """The set of inputs the next call reads."""
+        return sets[turn[0] % len(sets)]
+
+    def next_set():
+        turn[0] += 1
+
     full = np.full(b, n, np.int32)       # every entry holds n keys (host lengths: no device-to-host wait)
     one_short = full - 1                 # ... or n - 1, and the call appends the n-th
-    kv_bytes = 2 * b * hk * n * d * q.element_size()
+    kv_bytes = 2 * b * hk * n * d * sets[0]["q"].element_size()
     repeats, warmup = (1, 0) if simulator else (REPEATS, 3)   # the simulator's run checks the pipeline only
 
     def ours():
-        numba_flash.attention_with_kv_cache(q, k_cache, v_cache, full)
+        x = now()
+        numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], full)
 
     def ours_append():
-        numba_flash.attention_with_kv_cache(q, k_cache, v_cache, one_short, k_new=k_new, v_new=v_new)
+        x = now()
+        numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], one_short, k_new=x["k_new"],
+                                            v_new=x["v_new"])
 
     runs = [("numba-flash", ours), ("numba-flash, appending the token", ours_append)]
     for name, backend in (("torch math", SDPBackend.MATH), ("torch mem-efficient", SDPBackend.EFFICIENT_ATTENTION),
                           ("torch flash", SDPBackend.FLASH_ATTENTION), ("torch cuDNN", SDPBackend.CUDNN_ATTENTION)):
         def peer(backend=backend):
+            x = now()
             with sdpa_kernel(backend):
-                sdpa(q, k_cache, v_cache, enable_gqa=True)
+                sdpa(x["q"], x["k_cache"], x["v_cache"], enable_gqa=True)
         runs.append((name, peer))
-    source = torch.empty(kv_bytes // 2, dtype=torch.float16, device=device)
+    source = torch.empty(kv_bytes // 2, dtype=torch.float16, device=device)   # the copy: one buffer (1.07 GB moved)
     target = torch.empty_like(source)
-    gpu_ms = partial(time_ms, repeats=repeats, warmup=warmup, device_only=True)
-    copy_ms = gpu_ms(lambda: target.copy_(source))
+    gpu_ms = partial(time_ms, repeats=repeats, warmup=warmup, device_only=True, setup=next_set)
+    one_cache_ms = partial(time_ms, repeats=repeats, warmup=warmup, device_only=True)
+    copy_ms = one_cache_ms(lambda: target.copy_(source))
     copy_bandwidth = 2 * kv_bytes / (copy_ms * 1e-3)      # read + written per second
 
     rows = []
     for name, run in runs:
         try:
             ms = gpu_ms(run)
-            whole_ms = time_ms(run, repeats=repeats, warmup=warmup)
+            one_ms = one_cache_ms(run)
+            whole_ms = time_ms(run, repeats=repeats, warmup=warmup, setup=next_set)
         except RuntimeError as error:
             rows.append(dict(implementation=name, ms="n/a", kv_gb_per_s="", of_copy_bandwidth="", whole_call_ms="",
-                             note=str(error).splitlines()[0][:80]))
+                             ms_one_cache="", note=str(error).splitlines()[0][:80]))
             continue
         rate = kv_bytes / (ms * 1e-3)
         rows.append(dict(implementation=name, ms=f"{ms:.4f}", kv_gb_per_s=f"{rate / 1e9:.0f}",
-                         of_copy_bandwidth=f"{rate / copy_bandwidth:.2f}", whole_call_ms=f"{whole_ms:.4f}", note=""))
+                         of_copy_bandwidth=f"{rate / copy_bandwidth:.2f}", whole_call_ms=f"{whole_ms:.4f}",
+                         ms_one_cache=f"{one_ms:.4f}", note=""))
         print(rows[-1], flush=True)
     sweep = []
     for tiles in () if args.no_sweep else SWEEP_TILES if not simulator else ((16, 16),):
         for splits in SWEEP_SPLITS if not simulator else (0, 2):
             def tried(tiles=tiles, splits=splits):
-                numba_flash.attention_with_kv_cache(q, k_cache, v_cache, full, block_sizes=tiles, num_splits=splits)
+                x = now()
+                numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], full, block_sizes=tiles,
+                                                    num_splits=splits)
             ms = gpu_ms(tried)
             sweep.append(dict(block_sizes=str(tiles),
                               num_splits=splits or "0 (default)", ms=f"{ms:.4f}",
                               of_copy_bandwidth=f"{kv_bytes / (ms * 1e-3) / copy_bandwidth:.2f}"))
             print(sweep[-1], flush=True)
     # The buffers need tiles that travel by cp.async: 16-bit (the simulator's run converts to float16).
-    q16, k16, v16 = (x if x.dtype != torch.float32 else x.half() for x in (q, k_cache, v_cache))
+    halves = [{name: x[name] if x[name].dtype != torch.float32 else x[name].half() for name in ("q", "k_cache",
+                                                                                               "v_cache")}
+              for x in sets]
     buffers = []
     for tiles in () if args.no_sweep else SWEEP_STAGE_TILES if not simulator else ((16, 16),):
         for stages in SWEEP_STAGES if not simulator else (2, 3):
             for splits in SWEEP_STAGE_SPLITS if not simulator else (0,):
                 def tried(tiles=tiles, stages=stages, splits=splits):
-                    numba_flash.attention_with_kv_cache(q16, k16, v16, full, block_sizes=tiles, num_splits=splits,
-                                                        kv_stages=stages)
+                    x = halves[turn[0] % len(halves)]
+                    numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], full, block_sizes=tiles,
+                                                        num_splits=splits, kv_stages=stages)
                 try:
                     ms = gpu_ms(tried)
                 except ValueError as error:   # more buffers than shared memory holds
@@ -150,8 +182,10 @@ def main(argv=None):
         f.write(f"\n(B, H_q, H_kv, N_q, N, d) = ({b}, {h}, {hk}, 1, {n}, {d}), {dtype}; K and V: {kv_bytes / 1e6:.0f} MB "
                 f"read per step.  Copy bandwidth on this card (device-to-device, read + written): "
                 f"{copy_bandwidth / 1e9:.0f} GB/s.  Target: >= 0.70 of it, and >= 1.0x the fastest torch backend.  "
-                f"ms: GPU time (the stream held while the host issues the call); whole_call_ms: the call from "
-                f"the host's first step to the last kernel's end.\n\n")
+                f"ms: GPU time (the stream held while the host issues the call), {len(sets)} sets of q and "
+                f"caches read in turn; ms_one_cache: the same, one set read again and again (L2 may keep part "
+                f"of it between calls); whole_call_ms: the call from the host's first step to the last "
+                f"kernel's end.\n\n")
         f.write(markdown_table(rows))
         if sweep:
             f.write("\nTiles and split counts (num_splits 0: the library's choice for those tiles):\n\n")

@@ -108,6 +108,27 @@ def test_deeper_kv_pipelines_decode_as_two_buffers_do(dtype, stages):
         assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
 
 
+@pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
+def test_one_plan_decodes_call_after_call_as_lengths_change(dtype):
+    # Three splits take turns along the key tiles (split s: tiles s, s + 3, ...), so entries of 1, 17 or 33
+    # keys (one, two, three tiles of 16) leave some splits with nothing, and an entry of 0 leaves all; the
+    # same plan (shapes unchanged) runs again as the lengths change, as in generation.
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 4, 1, 16)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((2, 2, 200, 16)).astype(dtype) for _ in range(2))
+    for lengths in ([200, 57], [1, 200], [0, 17], [33, 200], [200, 57]):
+        seqlens = np.array(lengths, np.int32)
+        out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=(16, 16),
+                                                       num_splits=3, return_lse=True)
+        for b, length in enumerate(seqlens):
+            if length == 0:
+                assert np.all(out[b].astype(np.float32) == 0) and np.all(np.isneginf(lse[b]))
+                continue
+            k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
+            ref_out, ref_lse = reference.attention(q[b], k, v)
+            assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
+
+
 Q = np.zeros((2, 4, 1, 8), np.float32)
 CACHE = np.zeros((2, 2, 10, 8), np.float32)
 NEW = np.zeros((2, 2, 3, 8), np.float32)
