@@ -207,6 +207,19 @@ if not config.ENABLE_CUDASIM:
         index = context.cast(builder, index, indexty, types.intp)
         return builder.gep(data, [index], inbounds=True)
 
+    def _shared_address(context, builder, arrty, arr, index, indexty):
+        """The 32-bit shared-window address of ``arr[index]``, ``arr`` holding a generic pointer into shared
+        memory: the address NVVM's own shared loads use (a 64-bit generic address and a cvta in the asm cost
+        two registers per address and spilled flash2 at its register cap)."""
+        pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
+        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 3)), _I32)
+
+    def _global_address(context, builder, arrty, arr, index, indexty):
+        """The 64-bit global-window address of ``arr[index]`` (``arr`` in device memory)."""
+        pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
+        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1)),
+                                ir.IntType(64))
+
     def _flat_words(arr, index, bitwidth=None):
         """Typing test of the memory intrinsics: a 1-D array (of ``bitwidth``-bit elements) and an integer."""
         return (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)
@@ -286,18 +299,14 @@ if not config.ENABLE_CUDASIM:
                 return None
 
             def codegen(context, builder, sig, args):
-                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                # The array holds a generic pointer into shared memory: cast it to the shared window and
-                # pass a 32-bit address, as NVVM's own shared loads use (a 64-bit generic address and a cvta
-                # in the asm cost two registers per address and spilled flash2 at its register cap).
-                shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+                row = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
                 # The offset is added to the finished 32-bit address, where a constant one can become the
                 # instruction's immediate whatever the index holds (a buffer's runtime offset, say).  SASS of
                 # the d = 128 forward's key-tile loop: 820 instructions, against 833 with the offset in the
                 # index (the same at d = 64).
                 offset_bytes = builder.mul(builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2],
                                            ir.Constant(_I32, 4))
-                address = builder.add(builder.ptrtoint(shared, _I32), offset_bytes)
+                address = builder.add(row, offset_bytes)
                 registers = ", ".join(f"${i}" for i in range(count))
                 # Side effects: never hoisted out of a loop or merged across the barrier that publishes a tile.
                 asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * count), [_I32]),
@@ -331,11 +340,8 @@ if not config.ENABLE_CUDASIM:
                 return None
 
             def codegen(context, builder, sig, args):
-                to = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                to = builder.ptrtoint(builder.addrspacecast(to, ir.PointerType(to.type.pointee, 3)), _I32)
-                origin = _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-                origin = builder.ptrtoint(builder.addrspacecast(origin, ir.PointerType(origin.type.pointee, 1)),
-                                          ir.IntType(64))
+                to = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                origin = _global_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
                 # The source size operand: 16 bytes, or 0 (the hardware fills the 16 bytes with zeros).
                 size = builder.select(args[4], ir.Constant(_I32, 16), ir.Constant(_I32, 0))
                 # .cg: the tile goes to shared memory through L2 only (every block reads it once from there).

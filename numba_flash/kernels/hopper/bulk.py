@@ -46,19 +46,9 @@ if not config.ENABLE_CUDASIM:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from ..fast.primitives import _element_pointer, _flat_words
+    from ..fast.primitives import _flat_words, _global_address, _shared_address
 
     _I32, _I64 = ir.IntType(32), ir.IntType(64)
-
-    def _shared_address(context, builder, arrty, arr, index, indexty):
-        """The 32-bit shared-window address of ``arr[index]``."""
-        pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
-        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 3)), _I32)
-
-    def _device_address(context, builder, arrty, arr, index, indexty):
-        """The 64-bit global address of ``arr[index]``."""
-        pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
-        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1)), _I64)
 
     def _as_i32(context, builder, value, ty):
         return context.cast(builder, value, ty, types.uint32)
@@ -116,7 +106,7 @@ if not config.ENABLE_CUDASIM:
 
         def codegen(context, builder, sig, args):
             to = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            origin = _device_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            origin = _global_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
             at = _shared_address(context, builder, sig.args[5], args[5], args[6], sig.args[6])
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32, _I32]),
                                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
