@@ -341,7 +341,10 @@ DECODE_CHUNKS_PER_THREAD = 8
 #: tiles less one are in flight while one is computed on.  Timed as GPU time on the H200 (2026-12-02,
 #: results/decode_h200.md, (16, 32, 8, 1, 8192, 128) float16): 3, 4 or 6 buffers at their best split took
 #: 0.151-0.154 ms against 0.151-0.152 for two, so the bytes in flight are not what bounds it there, and the
-#: default stays at two (the least shared memory).
+#: default stays at two (the least shared memory).  Those runs had each split read one contiguous run of
+#: tiles; with the splits taking turns (since 2026-12-02, 1.04x) copies alone gain from more buffers
+#: (results/cp_async_stream_h200.md: one-warp blocks, 0.1290 ms at six against 0.1331 at four), untimed
+#: here yet.
 DECODE_KV_STAGES = 2
 
 
