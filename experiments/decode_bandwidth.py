@@ -71,9 +71,9 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if not simulator else torch.float32
     b, h, hk, n, d = (shape[key] for key in ("batch", "heads", "kv_heads", "n", "d"))
     generator = torch.Generator(device=device).manual_seed(0)
-    # CACHES sets of inputs, read in turn: a model's layers each read their own cache, so what L2 (50 MB)
-    # kept of one call's 537 MB never serves the next.  The ``ms, one cache`` column reads one set again and
-    # again, as earlier runs of this script did.
+    # ``--caches`` sets of inputs, read in turn: a model's layers each read their own cache, so what L2 (50 MB)
+    # kept of one call's 537 MB cannot serve the next.  The ms_one_cache column reads one set again and again,
+    # as runs of this script before 2026-12-02 did (within 1% of the rotating times, every implementation).
     sets = [dict(q=torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=generator),
                  k_cache=torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=generator),
                  v_cache=torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=generator),
