@@ -82,9 +82,9 @@ def main(argv=None):
             for _ in range(1 if simulator else args.caches)]
     turn = [0]
 
-    def now():
-        """The set of inputs the next call reads."""
-        return sets[turn[0] % len(sets)]
+    def now(inputs=sets):
+        """The set of ``inputs`` the next call reads."""
+        return inputs[turn[0] % len(inputs)]
 
     def next_set():
         turn[0] += 1
@@ -146,15 +146,13 @@ def main(argv=None):
                               of_copy_bandwidth=f"{kv_bytes / (ms * 1e-3) / copy_bandwidth:.2f}"))
             print(sweep[-1], flush=True)
     # The buffers need tiles that travel by cp.async: 16-bit (the simulator's run converts to float16).
-    halves = [{name: x[name] if x[name].dtype != torch.float32 else x[name].half() for name in ("q", "k_cache",
-                                                                                               "v_cache")}
-              for x in sets]
+    halves = [{name: t.half() if t.dtype == torch.float32 else t for name, t in x.items()} for x in sets]
     buffers = []
     for tiles in () if args.no_sweep else SWEEP_STAGE_TILES if not simulator else ((16, 16),):
         for stages in SWEEP_STAGES if not simulator else (2, 3):
             for splits in SWEEP_STAGE_SPLITS if not simulator else (0,):
                 def tried(tiles=tiles, stages=stages, splits=splits):
-                    x = halves[turn[0] % len(halves)]
+                    x = now(halves)
                     numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], full, block_sizes=tiles,
                                                         num_splits=splits, kv_stages=stages)
                 try:

@@ -97,7 +97,7 @@ if not config.ENABLE_CUDASIM:
     from numba.cuda.extending import intrinsic
 
     _F32 = ir.FloatType()
-    _I32 = ir.IntType(32)
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
     def _cast_all(context, builder, sig, args, wanted):
         return [context.cast(builder, a, t, w) for a, t, w in zip(args, sig.args, wanted)]
@@ -217,8 +217,7 @@ if not config.ENABLE_CUDASIM:
     def _global_address(context, builder, arrty, arr, index, indexty):
         """The 64-bit global-window address of ``arr[index]`` (``arr`` in device memory)."""
         pointer = _element_pointer(context, builder, arrty, arr, index, indexty)
-        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1)),
-                                ir.IntType(64))
+        return builder.ptrtoint(builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1)), _I64)
 
     def _flat_words(arr, index, bitwidth=None):
         """Typing test of the memory intrinsics: a 1-D array (of ``bitwidth``-bit elements) and an integer."""
@@ -345,7 +344,7 @@ if not config.ENABLE_CUDASIM:
                 # The source size operand: 16 bytes, or 0 (the hardware fills the 16 bytes with zeros).
                 size = builder.select(args[4], ir.Constant(_I32, 16), ir.Constant(_I32, 0))
                 # .cg: the tile goes to shared memory through L2 only (every block reads it once from there).
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64), _I32]),
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32]),
                                    f"cp.async.cg.shared.global{hint} [$0], [$1], 16, $2;", "r,l,r,~{memory}",
                                    side_effect=True)
                 builder.call(asm, [to, origin, size])

@@ -46,9 +46,7 @@ if not config.ENABLE_CUDASIM:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from ..fast.primitives import _flat_words, _global_address, _shared_address
-
-    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+    from ..fast.primitives import _I32, _I64, _flat_words, _global_address, _shared_address
 
     def _as_i32(context, builder, value, ty):
         return context.cast(builder, value, ty, types.uint32)
