@@ -17,7 +17,8 @@ from ._checks import positive_int_pair
 from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_strides
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import (FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP, decode_default_block_sizes,
+from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP,
+                     decode_default_block_sizes,
                      flash1_backward_block_sizes, flash1_backward_shared_bytes, flash1_shared_bytes, flash2_backward_shared_bytes,
                      flash2_default_block_sizes, flash2_forward_smem, flash2_threads, k_step, line1_block_sizes,
                      padded_head_dim)
@@ -424,7 +425,8 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     """Validate a decoding call's arrays and options (``attention_with_kv_cache``): q (B, H_q, N_q, d), the caches
     (B, H_kv, N_max, d), k_new and v_new (B, H_kv, N_new, d) or None (``Operand``s), ``num_splits`` a
     non-negative int (0: chosen by the library), ``kv_stages`` 0 (the library's) or the K/V buffers wanted (at least
-    2, cp.async tiles only, fitting shared memory).  The lengths are checked per call by ``check_cache_seqlens``.
+    2); whether the buffers and key warps fit the call is ``check_decode_layout``'s question.  The lengths are
+    checked per call by ``check_cache_seqlens``.
 
     Returns the call the kernels run.  One query per head (N_q = 1) with grouped heads runs as H_kv heads of
     ``group`` query rows each (q viewed as (B, H_kv, group, d): the heads of a group are rows ``q_sh`` apart),
@@ -477,8 +479,6 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
         block_sizes = decode_default_block_sizes(n_q, head_dim, PRECISION[q.dtype])
     block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, n_q, n_max, q.dtype, False, is_causal)
     vec = sixteen_byte_rows((q, k_cache, v_cache), strides, head_dim, q.dtype)
-    if kv_stages:
-        check_kv_stages(kv_stages, block_sizes, head_dim, PRECISION[q.dtype], vec)
     sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=2, lse_strides=(heads * n_q, n_q),
                        q_bounds_size=2, k_bounds_size=2 * batch, packed=False)
     return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,
@@ -486,19 +486,45 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
                          sequences)
 
 
-def check_kv_stages(kv_stages, block_sizes, head_dim, precision, vec):
-    """``kv_stages`` buffers of K and V tiles exist for this call: its tiles travel by cp.async and that many fit."""
-    if precision == "tf32x3" or not vec:
+def check_decode_layout(call, kv_stages, key_warps):
+    """(K/V buffers, key warps) for a decoding call checked by ``check_cache_args``: those asked for, or the
+    library's where 0 (``tiling.DECODE_KV_STAGES``, ``tiling.DECODE_KEY_WARPS``, fewer warps where they do not fit).
+
+    Several buffers need tiles that travel by cp.async (16-bit, rows on 16-byte boundaries); key warps also need
+    a tile of one warp's rows (forward.py's KEY_WARPS); and what is asked for must fit in shared memory."""
+    if type(key_warps) is not int:
+        raise TypeError(f"key_warps must be an int (0: chosen by the library), got {key_warps!r}")
+    if key_warps < 0:
+        raise ValueError(f"key_warps must not be negative (0: chosen by the library), got {key_warps}")
+    streamed = call.precision != "tf32x3" and call.vec
+    block_m, block_n = call.block_sizes
+    if kv_stages and not streamed:
         raise ValueError(f"kv_stages={kv_stages}: only 16-bit tiles whose rows start on 16-byte boundaries travel "
                          "by cp.async into several buffers (these go through registers, one tile ahead); leave "
                          "kv_stages at 0")
-    block_m, block_n = block_sizes
-    d_pad = padded_head_dim(head_dim, precision)
-    needed = flash2_forward_smem(block_m, block_n, d_pad, precision, stages=kv_stages).bytes
+    one_warp = block_m <= ROWS_PER_WARP
+    if key_warps > 1 and not (streamed and one_warp):
+        raise ValueError(f"key_warps={key_warps}: warps take turns along the keys only for 16-bit tiles whose rows "
+                         f"start on 16-byte boundaries, of at most {ROWS_PER_WARP} query rows (block_sizes "
+                         f"{tuple(call.block_sizes)}, {call.dtype}); leave key_warps at 0")
+    stages = kv_stages or DECODE_KV_STAGES
+    d_pad = padded_head_dim(call.head_dim, call.precision)
     limit = device_limits().shared_bytes_per_block_optin
-    if needed > limit:
-        raise ValueError(f"kv_stages={kv_stages} at block_sizes {tuple(block_sizes)}, d={head_dim}: the buffers need "
-                         f"{needed} bytes of shared memory; the limit is {limit}")
+
+    def needed(warps):
+        return flash2_forward_smem(block_m, block_n, d_pad, call.precision, stages=stages if streamed else 1,
+                                   key_warps=warps).bytes
+
+    if key_warps or kv_stages:
+        warps = key_warps or 1
+        if needed(warps) > limit:
+            raise ValueError(f"kv_stages={kv_stages}, key_warps={key_warps} at block_sizes {tuple(call.block_sizes)}, "
+                             f"d={call.head_dim}: the buffers need {needed(warps)} bytes of shared memory; the limit "
+                             f"is {limit}")
+        if key_warps:
+            return stages, warps
+    fitting = [w for w in range(1, DECODE_KEY_WARPS + 1) if needed(w) <= limit] if streamed and one_warp else [1]
+    return stages, fitting[-1] if fitting else 1
 
 
 def check_new_keys(k_new, v_new):
@@ -571,5 +597,6 @@ def _packed_strides(name, x):
 
 __all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen",
            "check_attention_args", "check_backward_operands", "check_block_sizes", "check_cache_args",
+           "check_decode_layout",
            "check_cache_seqlens", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens",
            "check_varlen_args"]

@@ -15,8 +15,9 @@ import numpy as np
 from numba import cuda
 
 from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_device_cache_seqlens,
-                          check_dropout, check_new_keys, check_varlen_args, operand_strides)
+                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_decode_layout,
+                          check_device_cache_seqlens, check_dropout, check_new_keys, check_varlen_args,
+                          operand_strides)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
@@ -29,7 +30,7 @@ from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import DECODE_KV_STAGES, cdiv, padded_head_dim
+from .tiling import cdiv, padded_head_dim
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -194,7 +195,7 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
 
 
 def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=True, scale=None,
-                            block_sizes=None, num_splits=0, kv_stages=0, return_lse=False):
+                            block_sizes=None, num_splits=0, kv_stages=0, key_warps=0, return_lse=False):
     """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.
 
     Parameters
@@ -220,12 +221,16 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     num_splits : int
         Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
         flash-attn's ``num_splits``); 0 (default) chooses from the grid and the GPU (``decode_splits``).
-        Capped at the number of key tiles.
+        Capped so that every warp of every split has a key tile.
     kv_stages : int
         Shared buffers for the streamed K and V tiles, so that ``kv_stages - 1`` tiles are in flight while
         one is computed on (a tuning knob, like ``num_splits``); 0 (default): ``tiling.DECODE_KV_STAGES``,
         or fewer where they do not fit.  At least 2, for 16-bit inputs whose rows start on 16-byte
         boundaries (their tiles travel by ``cp.async``; others go through registers, one tile ahead).
+    key_warps : int
+        Warps of a block that share its query rows and take turns along the keys, merging their results in
+        shared memory at the end (a tuning knob); 0 (default): ``tiling.DECODE_KEY_WARPS`` where the tile is
+        one warp's 16 rows and its tiles travel by ``cp.async`` (fewer where their buffers do not fit), else 1.
 
     One query per head against a grouped cache runs the group's query heads as the rows of one tile, so
     each key and value is read once per group, not once per query head.
@@ -236,7 +241,7 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     """
     check_new_keys(k_new, v_new)
     arrays = (q, k_cache, v_cache) + (() if k_new is None else (k_new, v_new))
-    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages))
+    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages, key_warps))
     if plan.call.on_device and _arrays.is_device_array(cache_seqlens):   # not read here: no wait for the GPU
         check_device_cache_seqlens(_arrays.describe("cache_seqlens", cache_seqlens), plan.call, plan.device)
         return plan(arrays, cache_seqlens, None, return_lse)
@@ -469,19 +474,21 @@ class _CachePlan(_Plan):
         operands = [_arrays.describe(name, x) for name, x in zip(names, arrays)]
         q, k_cache, v_cache = operands[:3]
         k_new, v_new = operands[3:] if len(operands) == 5 else (None, None)
-        causal, scale, block_sizes, num_splits, kv_stages = options
+        causal, scale, block_sizes, num_splits, kv_stages, key_warps = options
         super().__init__(q, check_cache_args(q, k_cache, v_cache, k_new, v_new, causal=causal, scale=scale,
                                              block_sizes=block_sizes, num_splits=num_splits, kv_stages=kv_stages))
         call = self.call
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]
-        # flash-decoding: with few query tiles, blocks share each tile's keys and a merge combines them.
+        # flash-decoding: with few query tiles, blocks (and the warps of a block) share each tile's keys, and a
+        # merge combines the blocks' results.
+        stages, self.key_warps = check_decode_layout(call, kv_stages, key_warps)
         block_m, block_n = call.block_sizes
         key_tiles = cdiv(call.n_k, block_n)
-        self.splits = (min(num_splits, key_tiles) if num_splits else
+        self.splits = (min(num_splits, cdiv(key_tiles, self.key_warps)) if num_splits else
                        decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
-                                     device_limits().multiprocessors))
-        self.launch = forward_launch(call, self.splits, kv_stages or DECODE_KV_STAGES)
+                                     device_limits().multiprocessors, self.key_warps))
+        self.launch = forward_launch(call, self.splits, stages, self.key_warps)
         self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
         self.merge = (merge_launch(self.rows, self.splits, self.d_pad, call.head_dim, call.precision)

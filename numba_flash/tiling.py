@@ -203,12 +203,26 @@ def _staged(tiles, stages):
     return tiles + tuple((f"{name}_STAGE{s}", words) for s in range(1, stages) for name, words in tiles)
 
 
-def flash2_forward_smem(block_m, block_n, d_pad, precision, stages=1):
+def flash2_forward_smem(block_m, block_n, d_pad, precision, stages=1, key_warps=1):
     """Q_i (block_m rows); K_j and V_j (block_n rows each) in ``stages`` buffers (``flash2_stages``), all
-    row-major; one NaN flag per key of V_j (set in masked tiles only; see forward.py)."""
+    row-major; one NaN flag per key of V_j (set in masked tiles only; see forward.py).
+
+    ``key_warps`` > 1 (decoding: warps that share one warp's query rows and take turns along the keys,
+    forward.py's KEY_WARPS): each warp has buffers and flags of its own, ``KEY_WARPS - K`` words apart,
+    with room there for its partial result when the warps merge (``key_warp_result_words``)."""
     streamed = _rows("K", block_n, d_pad, precision) + _rows("V", block_n, d_pad, precision)
-    return SharedTiles(_rows("Q", block_m, d_pad, precision) + _staged(streamed, stages)
-                       + (("V_NAN", _words(block_n)),))
+    own = _staged(streamed, stages) + (("V_NAN", _words(block_n)),)
+    if key_warps > 1:
+        words = sum(size for _, size in own)
+        stride = max(words, key_warp_result_words(d_pad))
+        own += (("KEY_WARP_SLACK", stride - words), ("KEY_WARPS", (key_warps - 1) * stride))
+    return SharedTiles(_rows("Q", block_m, d_pad, precision) + own)
+
+
+def key_warp_result_words(d_pad):
+    """Words of one key warp's partial result as its lanes hold it: m and l of a lane's two rows, and its O
+    fragments (d_pad / 8 of 4 float32), for each of 32 lanes."""
+    return 32 * (2 * 2 + 4 * (d_pad // 8))
 
 
 def flash2_dkdv_smem(block_keys, block_queries, d_pad, precision, stages=1):
@@ -346,6 +360,13 @@ DECODE_CHUNKS_PER_THREAD = 8
 #: (results/cp_async_stream_h200.md: one-warp blocks, 0.1290 ms at six against 0.1331 at four), untimed
 #: here yet.
 DECODE_KV_STAGES = 2
+#: Warps of a decoding block that share its query rows and take turns along the keys (forward.py's KEY_WARPS),
+#: where the tile is one warp's rows and travels by cp.async; ``attention_with_kv_cache``'s ``key_warps`` asks
+#: for more.  cuDNN's decoding kernel runs four such warps per block (ncu on the H200, 2026-12-02).  On the H200
+#: (GPU time, 2026-12-02, ``results/decode_key_warps_h200.md``) four warps, (16, 32) tiles, one split: 0.1417 ms
+#: against 0.1463 for one-warp blocks at the defaults; but four warps at the default (16, 16) tiles took 0.1521,
+#: so the default stays at one until the tiles are chosen with the warps.
+DECODE_KEY_WARPS = 1
 
 
 def decode_block_sizes(n_q, head_dim, precision):

@@ -103,6 +103,10 @@ def decode(precision, head_dim):
     for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
         fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
                           False, True, split))
+    if precision != "tf32x3":   # warps taking turns along the keys: one warp's rows, tiles by cp.async
+        for causal, split in itertools.product((False, True), (False, True)):
+            fast(make_forward(*decode_block_sizes(1, head_dim, precision), head_dim, precision, True, causal, False,
+                              False, True, split, KEY_WARPS=4))
     fast(make_merge(precision))
     fast(make_poison_overflowing(precision))
 

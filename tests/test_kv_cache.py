@@ -108,6 +108,25 @@ def test_deeper_kv_pipelines_decode_as_two_buffers_do(dtype, stages):
         assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
 
 
+@pytest.mark.parametrize("key_warps, splits, stages", [(2, 2, 0), (3, 1, 3), (4, 0, 2)])
+@pytest.mark.parametrize("dtype", [t for t in VARLEN_DTYPES if t != np.float32], ids=dtype_name)
+def test_warps_taking_turns_along_the_keys_decode_as_one_warp_does(dtype, key_warps, splits, stages):
+    # Warps of one block share the query rows and take turns along the 300 keys (tiles of 16), merging in
+    # shared memory; with two splits the blocks' results are merged again.  Entries of different lengths: the
+    # 133-key one leaves the last warps of the last turn without a tile.
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 1, 16)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((2, 2, 300, 16)).astype(dtype) for _ in range(2))
+    seqlens = np.array([300, 133], np.int32)
+    out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=(16, 16),
+                                                   num_splits=splits, kv_stages=stages, key_warps=key_warps,
+                                                   return_lse=True)
+    for b, length in enumerate(seqlens):
+        k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
+        ref_out, ref_lse = reference.attention(q[b], k, v)
+        assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
+
+
 @pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
 def test_one_plan_decodes_call_after_call_as_lengths_change(dtype):
     # Three splits take turns along the key tiles (split s: tiles s, s + 3, ...), so entries of 1, 17 or 33
@@ -152,6 +171,9 @@ BAD_INPUTS = [
     ("one buffer", (Q, CACHE, CACHE, LENGTHS), {"kv_stages": 1}, ValueError, "at least 2"),
     ("fractional buffers", (Q, CACHE, CACHE, LENGTHS), {"kv_stages": 2.5}, TypeError, "kv_stages"),
     ("buffers for float32 tiles", (Q, CACHE, CACHE, LENGTHS), {"kv_stages": 3}, ValueError, "cp.async"),
+    ("negative key warps", (Q, CACHE, CACHE, LENGTHS), {"key_warps": -1}, ValueError, "key_warps"),
+    ("fractional key warps", (Q, CACHE, CACHE, LENGTHS), {"key_warps": 2.0}, TypeError, "key_warps"),
+    ("key warps for float32 tiles", (Q, CACHE, CACHE, LENGTHS), {"key_warps": 2}, ValueError, "key_warps=2"),
     ("buffers past shared memory", (Q.astype(np.float16), CACHE.astype(np.float16), CACHE.astype(np.float16),
                                     LENGTHS), {"kv_stages": 400}, ValueError, "bytes of shared memory"),
 ]

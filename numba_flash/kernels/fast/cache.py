@@ -178,20 +178,20 @@ def merge_launch(rows, splits, d_pad, head_dim, precision):
                   dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
 
 
-#: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200
-#: at (B, H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``results/decode_h200.md``), (16, 16) tiles:
-#: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and more 0.165-0.174;
-#: the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30, when a
-#: decoding block held 255 registers: 8 splits 0.25 ms, 9, a second wave, 0.33.)
-SPLIT_BLOCKS_PER_MULTIPROCESSOR = 6
+#: Warps per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at
+#: (B, H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``results/decode_h200.md``), one-warp blocks of
+#: (16, 16) tiles: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and more
+#: 0.165-0.174; the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30,
+#: when a decoding block held 255 registers: 8 splits 0.25 ms, 9, a second wave, 0.33.)
+SPLIT_WARPS_PER_MULTIPROCESSOR = 6
 
 
-def decode_splits(blocks, key_tiles, multiprocessors, most=32):
+def decode_splits(blocks, key_tiles, multiprocessors, key_warps=1, most=32):
     """How many blocks should share a query tile's keys: as many as fill one wave of
-    ``SPLIT_BLOCKS_PER_MULTIPROCESSOR`` blocks per multiprocessor without starting a second, no more than
-    there are key tiles (each split keeps at least one), at most ``most``."""
-    fitting = SPLIT_BLOCKS_PER_MULTIPROCESSOR * multiprocessors // max(1, blocks)
-    return max(1, min(most, key_tiles, fitting))
+    ``SPLIT_WARPS_PER_MULTIPROCESSOR`` warps per multiprocessor (blocks of ``key_warps`` warps) without starting
+    a second, no more than leave every warp a key tile, at most ``most``."""
+    fitting = SPLIT_WARPS_PER_MULTIPROCESSOR * multiprocessors // (max(1, blocks) * key_warps)
+    return max(1, min(most, cdiv(key_tiles, key_warps), fitting))
 
 
 __all__ = ["append_launch", "decode_splits", "key_bounds_launch", "make_append", "make_key_bounds", "make_merge",

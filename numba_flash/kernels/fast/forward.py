@@ -94,26 +94,27 @@ columns (2t, 2t+1) of key tile nt; ``acc[dt]`` the same for head-dim tile dt
 of O.  Layouts of the mma fragments are in ``primitives.py``.
 """
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from ...runtime.arrays import Strides
-from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
-                       flash2_threads, padded_head_dim)
+                       flash2_threads, key_warp_result_words, padded_head_dim)
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
                      sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
-from .primitives import copy_async_commit, copy_async_wait, exp2, shfl_xor, store_word
+from .primitives import (copy_async_commit, copy_async_wait, exp2, f32_as_u32, shfl_xor, store_word, sync_warp,
+                         u32_as_f32)
 
 
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
-                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2):
+                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2, KEY_WARPS=1):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale).
 
@@ -133,10 +134,23 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     against its layout; False when the mask's blocks are unions of whole tiles, which compiles the test out
     and leaves the kernel the loops of a dense one (32-row warps included).  KV_STAGES: the most shared
     buffers for K_j, V_j when they travel by cp.async (``tiling.flash2_stages``: as many as fit).
+
+    KEY_WARPS (decoding, a tile of one warp's rows whose K/V tiles travel by cp.async): that many warps
+    share the block's query rows and take turns along its keys, as the splits do across blocks: warp w of
+    split s visits tiles s KEY_WARPS + w, then every (splits KEY_WARPS)-th.  Each warp streams into buffers
+    of its own and waits only for its own copies (``sync_warp``, no block barrier in the loop), and at the
+    end the warps merge their m, l and O through shared memory (``merge_key_warps``) and warp 0 writes the
+    block's result.  So one block per multiprocessor streams a head's cache with several tiles in flight,
+    and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
+    on the H200 (ncu, 2026-12-02: 128 blocks of four warps, 16 x 128 tiles, for (B, H_kv) = (16, 8)).
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     SIXTEEN = PRECISION != "tf32x3"
-    THREADS = flash2_threads(BLOCK_M, WARP_ROWS)
+    ROW_THREADS = flash2_threads(BLOCK_M, WARP_ROWS)   # the threads that own the tile's rows
+    assert KEY_WARPS == 1 or (ROW_THREADS == 32 and WARP_ROWS == ROWS_PER_WARP and not HAS_MASK
+                              and not HAS_DROPOUT), "key warps share one warp's 16 rows, dense or causal"
+    THREADS = ROW_THREADS * KEY_WARPS
+    STREAMERS = THREADS if KEY_WARPS == 1 else 32   # the threads that copy and clean one K/V tile
     WARP_TILES = WARP_ROWS // ROWS_PER_WARP   # 16-row fragments per warp
     LANE_ROWS = 2 * WARP_TILES   # a lane's rows: g + 8 r (``fragments``: rows m X + x of s and acc)
     N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
@@ -144,11 +158,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     D_TILES = D_PAD // 8         # 8-wide head-dim tiles of O
     O_ROWS = WARP_TILES * D_TILES  # rows of a lane's O fragments
     WORD = uint32 if SIXTEEN else float32
-    STAGES = flash2_stages(flash2_forward_smem, BLOCK_M, BLOCK_N, D_PAD, precision=PRECISION, vec=VEC,
-                           most=KV_STAGES)
+    layout = partial(flash2_forward_smem, key_warps=KEY_WARPS)
+    STAGES = flash2_stages(layout, BLOCK_M, BLOCK_N, D_PAD, precision=PRECISION, vec=VEC, most=KV_STAGES)
     ASYNC = STAGES >= 2                          # K_j, V_j by cp.async into the other buffers
+    assert KEY_WARPS == 1 or ASYNC, "key warps wait for their own copies: their tiles travel by cp.async"
     AHEAD = max(1, STAGES - 1)                   # tiles on their way while one is computed on
-    tiles = flash2_forward_smem(BLOCK_M, BLOCK_N, D_PAD, PRECISION, STAGES)
+    tiles = layout(BLOCK_M, BLOCK_N, D_PAD, PRECISION, STAGES)
     # Where the tiles sit in shared memory (16-bit tiles have no lo half: LO = HI is never read).
     Q_HI = tiles.offset("Q" if SIXTEEN else "Q_HI")
     Q_LO = Q_HI if SIXTEEN else tiles.offset("Q_LO")
@@ -157,11 +172,13 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     V_HI = tiles.offset("V" if SIXTEEN else "V_HI")
     V_LO = V_HI if SIXTEEN else tiles.offset("V_LO")
     V_NAN = tiles.offset("V_NAN")
-    NAN_PASSES = cdiv(BLOCK_N, THREADS)  # keys per thread in the NaN pass (16 x 64 tiles: 64 keys, 32 threads)
+    NAN_PASSES = cdiv(BLOCK_N, STREAMERS)  # keys per thread in the NaN pass (16 x 64 tiles: 64 keys, 32 threads)
     KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
+    KEY_WARP_WORDS = tiles.offset("KEY_WARPS") - K_HI if KEY_WARPS > 1 else 0   # from one key warp's buffers on
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
-    K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC, THREADS)
-    copy_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS)[0] if ASYNC else None
+    K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC,
+                                                                             STREAMERS)
+    copy_key_rows = tile_copier(BLOCK_N, D_PAD, STREAMERS)[0] if ASYNC else None
     wait_oldest_tile = copy_async_wait(AHEAD - 1) if ASYNC else None   # one group per tile, AHEAD in flight
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
@@ -177,13 +194,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     @inlined_device_function
     def start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                 k_first_tile, tile_step, n_k, head_dim, tid):
-        """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer, one
-        group (empty past the last tile, so that groups count tiles), or as global loads into registers."""
+                 k_first_tile, tile_step, n_k, head_dim, own, tid):
+        """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer (``own``:
+        the words from the block's buffers to this key warp's), one group (empty past the last tile, so that
+        groups count tiles), or as global loads into registers."""
         if x < n_tiles:
             k0 = key_of(tile_entries, first, x, k_first_tile, tile_step)
             if ASYNC:
-                stage = (x % STAGES) * KV_STAGE
+                stage = own + (x % STAGES) * KV_STAGE
                 copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
                 copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
             else:
@@ -203,12 +221,20 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             commit_key_rows(smem, v_regs, V_HI + stage, V_LO + stage, tid)
 
     @inlined_device_function
-    def sanitize_v(smem, stage, tid):
-        """NaN in V_j to 0, and a flag per key at V_NAN (partly masked tiles only: see common.py)."""
+    def sanitize_v(smem, stage, flags, tid):
+        """NaN in V_j to 0, and a flag per key at word ``flags`` (partly masked tiles only: see common.py)."""
         for i in range(NAN_PASSES):
-            key = tid + i * THREADS
+            key = tid + i * STREAMERS
             if key < BLOCK_N:
-                store_word(smem, V_NAN + key, sanitize_key_row(smem, V_HI + stage, key))
+                store_word(smem, flags + key, sanitize_key_row(smem, V_HI + stage, key))
+
+    @inlined_device_function
+    def sync_tile():
+        """The barrier of the threads that share a K/V buffer: the block's, or a key warp's own."""
+        if KEY_WARPS > 1:
+            sync_warp()
+        else:
+            cuda.syncthreads()
 
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
@@ -302,6 +328,69 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 if t == 0:
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
+    RESULT_ROW = 2 * 32     # words of a key warp's result per lane row r: m of the 32 lanes, then l
+
+    def result_fragment(x_row):
+        """(save, combine) for O fragment ``x_row``, its index a constant (a loop over the fragments stays
+        rolled in NVVM, and a run-time index sends the whole accumulator to local memory)."""
+        at_fragment = 2 * RESULT_ROW + 4 * x_row * 32
+
+        @inlined_device_function
+        def save(smem, acc, weights, at, lane):
+            for e in range(4):
+                smem[at + at_fragment + e * 32 + lane] = f32_as_u32(acc[x_row, e])
+
+        @inlined_device_function
+        def combine(smem, acc, weights, at, lane):
+            for e in range(4):
+                total = float32(0)
+                for w in range(KEY_WARPS):
+                    weight = weights[w, e // 2]   # the fragment's row g (e = 0, 1) or g + 8 (e = 2, 3)
+                    if weight != float32(0):
+                        total += weight * u32_as_f32(smem[at + w * KEY_WARP_WORDS + at_fragment + e * 32 + lane])
+                acc[x_row, e] = total
+
+        return save, combine
+
+    fragments = [result_fragment(x_row) for x_row in range(D_TILES)] if KEY_WARPS > 1 else []
+    save_fragments = unrolled([save for save, _ in fragments]) if fragments else None
+    combine_fragments = unrolled([combine for _, combine in fragments]) if fragments else None
+
+    @inlined_device_function
+    def merge_key_warps(smem, acc, m_i, l_i, key_warp, lane):
+        """The key warps' partial results combined into warp 0's registers (KEY_WARPS > 1), as ``cache.py``'s
+        merge combines splits: with m = max_w m_w and weights a_w = exp2(m_w - m), l = sum_w a_w l_w and
+        O = sum_w a_w O_w, in the order of the warps (the same bits every call).  A warp that saw no key of a
+        row (m_w = -inf) weighs 0 there and its O is not read, so that 0 * NaN cannot reach the row.
+
+        Each warp leaves its m, l and O fragments, lane by lane, in its own buffers: free once its lanes are
+        past ``sync_warp`` (each read its last tile before).  The block barrier then hands them to warp 0.
+        l stays per lane (each lane's columns), as ``write_output`` expects."""
+        weights = cuda.local.array((KEY_WARPS, 2), float32)
+        at = K_HI + key_warp * KEY_WARP_WORDS
+        sync_warp()   # every lane of this warp done with its last tile before its result overwrites it
+        for r in range(2):
+            smem[at + r * RESULT_ROW + lane] = f32_as_u32(m_i[r])
+            smem[at + r * RESULT_ROW + 32 + lane] = f32_as_u32(l_i[r])
+        save_fragments(smem, acc, weights, at, lane)
+        cuda.syncthreads()   # every warp's result in shared memory before warp 0 reads them
+        if key_warp == 0:
+            for r in range(2):
+                m = float32(NEG_INF)
+                for w in range(KEY_WARPS):
+                    m = max(m, u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]))
+                shift = m if m != float32(NEG_INF) else float32(0)   # no key in any warp: every weight 0
+                total = float32(0)
+                for w in range(KEY_WARPS):
+                    from_w = K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane
+                    weight = exp2(u32_as_f32(smem[from_w]) - shift)
+                    weights[w, r] = weight
+                    if weight != float32(0):
+                        total += weight * u32_as_f32(smem[from_w + 32])
+                m_i[r] = m
+                l_i[r] = total
+            combine_fragments(smem, acc, weights, K_HI, lane)
+
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
                mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb,
@@ -330,7 +419,11 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             return
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
-        row0 = warp * WARP_ROWS + g              # this lane's rows: row0 + 8 r, r < LANE_ROWS
+        key_warp = warp if KEY_WARPS > 1 else 0  # which of the block's key warps (their rows are the same)
+        row_warp = 0 if KEY_WARPS > 1 else warp  # which 16 (or 32) of the block's rows the warp owns
+        own = key_warp * KEY_WARP_WORDS          # words from the block's K/V buffers to this warp's
+        streamer = tid % 32 if KEY_WARPS > 1 else tid
+        row0 = row_warp * WARP_ROWS + g          # this lane's rows: row0 + 8 r, r < LANE_ROWS
         k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn   # row 0 of this head's K (and V below)
         v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
@@ -345,15 +438,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             n_tiles = ceil_div(n_k, BLOCK_N)
             if CAUSAL:  # no key beyond the last row's diagonal
                 n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
-            if SPLIT:  # this block's share of the key tiles: every splits-th, from tile number split
-                first = split
-                n_tiles = ceil_div(max(0, n_tiles - split), splits)
+            if SPLIT or KEY_WARPS > 1:  # this warp's share of the key tiles: every turns-th, from tile turn
+                turn, turns = split * KEY_WARPS + key_warp, splits * KEY_WARPS
+                first = turn
+                n_tiles = ceil_div(max(0, n_tiles - turn), turns)
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
         if not HAS_MASK or n_tiles > 0:   # a block mask's tile may visit nothing: O = 0, lse = -inf without Q
             fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
             commit_q(smem, q_regs, Q_HI, Q_LO, tid)
+        if KEY_WARPS > 1:
+            cuda.syncthreads()   # Q_i in shared memory for every warp (the loop's barriers are each warp's own)
 
         m_i = cuda.local.array(LANE_ROWS, float32)    # running max (log2 units) of the lane's rows
         l_i = cuda.local.array(LANE_ROWS, float32)    # running sum, this lane's columns only
@@ -375,10 +471,11 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         # keys, so that the blocks streaming one head's cache read neighbouring tiles at any moment: 1.04x
         # faster decoding than each split reading one contiguous run (H200, 2026-12-02,
         # ``results/decode_split_order_h200.md``; ``cp_async_stream.py`` shows the same on copies alone).
-        tile_step = BLOCK_N * splits if SPLIT else BLOCK_N
+        # Key warps take turns in the same way within the block.
+        tile_step = BLOCK_N * splits * KEY_WARPS if SPLIT or KEY_WARPS > 1 else BLOCK_N
         for x in range(AHEAD):
             start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                     k_first_tile, tile_step, n_k, head_dim, tid)
+                     k_first_tile, tile_step, n_k, head_dim, own, streamer)
 
         for j in range(n_tiles):
             if HAS_MASK:
@@ -387,24 +484,25 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     partly_masked = False
             else:
                 k0, partly_masked = k_first_tile + j * tile_step, False
-            stage = (j % STAGES) * KV_STAGE       # the word offset of tile j's buffer
+            stage = own + (j % STAGES) * KV_STAGE   # the word offset of tile j's buffer
             if not ASYNC:
                 cuda.syncthreads()  # every warp is done with tile j - 1, which tile j overwrites
             land_kv(smem, stage, k_regs, v_regs, tid)
             # Tile j (and Q_i) complete in shared memory; with cp.async, also every warp done with
-            # tile j - 1, so that start_kv may refill its buffer with tile j + AHEAD.
-            cuda.syncthreads()
+            # tile j - 1, so that start_kv may refill its buffer with tile j + AHEAD.  (Key warps: the
+            # warp's own tile and buffers, so the warp's barrier.)
+            sync_tile()
             start_kv(smem, j + AHEAD, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                     k_first_tile, tile_step, n_k, head_dim, tid)
+                     k_first_tile, tile_step, n_k, head_dim, own, streamer)
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
             mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
-            if mixed:  # the same for every thread of the block, so all reach the barrier
-                sanitize_v(smem, stage, tid)
-                cuda.syncthreads()  # V_j without NaN, and its flags, before any warp reads them
+            if mixed:  # the same for every thread of the block (of the warp, for key warps): all reach the barrier
+                sanitize_v(smem, stage, V_NAN + own, streamer)
+                sync_tile()  # V_j without NaN, and its flags, before any warp reads them
 
-            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, warp * WARP_ROWS, g, t)  # S = Q_i K_j^T
-            v_nan = key_flags(smem, V_NAN, t) if mixed else uint64(0)
+            rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, row_warp * WARP_ROWS, g, t)  # S = Q_i K_j^T
+            v_nan = key_flags(smem, V_NAN + own, t) if mixed else uint64(0)
             if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
                 mask_scores(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
                             mask_rows, mask_cols, mask_t_r, mask_t_c)
@@ -417,6 +515,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                mask_rows, mask_cols, mask_t_r, mask_t_c)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
+        if KEY_WARPS > 1:
+            merge_key_warps(smem, acc, m_i, l_i, key_warp, tid % 32)
+            if key_warp != 0:
+                return
         write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,
                      split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim)
 
@@ -426,7 +528,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + ("" if WARP_ROWS == ROWS_PER_WARP else f"_warp{WARP_ROWS}")
                   + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
                   + ("" if POSITIVE_SCALE else "_nonpositive_scale")
-                  + (f"_stages{STAGES}" if STAGES > 2 else ""),
+                  + (f"_stages{STAGES}" if STAGES > 2 else "")
+                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
                               q_bounds=np.int32, k_bounds=np.int32),
@@ -442,9 +545,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                  and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN) else None))
 
 
-def forward_launch(call, splits=1, kv_stages=2):
+def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     """flash2's forward for a validated ``AttentionCall`` as a ``Launch``, K/V tiles in up to ``kv_stages``
-    shared buffers (``make_forward``'s KV_STAGES).
+    shared buffers (``make_forward``'s KV_STAGES), ``key_warps`` warps taking turns along each query tile's
+    keys (``make_forward``'s KEY_WARPS: decoding).
 
     Per call it takes q, k, v (the caller's arrays), o and lse (new results,
     C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds,
@@ -456,13 +560,13 @@ def forward_launch(call, splits=1, kv_stages=2):
     d_pad = padded_head_dim(call.head_dim, call.precision)
     has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
     partly = partly_masked_tiles(call, (block_m, block_n), "forward")
-    stages = flash2_stages(flash2_forward_smem, block_m, block_n, d_pad, precision=call.precision, vec=call.vec,
-                           most=kv_stages)
+    layout = partial(flash2_forward_smem, key_warps=key_warps)
+    stages = flash2_stages(layout, block_m, block_n, d_pad, precision=call.precision, vec=call.vec, most=kv_stages)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
     warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None, splits > 1, positive_scale, warp_rows, partly, stages)
+                          call.varlen is not None, splits > 1, positive_scale, warp_rows, partly, stages, key_warps)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -486,5 +590,5 @@ def forward_launch(call, splits=1, kv_stages=2):
     per_call = ("Q", "K", "V", "O", "LSE") + (("q_bounds", "k_bounds") if call.varlen else ()) + ("seed0", "seed1")
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
-    return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows),
-                  flash2_forward_smem(block_m, block_n, d_pad, call.precision, stages).bytes, fixed, per_call, extents)
+    return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows) * key_warps,
+                  layout(block_m, block_n, d_pad, call.precision, stages).bytes, fixed, per_call, extents)

@@ -71,6 +71,7 @@ __all__ = [
     "mma_f16",
     "mma_bf16",
     "shfl_xor",
+    "sync_warp",
     "exp2",
     "load_word",
     "store_word",
@@ -385,6 +386,12 @@ if not config.ENABLE_CUDASIM:
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
 
+    @inlined_device_function
+    def sync_warp():
+        """A barrier of the warp's 32 lanes (``bar.warp.sync``): what each wrote to shared memory before it,
+        every other lane sees after it.  For a warp that owns its buffers, as a block does with syncthreads."""
+        cuda.syncwarp(0xFFFFFFFF)
+
     @intrinsic
     def tf32_round(typingctx, x):
         """``x`` rounded to tf32 (nearest, ties away), ``cvt.rna.tf32.f32``: the bits ``mma_tf32`` takes.
@@ -531,6 +538,10 @@ else:
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``laneid ^ lane_mask`` (all 32 lanes take part)."""
         return _warp_op(value, lambda posts: [posts[lane ^ lane_mask] for lane in range(WARP_SIZE)])
+
+    def sync_warp():
+        """A barrier of the warp's 32 lanes: each waits here until all have posted."""
+        _warp_op(None, lambda posts: [None] * WARP_SIZE)
 
     def _ldmatrix(count, trans=False):
         def ldmatrix(arr, index, offset):
