@@ -597,6 +597,5 @@ def _packed_strides(name, x):
 
 __all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen",
            "check_attention_args", "check_backward_operands", "check_block_sizes", "check_cache_args",
-           "check_decode_layout",
-           "check_cache_seqlens", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens",
+           "check_cache_seqlens", "check_decode_layout", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens",
            "check_varlen_args"]
