@@ -103,7 +103,7 @@ from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
-                       flash2_threads, key_warp_result_words, padded_head_dim)
+                       flash2_threads, padded_head_dim)
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
                      sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
