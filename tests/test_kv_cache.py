@@ -108,8 +108,12 @@ def test_deeper_kv_pipelines_decode_as_two_buffers_do(dtype, stages):
         assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
 
 
-@pytest.mark.parametrize("key_warps, splits, stages", [(2, 2, 0), (3, 1, 3), (4, 0, 2)])
-@pytest.mark.parametrize("dtype", [t for t in VARLEN_DTYPES if t != np.float32], ids=dtype_name)
+SIXTEEN_BIT = [t for t in VARLEN_DTYPES if t != np.float32]
+
+
+@pytest.mark.parametrize("key_warps, splits, stages, dtype",
+                         [(2, 2, 0, SIXTEEN_BIT[0]), (3, 1, 3, SIXTEEN_BIT[-1]), (4, 0, 2, SIXTEEN_BIT[0])],
+                         ids=["2 warps, 2 splits", "3 warps, 3 buffers", "4 warps, default splits"])
 def test_warps_taking_turns_along_the_keys_decode_as_one_warp_does(dtype, key_warps, splits, stages):
     # Warps of one block share the query rows and take turns along the 300 keys (tiles of 16), merging in
     # shared memory; with two splits the blocks' results are merged again.  Entries of different lengths: the
