@@ -100,9 +100,10 @@ RUNS = [
     ("forward", "wgmma", np.float16, None, "warpgroups2"),
     ("forward", "wgmma", BF16, None, "gqa_overlap_warpgroups2"),
 ]
-#: The wgmma forward's cases: d = 64 or 128 only; ragged lengths of one, two and three 64-row tiles.
+#: The wgmma forward's cases: d = 64 or 128 only; ragged lengths of one to five 64-row tiles (five: its ring of
+#: three K/V buffers goes round more than once).
 WGMMA_CASES = [
-    (1, 2, 130, 77, 128, False),
+    (1, 2, 130, 270, 128, False),
     (2, 2, 61, 150, 64, True),
 ]
 MASK_BLOCK = 16

@@ -15,14 +15,19 @@ One thread block is one warpgroup (128 threads) and owns 64 query rows, or two w
 its lanes hold S and O in the layout of ``mma.sync``'s C fragments (``wgmma.py``), so the online
 softmax below is the fast forward's, over 64-key tiles::
 
-    Q_i -> shared (swizzled, once); K_0, V_0 -> stage 0                       cp.async
+    Q_i -> shared (swizzled, once); K_0, V_0 -> their buffers                  cp.async
     for j in key tiles:
-        land K_j, V_j; start K_{j+1}, V_{j+1} into the other stage             cp.async, one barrier
+        land K_j, V_j; start K_{j+1}, V_{j+1} into tile j - 1's buffers         cp.async, one barrier
         S = Q_i K_j^T                    wgmma m64n64k16 x d/16, both operands from shared memory
         mask (causal diagonal, the last tile's keys past N_k), m, P = exp2(c S - m), l, alpha
         (a tile the causal diagonal crosses whose V_j holds a NaN: its rows cleaned and flagged first, below)
         O = alpha O;  O += P V_j         wgmma m64n{d}k16 x 4, P from registers, V_j transposed
     O / l, lse
+
+At d = 128 the K/V tiles go round a ring of three buffers instead (``uses_ring``): K_{j+1} is started
+into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a second one, once S_j is done
+(each tile its own commit group, so each barrier waits for the tile it needs alone).  A block then needs 66 KB
+of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two: 1.13-1.16x faster.
 
 Each product group is waited for before its accumulator is read (``wgmma_wait(0)``).  A second loop
 (``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``) issues S_{j+1} = Q K_{j+1}^T before
@@ -43,11 +48,13 @@ and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``results/sass_counts_wg
 
 Barriers and fences, each where it sits:
 
-* after a thread's ``cp.async`` copies land (``copy_async_wait_all``), ``fence_proxy_async``: the
-  copies are ordinary writes, and the tensor cores read shared memory through the async proxy;
-  then ``syncthreads``: every thread's part of the tile is there, and every warp has finished the
-  products of tile j - 1 (each waited for its own), so its buffer may be refilled.  In a tile the
-  causal diagonal crosses, that barrier is ``syncthreads_or`` and also answers whether V_j holds a NaN:
+* after a thread's ``cp.async`` copies land (``land_tiles``), ``fence_proxy_async``: the copies are
+  ordinary writes, and the tensor cores read shared memory through the async proxy; then
+  ``syncthreads``: every thread's part of the tile is there, and every warp has finished the products of
+  tile j - 1 (each waited for its own), so its buffers may be refilled.  In the ring, a second such
+  barrier after S_j: V_j has landed, and every warp is done with K_j, whose buffer takes V_{j+1}.  In a
+  tile the causal diagonal crosses, the barrier after which V_j is read is ``syncthreads_or`` and also
+  answers whether V_j holds a NaN:
   each thread tests the chunks of V_j it copied itself (its own copies are visible to it once it has
   waited for them), and the barrier ORs the answers, so the question costs no barrier of its own.
 * only if it does: after the NaN pass rewrites V_j's rows (generic-proxy stores),
@@ -71,7 +78,8 @@ from ...tiling import cdiv
 from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, row_lse,
                            tile_coordinates, word_extent)
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.primitives import copy_async16, copy_async_wait_all, exp2, load_vec4, shfl_xor, store_word
+from ..fast.primitives import (copy_async16, copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
+                               shfl_xor, store_word)
 from .wgmma import (ROW_BYTES, SWIZZLE_128B, advanced_device, descriptor_device, enable_sm90a, fence_proxy_async,
                     shared_address, staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs,
                     wgmma_ss, wgmma_wait)
@@ -93,10 +101,25 @@ def tile_bytes(head_dim):
     return BLOCK_N * head_dim * 2
 
 
-def shared_bytes(head_dim, warpgroups=1):
-    """Q (a 64-row tile per warpgroup), and K and V in two stages, the NaN flags of V's rows, and slack to
-    start the tiles on a 1024-byte boundary."""
-    return (warpgroups + 4) * tile_bytes(head_dim) + 4 * BLOCK_N + 1024
+def uses_ring(head_dim, overlap):
+    """Whether the K/V tiles go round a ring of three buffers (K_0, V_0, K_1, V_1, ... into buffers 0, 1, 2, 0,
+    ...), or sit in two stages of K and two of V.  The ring: at d = 128, where its 16 KB less a block makes room
+    for a third block on a multiprocessor (``blocks_per_multiprocessor``), 1.13x faster dense and 1.16x causal
+    at (2, 16, 8192, 128) float16; at d = 64, where registers allow four blocks either way, its second barrier a
+    tile made it 0.94-0.96x (H200, 2026-12-03, ``results/bench_ring_h200.md``).  Not for the overlapped loop,
+    whose K_{j+1} is read while V_j waits."""
+    return head_dim == 128 and not overlap
+
+
+def kv_buffers(head_dim, overlap):
+    """K/V tile buffers: three in the ring, else four."""
+    return 3 if uses_ring(head_dim, overlap) else 4
+
+
+def shared_bytes(head_dim, warpgroups=1, overlap=False):
+    """Q (a 64-row tile per warpgroup), the K/V buffers, the NaN flags of V's rows, and slack to start the
+    tiles on a 1024-byte boundary."""
+    return (warpgroups + kv_buffers(head_dim, overlap)) * tile_bytes(head_dim) + 4 * BLOCK_N + 1024
 
 
 @lru_cache(maxsize=None)
@@ -139,6 +162,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
     weights_by_values = wgmma_rs(D, ELEMENT, True)         # O += P V: P in registers, V MN-major
     wait_all_products = wgmma_wait(0)
+    RING = uses_ring(D, OVERLAP)
+    BUFFERS = kv_buffers(D, OVERLAP)
+    # In the ring, K_j and V_j land one at a time (each its own commit group; the newer may stay in flight); in
+    # two stages each barrier waits for every copy.
+    wait_for_landing = copy_async_wait(1) if RING else copy_async_wait_all
 
     # A thread keeps one column of 16-byte chunks and walks down the rows, ROWS_PER_PASS at a time.  That
     # is a multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks
@@ -176,16 +204,16 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
 
     @inlined_device_function
     def land_tiles(smem, v_tile, ask_for_nan, tid):
-        """Every copy this block started is in shared memory, for the tensor cores too: each thread waits for
-        its own, ``fence_proxy_async`` (cp.async's writes are ordinary ones; the tensor cores read through the
-        async proxy), and the barrier (every thread's part is there, and every thread is past the work
+        """The tile the loop needs next is in shared memory, for the tensor cores too: each thread waits for its
+        own copies (``wait_for_landing``; in the ring, all but the newest tile's), ``fence_proxy_async``
+        (cp.async's writes are ordinary ones; the tensor cores read through the async proxy), and the barrier (every thread's part is there, and every thread is past the work
         before it: the waits for the products that read the buffers about to be refilled).
 
         ``ask_for_nan`` (block-uniform): also whether the V tile at word ``v_tile`` holds a NaN, answered by
         the same barrier.  Each thread tests the chunks it copied there (its own copies are visible to it
         after its wait) and ``syncthreads_or`` gives every thread the OR of the answers.  Returns the answer
         (False when not asked)."""
-        copy_async_wait_all()
+        wait_for_landing()
         fence_proxy_async()
         if not ask_for_nan:
             cuda.syncthreads()
@@ -228,8 +256,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         """The query row and key of this lane's score register i (the accumulator layout of wgmma.py)."""
         return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
 
-    # The descriptors are built once, for each tile's first k-step in stage 0 (``tile_descriptors``); a product's
-    # is that one advanced by constants (``wgmma.advanced``): the k-step's bytes within the tile, the stage's.
+    # The descriptors are built once, for each tile's first k-step in buffer 0 (``tile_descriptors``); a product's
+    # is that one advanced (``wgmma.advanced``): by the k-step's bytes within the tile (a constant), the buffer's.
     @inlined_device_function
     def k_step_bytes(step):
         """Where k-step ``step`` (16 columns) starts in a K-major tile: 32 bytes on per step, the next 64-column
@@ -238,15 +266,15 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
 
     @inlined_device_function
     def tile_descriptors(q_address, k_address, v_address):
-        """The descriptors of this warpgroup's Q tile and of the stage-0 K and V tiles (K-major, and MN-major V)."""
+        """The descriptors of this warpgroup's Q tile and of the buffer-0 K and V tiles (K-major, and MN-major V)."""
         return (descriptor_device(q_address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B),
                 descriptor_device(k_address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B),
                 descriptor_device(v_address, V_OFFSETS[0], V_OFFSETS[1], SWIZZLE_128B))
 
     @inlined_device_function
-    def staged(desc, stage):
-        """A stage-0 tile's descriptor moved to the buffer of stage ``stage`` (0 or 1)."""
-        return advanced_device(desc, stage * TILE_BYTES)
+    def staged(desc, buffer):
+        """A buffer-0 tile's descriptor moved to K/V buffer ``buffer``."""
+        return advanced_device(desc, buffer * TILE_BYTES)
 
     @inlined_device_function
     def issue_scores(s, q_desc, k_desc):
@@ -328,9 +356,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         base = shared_address(smem)
         pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
         q_at = pad                                        # warpgroup w's 64 rows of Q at q_at + w TILE_WORDS
-        k_at = pad + WARPGROUPS * TILE_WORDS              # K_x at k_at + (x % 2) TILE_WORDS
-        v_at = k_at + 2 * TILE_WORDS                      # V_x at v_at + (x % 2) TILE_WORDS
-        flags_at = v_at + 2 * TILE_WORDS                  # one word per key of V_j: did its row hold a NaN?
+        k_at = pad + WARPGROUPS * TILE_WORDS              # K/V buffer x at k_at + x TILE_WORDS, x < BUFFERS
+        v_at = k_at + 2 * TILE_WORDS if OVERLAP else k_at  # overlapped: K_x in buffer x % 2, V_x in 2 + x % 2
+        flags_at = k_at + BUFFERS * TILE_WORDS            # one word per key of V_j: did its row hold a NaN?
         # This warpgroup's Q (with one, a constant: a block-uniform address keeps the descriptors uniform too).
         q_address = base + (q_at + ((warp // 4) * TILE_WORDS if WARPGROUPS > 1 else 0)) * 4
         q_desc, k_desc, v_desc = tile_descriptors(q_address, base + k_at * 4, base + v_at * 4)
@@ -358,28 +386,48 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
             q_w = q0 + w * BLOCK_M
             start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + q_w * q_sn, q_sn, n_q - q_w, tid)
         if not OVERLAP:
+            # K_0 (with Q: one commit group) and V_0; then each tile's copies a group (an empty one past the last
+            # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (d = 128), K_{j+1} where
+            # V_{j-1} was, as soon as every warp is done with P_{j-1} V_{j-1}, and V_{j+1} where K_j was, once
+            # every warp is done with S_j; each tile still has a whole iteration to land, in three buffers
+            # instead of four (room for a third block on a multiprocessor).  In two stages (d = 64), both into
+            # the buffers of tile j - 1, one barrier a tile.
+            k_buffer, v_buffer = 0, 1 if RING else 2     # where K_j and V_j are
             if n_tiles > 0:
                 start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
-                start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
+            copy_async_commit()
+            if n_tiles > 0:
+                start_tile(smem, k_at + v_buffer * TILE_WORDS, V, v_first, v_sn, n_k, tid)
+            copy_async_commit()
             for j in range(n_tiles):
-                k0, stage = j * BLOCK_N, j & 1   # stage: tile j's buffers (j % 2 as a bit: no sign fix-up)
+                k0, k1 = j * BLOCK_N, (j + 1) * BLOCK_N
+                next_k, next_v = (3 - k_buffer - v_buffer, k_buffer) if RING else (k_buffer ^ 1, v_buffer ^ 1)
                 diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset   # block-uniform
-                # K_j, V_j (and Q); every warp done with tile j - 1's buffers; on the diagonal, any NaN in V_j?
-                v_has_nan = land_tiles(smem, v_at + stage * TILE_WORDS, diagonal, tid)
+                # K_j and Q landed (and V_j, in two stages); every warp done with tile j - 1's products, so the
+                # buffer of V_{j-1} (and of K_{j-1}) may be refilled; in two stages on the diagonal, any NaN in V_j?
+                v_has_nan = land_tiles(smem, k_at + v_buffer * TILE_WORDS, diagonal and not RING, tid)
                 if j + 1 < n_tiles:
-                    k1 = k0 + BLOCK_N
-                    start_tile(smem, k_at + (stage ^ 1) * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
-                    start_tile(smem, v_at + (stage ^ 1) * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
-                v_nan = clean_values(smem, v_at + stage * TILE_WORDS, flags_at, t, tid) if v_has_nan else uint64(0)
-                issue_scores(s, q_desc, staged(k_desc, stage))
+                    start_tile(smem, k_at + next_k * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
+                    if not RING:
+                        start_tile(smem, k_at + next_v * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
+                copy_async_commit()
+                issue_scores(s, q_desc, staged(k_desc, k_buffer))
                 wait_all_products()
+                if RING:   # V_j landed; every warp done with S_j, so K_j's buffer may take V_{j+1}; NaN in V_j?
+                    v_has_nan = land_tiles(smem, k_at + v_buffer * TILE_WORDS, diagonal, tid)
+                    if j + 1 < n_tiles:
+                        start_tile(smem, k_at + next_v * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
+                    copy_async_commit()
+                v_nan = (clean_values(smem, k_at + v_buffer * TILE_WORDS, flags_at, t, tid) if v_has_nan
+                         else uint64(0))
                 if diagonal or k0 + BLOCK_N > n_k:   # tiles below the diagonal need no mask
                     mask(s, q0, k0, n_k, causal_offset, warp, g, t)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
                     poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
-                issue_values(acc, alpha, s, p_words, staged(v_desc, stage))
+                issue_values(acc, alpha, s, p_words, staged(v_desc, v_buffer))
                 wait_all_products()
+                k_buffer, v_buffer = next_k, next_v
         else:
             # Prologue: S_0 = Q K_0^T waited for; K_1 and V_0 on their way.
             if n_tiles > 0:
@@ -444,16 +492,22 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
     where ptxas is best left alone.
 
     At d = 64 the registers decide it: shared memory (42 KB a block of one warpgroup, 50 KB of two) leaves
-    room for four and two, and 65536 registers give four blocks of 128 threads at 128 registers each, three at
+    room for five and four, and 65536 registers give four blocks of 128 threads at 128 registers each, three at
     129-170.  Left alone, ptxas gives the dense kernel 128 (four blocks) and the causal one 136 (its mask and
     NaN steps): three.  Asked for four, the causal kernel fits in 126 with no spills (ptxas 13.0, sm_90a), and
     ran 1.12-1.23x faster on the H200; the dense one, already at four, took 1.05x longer at (4, 16, 4096, 64)
     under the cap (126 registers, 23 more instructions a tile; 2026-12-02,
     ``results/bench_blocks4_h200.md``), so it keeps its own allocation.  Two warpgroups: two blocks (128
-    registers), the same 16 warps.  The overlapped loop would spill under either cap (64-96 bytes), and d = 128
-    (168-180 registers, 83 KB of shared memory) runs two blocks either way."""
-    if head_dim != 64 or overlap or (warpgroups == 1 and not causal):
+    registers), the same 16 warps.
+
+    At d = 128 a block of one warpgroup takes 66 KB of shared memory with the ring of three K/V buffers (83 KB
+    with four), room for three blocks; left alone ptxas takes 180-184 registers, which allow two, so the cap
+    asks for three (168).  The overlapped loop would spill under any cap (64-96 bytes at d = 64), and blocks of
+    two warpgroups at d = 128 (180-196 registers) fit once either way."""
+    if overlap or (head_dim == 64 and warpgroups == 1 and not causal):
         return 1
+    if head_dim == 128:
+        return 3 if warpgroups == 1 else 1
     return 4 // warpgroups
 
 
@@ -520,5 +574,6 @@ def forward_launch(call):
                  causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E)
     extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
                    O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
-    return Launch(kernel, q_tiles * call.batch_heads, WARPGROUP * warpgroups, shared_bytes(call.head_dim, warpgroups),
+    return Launch(kernel, q_tiles * call.batch_heads, WARPGROUP * warpgroups,
+                  shared_bytes(call.head_dim, warpgroups, OVERLAP_PRODUCTS),
                   fixed, ("Q", "K", "V", "O", "LSE"), extents)
