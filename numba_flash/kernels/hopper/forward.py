@@ -27,7 +27,8 @@ softmax below is the fast forward's, over 64-key tiles::
 At d = 128 the K/V tiles go round a ring of three buffers instead (``uses_ring``): K_{j+1} is started
 into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a second one, once S_j is done
 (each tile its own commit group, so each barrier waits for the tile it needs alone).  A block then needs 66 KB
-of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two: 1.13-1.16x faster.
+of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two: 1.10-1.19x faster
+(H200, ``results/bench_ring_h200.md``).
 
 Each product group is waited for before its accumulator is read (``wgmma_wait(0)``).  A second loop
 (``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``) issues S_{j+1} = Q K_{j+1}^T before
@@ -104,8 +105,8 @@ def tile_bytes(head_dim):
 def uses_ring(head_dim, overlap):
     """Whether the K/V tiles go round a ring of three buffers (K_0, V_0, K_1, V_1, ... into buffers 0, 1, 2, 0,
     ...), or sit in two stages of K and two of V.  The ring: at d = 128, where its 16 KB less a block makes room
-    for a third block on a multiprocessor (``blocks_per_multiprocessor``), 1.13x faster dense and 1.16x causal
-    at (2, 16, 8192, 128) float16; at d = 64, where registers allow four blocks either way, its second barrier a
+    for a third block on a multiprocessor (``blocks_per_multiprocessor``), 1.10-1.19x faster dense and causal
+    at (2, 16, 8192, 128) in float16 and bfloat16; at d = 64, where registers allow four blocks either way, its second barrier a
     tile made it 0.94-0.96x (H200, 2026-12-03, ``results/bench_ring_h200.md``).  Not for the overlapped loop,
     whose K_{j+1} is read while V_j waits."""
     return head_dim == 128 and not overlap
