@@ -42,7 +42,7 @@ from numba_flash.tools.timing import time_ms  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 FULL = dict(batch=1, heads=16, n=131072, d=128, repeats=5, warmup=2, search_seconds=150.0, search_limit=1 << 24)
-QUICK = dict(batch=1, heads=2, n=32, d=16, repeats=1, warmup=0, search_seconds=0.0, search_limit=64)
+QUICK = dict(batch=1, heads=1, n=16, d=8, repeats=1, warmup=0, search_seconds=0.0, search_limit=64)
 GIB = 2 ** 30
 
 
