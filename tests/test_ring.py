@@ -58,7 +58,7 @@ CASES = [Case("dense, zigzag", 2, 2, 24, False, "zigzag"),
          Case("causal, contiguous", 2, 2, 24, True, "contiguous"),
          Case("causal, zigzag, grouped heads", 2, 1, 24, True, "zigzag")]
 #: (batch, head dim, length factor): tiny in the simulator, where every CUDA thread is a Python thread.
-BATCH, HEAD_DIM, LENGTH_FACTOR = (1, 16, 1) if numba_flash.in_simulator() else (2, 64, 25)
+BATCH, HEAD_DIM, LENGTH_FACTOR = (1, 8, 1) if numba_flash.in_simulator() else (2, 64, 25)
 JOBS = {f"{case.name}, {dtype}": (case, dtype) for case in CASES for dtype in DTYPES}
 
 
