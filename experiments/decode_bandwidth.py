@@ -36,7 +36,7 @@ from numba_flash.tools.timing import time_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 FULL = dict(batch=16, heads=32, kv_heads=8, n=8192, d=128)
-QUICK = dict(batch=2, heads=4, kv_heads=2, n=48, d=16)
+QUICK = dict(batch=1, heads=2, kv_heads=1, n=32, d=8)
 REPEATS = 50
 #: Tiles around the default: key tiles of 64 and 128 rows became possible when cp.async stopped holding
 #: the next K/V tile in registers (ptxas at d = 128, decoding kernel: (16, 32) 251 registers, (16, 64) 255
