@@ -112,8 +112,9 @@ def test_grouped_query_heads_equal_repeated_key_value_heads(algorithm, dtype, da
                                                  (33, 17, "bottom_right")])
 def test_causal_alignment_when_lengths_differ(algorithm, dtype, n_q, n_k, alignment):
     rng = np.random.default_rng(7)
-    q = rng.standard_normal((2, n_q, 8)).astype(dtype)
-    k, v = rng.standard_normal((2, 2, n_k, 8)).astype(dtype)
+    heads = 1 if numba_flash.in_simulator() else 2   # the alignment is per head: one is enough in the simulator
+    q = rng.standard_normal((heads, n_q, 8)).astype(dtype)
+    k, v = rng.standard_normal((2, heads, n_k, 8)).astype(dtype)
     out, lse = numba_flash.attention(q, k, v, causal=alignment, algorithm=algorithm, return_lse=True)
     ref_out, ref_lse = reference.attention(q, k, v, causal=alignment)
     assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, 1 / np.sqrt(8), dtype)
@@ -162,8 +163,8 @@ def test_host_arrays_from_other_libraries_are_taken_as_host_arrays():
 @pytest.mark.parametrize("head_dim", [1, 3, 72, 160, 256])
 def test_flash2_head_dims_beyond_the_common_ones(dtype, head_dim):
     rng = np.random.default_rng(head_dim)
-    n = 5 if numba_flash.in_simulator() else 200
-    q, k, v = (rng.standard_normal((2, n, head_dim)).astype(dtype) for _ in range(3))
+    n, heads = (5, 1) if numba_flash.in_simulator() else (200, 2)
+    q, k, v = (rng.standard_normal((heads, n, head_dim)).astype(dtype) for _ in range(3))
     for causal in (False, True):
         out, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True)
         ref_out, ref_lse = reference.attention(q, k, v, causal=causal)
@@ -210,7 +211,10 @@ def test_flash2_takes_any_real_scale(scale, dtype):
     and negative scales (which would flip or flatten that max) get the kernel that scales first, and so
     does a positive scale that rounds to 0 in float32 (1e-112: masked scores would be -inf * 0)."""
     rng = np.random.default_rng(11)
-    q, k, v = (rng.standard_normal((2, 3, 37, 16)).astype(dtype) for _ in range(3))
+    # 37 rows: three query and three key tiles of 16 (the last ragged), the diagonal crossing each; in the
+    # simulator two heads of one batch entry (each head runs the same blocks), on a GPU (2, 3).
+    shape = (1, 2, 37, 16) if numba_flash.in_simulator() else (2, 3, 37, 16)
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
     out, lse = numba_flash.attention(q, k, v, causal=True, scale=scale, return_lse=True, algorithm="flash2")
     ref_out, ref_lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), scale=scale, causal=True)
     assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype)
