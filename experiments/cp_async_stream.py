@@ -16,7 +16,9 @@ block its own contiguous run of tiles (as the decoding kernel's splits read thei
 Then the same bytes through Hopper's bulk copy engine (``cp.async.bulk`` completing on an mbarrier,
 ``kernels/hopper/bulk.py``): one thread per copy, whole tiles in one copy or row by row into rows padded
 by 16 bytes (the layout the decoding kernel's ldmatrix reads without bank conflicts), several buffers
-deep, and every thread reading one word of each 16 bytes that landed.  Beside them,
+deep, and every thread reading one word of each 16 bytes that landed.  Then cuDNN's own arrangement for
+issue 16's case (``PAIRED_VARIANTS``, added 2026-12-03 and not yet run on a GPU): 128 blocks of four warps, one
+per (b, h_kv), each reading its head's K and V as two streams in turn in block-wide tiles.  Beside them,
 torch's own read of the same bytes (a sum) and copy (read + write), as references.  Every row is timed twice:
 over one buffer again and again, and over ROTATE buffers in turn, so that what the 50 MB L2 kept of the
 last pass cannot serve the next one (the way a model's layers each read their own cache).  Needs a GPU and
@@ -49,6 +51,11 @@ VARIANTS = [(1, 6, 2, None, False), (1, 6, 4, None, False), (1, 6, 4, None, True
             (1, 6, 4, 256, False), (1, 6, 6, None, False), (1, 6, 6, None, True), (1, 12, 4, None, False),
             (1, 12, 4, None, True), (4, 4, 2, None, False), (4, 4, 2, None, True), (4, 3, 4, None, False),
             (8, 2, 3, None, False), (8, 2, 3, None, True)]
+#: cuDNN's decoding kernel's arrangement (ncu, 2026-12-02, ``results/decode_key_warps_h200.md``): one block of four
+#: warps per (b, h_kv), 128 in all (four multiprocessors idle), each reading its head's K and V as two streams in
+#: turn, 128-key tiles (32 KB at d = 128) copied by all four warps.  (warps, buffers per stream, chunks per thread)
+PAIRED_VARIANTS = [(4, 2, 16), (4, 3, 8), (4, 2, 8), (8, 2, 8), (8, 3, 4)]
+PAIRED_BLOCKS = 16 * 8   # (B, H_kv) of issue 16's case: a block streams one head's 2 MB of K and 2 MB of V
 #: Buffers of BYTES read in turn by the rotating timing.
 ROTATE = 4
 #: Bulk copies: (warps per block, blocks per multiprocessor, buffers, tile bytes, bytes per copy, rows padded).
@@ -98,6 +105,52 @@ def make_stream(WARPS, STAGES, PREFETCH, INTERLEAVED):
     name = (f"cp_async_stream_{WARPS}w_{STAGES}s" + ("" if PREFETCH is None else f"_l2_{PREFETCH}")
             + ("_interleaved" if INTERLEAVED else ""))
     return Kernel(stream, name, arrays=dict(X=np.uint32, out=np.uint32)), TILE_WORDS * 4 * STAGES
+
+
+@lru_cache(maxsize=None)
+def make_paired_stream(WARPS, STAGES, CHUNKS_PER_THREAD):
+    """Each block streams the K and V halves of X at its own offset as two streams in turn (K tile x, V tile x,
+    K tile x + 1, ...; ``tiles`` of each), STAGES buffers per stream, STAGES - 1 tiles of each in flight; every
+    thread copies CHUNKS_PER_THREAD 16-byte chunks of each tile (a warp's 32 copies contiguous)."""
+    THREADS = 32 * WARPS
+    TILE_WORDS = THREADS * CHUNKS_PER_THREAD * 4
+    wait_oldest_pair = copy_async_wait(STAGES - 1)   # pair j landed; the STAGES - 1 pairs after it may fly on
+
+    @inlined_device_function
+    def start_pair(smem, X, x, tiles, tid):
+        """K tile x and V tile x of this block into their streams' buffers for x, one commit group."""
+        for half in range(2):
+            at = (half * STAGES + x % STAGES) * TILE_WORDS
+            first = half * (X.shape[0] // 2) + (cuda.blockIdx.x * tiles + x) * TILE_WORDS
+            for c in range(CHUNKS_PER_THREAD):
+                word = (c * THREADS + tid) * 4
+                copy_async16(smem, at + word, X, first + word, True)
+        copy_async_commit()
+
+    def stream(X, out, tiles):
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(0, uint32)
+        seen = uint32(0)
+        for x in range(STAGES):   # the prologue: STAGES pairs started (empty groups past the last tile)
+            if x < tiles:
+                start_pair(smem, X, x, tiles, tid)
+            else:
+                copy_async_commit()
+        for j in range(tiles):
+            wait_oldest_pair()
+            cuda.syncthreads()   # every thread's chunks of pair j landed (a block-wide tile, as cuDNN's)
+            for half in range(2):
+                for c in range(CHUNKS_PER_THREAD):
+                    seen ^= load_word(smem, (half * STAGES + j % STAGES) * TILE_WORDS + (c * THREADS + tid) * 4)
+            cuda.syncthreads()   # every thread done with pair j's buffers before they take pair j + STAGES
+            if j + STAGES < tiles:
+                start_pair(smem, X, j + STAGES, tiles, tid)
+            else:
+                copy_async_commit()
+        out[cuda.blockIdx.x * THREADS + tid] = seen
+
+    name = f"paired_stream_{WARPS}w_{STAGES}s_{CHUNKS_PER_THREAD}c"
+    return Kernel(stream, name, arrays=dict(X=np.uint32, out=np.uint32)), 2 * STAGES * TILE_WORDS * 4
 
 
 @lru_cache(maxsize=None)
@@ -195,6 +248,12 @@ def main():
         rows.append((f"{warps} warp(s) x {per_sm} blocks/SM, {stages} buffers, {hint}"
                      + (", interleaved" if interleaved else ""),
                      streamed_ms(torch, xs, kernel, shared, warps, sms * per_sm, tile_bytes)))
+    for warps, stages, chunks in PAIRED_VARIANTS:
+        kernel, shared = make_paired_stream(warps, stages, chunks)
+        pair_bytes = 2 * 32 * warps * chunks * 16
+        rows.append((f"paired (cuDNN's layout): {warps} warp(s) x {PAIRED_BLOCKS} blocks, K and V tiles of "
+                     f"{pair_bytes // 2048} KB in turn, {stages} buffer(s) each",
+                     streamed_ms(torch, xs, kernel, shared, warps, PAIRED_BLOCKS, pair_bytes)))
     for warps, per_sm, stages, tile_bytes, copy_bytes, padded in BULK_VARIANTS:
         kernel, shared = make_bulk_stream(warps, stages, tile_bytes, copy_bytes, padded)
         rows.append((f"bulk: {warps} warp(s) x {per_sm} blocks/SM, {stages} buffers of {tile_bytes // 1024} KB, "
