@@ -77,11 +77,13 @@ def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data
 @pytest.mark.parametrize("group", [4, 9])
 def test_one_step_of_generation_with_grouped_heads_and_split_keys(tiles, group):
     # The shape decoding runs at: one query per head, query heads grouped on each cached key/value head, a
-    # long cache split between blocks, entries of different lengths (one empty).
+    # long cache split between blocks, entries of different lengths (one empty).  In the simulator a cache of
+    # 100 (7 tiles of 16, the last ragged: several per split) instead of 300.
+    n_max, lengths = (100, [99, 0, 57]) if numba_flash.in_simulator() else (300, [299, 0, 170])
     rng = np.random.default_rng(3)
     q = rng.standard_normal((3, 2 * group, 1, 16)).astype(np.float32)
-    k_cache, v_cache = (rng.standard_normal((3, 2, 300, 16)).astype(np.float32) for _ in range(2))
-    seqlens = np.array([299, 0, 170], np.int32)
+    k_cache, v_cache = (rng.standard_normal((3, 2, n_max, 16)).astype(np.float32) for _ in range(2))
+    seqlens = np.array(lengths, np.int32)
     k_new, v_new = (rng.standard_normal((3, 2, 1, 16)).astype(np.float32) for _ in range(2))
     out = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, k_new=k_new, v_new=v_new,
                                               block_sizes=tiles, num_splits=2)
@@ -135,11 +137,13 @@ def test_warps_taking_turns_along_the_keys_decode_as_one_warp_does(dtype, key_wa
 def test_one_plan_decodes_call_after_call_as_lengths_change(dtype):
     # Three splits take turns along the key tiles (split s: tiles s, s + 3, ...), so entries of 1, 17 or 33
     # keys (one, two, three tiles of 16) leave some splits with nothing, and an entry of 0 leaves all; the
-    # same plan (shapes unchanged) runs again as the lengths change, as in generation.
+    # same plan (shapes unchanged) runs again as the lengths change, as in generation.  In the simulator a
+    # cache of 70 (5 tiles, the last ragged: two splits get two tiles, one gets one) instead of 200.
+    n_max = 70 if numba_flash.in_simulator() else 200
     rng = np.random.default_rng(11)
     q = rng.standard_normal((2, 4, 1, 16)).astype(dtype)
-    k_cache, v_cache = (rng.standard_normal((2, 2, 200, 16)).astype(dtype) for _ in range(2))
-    for lengths in ([200, 57], [1, 200], [0, 17], [33, 200], [200, 57]):
+    k_cache, v_cache = (rng.standard_normal((2, 2, n_max, 16)).astype(dtype) for _ in range(2))
+    for lengths in ([n_max, 57], [1, n_max], [0, 17], [33, n_max], [n_max, 57]):
         seqlens = np.array(lengths, np.int32)
         out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=(16, 16),
                                                        num_splits=3, return_lse=True)
@@ -197,12 +201,15 @@ def test_bad_decoding_input_is_rejected_before_any_launch(no_launch, description
 def test_nan_reaches_exactly_the_rows_that_see_it(tiles):
     # As torch: a NaN key or value makes NaN every row that attends to it; one past an entry's length is
     # never seen; a NaN query row gives a NaN output row and lse.
+    # In the simulator entries of 40 keys in a cache of 60 (instead of 150 in 200): the tile that holds the
+    # last keys is still ragged, with NaN past the length in its loaded rows, and two splits share three tiles.
+    n_max, length = (60, 40) if numba_flash.in_simulator() else (200, 150)
     rng = np.random.default_rng(5)
     q = rng.standard_normal((3, 4, 1, 16)).astype(np.float32)
-    k_cache, v_cache = (rng.standard_normal((3, 2, 200, 16)).astype(np.float32) for _ in range(2))
-    seqlens = np.array([150, 150, 150], np.int32)
+    k_cache, v_cache = (rng.standard_normal((3, 2, n_max, 16)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([length] * 3, np.int32)
     k_cache[0, 1, 7, 3] = np.nan       # seen by entry 0's query heads 2 and 3
-    v_cache[1, 0, 150:, :] = np.nan    # past entry 1's keys: seen by nobody
+    v_cache[1, 0, length:, :] = np.nan    # past entry 1's keys: seen by nobody
     q[2, 1, 0, 0] = np.nan             # entry 2, query head 1 only
     out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=tiles, num_splits=2,
                                                    return_lse=True)
