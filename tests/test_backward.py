@@ -97,7 +97,8 @@ def test_device_arrays_in_give_device_gradients_out(algorithm, dtype):
     # (batch, heads, N, d) device arrays, lse from a device forward: the gradients stay on the
     # device and equal the same call on NumPy arrays bit for bit.
     rng = np.random.default_rng(11)
-    q, k, v, do = rng.standard_normal((4, 2, 3, 20, 8)).astype(dtype)
+    heads = 2 if numba_flash.in_simulator() else 3   # batch and heads both above 1; fewer blocks in the simulator
+    q, k, v, do = rng.standard_normal((4, 2, heads, 20, 8)).astype(dtype)
     host_out, host_lse = numba_flash.attention(q, k, v, return_lse=True)
     host_grads = numba_flash.attention_backward(q, k, v, host_out, host_lse, do, algorithm=algorithm)
     q_dev, k_dev, v_dev, do_dev = (cuda.to_device(x) for x in (q, k, v, do))
