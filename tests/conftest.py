@@ -25,6 +25,8 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from numba import config  # noqa: E402
 
+from simulator_cpus import pin_to_one_cpu  # noqa: E402
+
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)
 settings.register_profile("sim", max_examples=12, derandomize=True, **_common)
@@ -38,6 +40,15 @@ settings.load_profile(PROFILE)
 def pytest_configure(config):
     config.addinivalue_line("markers", "simulator_only(reason): needs the simulator (e.g. its array wrappers)")
     config.addinivalue_line("markers", "gpu_only(reason): needs a GPU (e.g. CUDA streams)")
+    if config_is_simulator():
+        # One CPU per process that runs tests (simulator_cpus says why): pytest-xdist worker gwN on the N-th
+        # CPU, a run without workers on one.  Not xdist's controller, which runs no test (and whose CPUs
+        # -n auto counts).
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        if worker is not None:
+            pin_to_one_cpu(int(worker.lstrip("gw")))
+        elif not getattr(config.option, "numprocesses", None):
+            pin_to_one_cpu(os.getpid())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,6 +28,7 @@ import numba_flash
 import numba_flash.torch as nft
 import reference
 from numba_flash.ring import LAYOUTS, _visible_part, merge_by_lse, ring_positions, ring_shard, ring_unshard
+from simulator_cpus import pin_to_one_cpu
 from strategies import BFLOAT16
 from test_experiments_quick import load_script
 from tolerances import FLOAT64_AGREEMENT, backward_tolerance, forward_tolerance, ring_tolerances
@@ -89,6 +90,8 @@ def _bad_calls_raise(q, k, v):
 
 def _ring_worker(rank, store, out_dir):
     """One rank: every job's shards through ring_attention and back, then the experiment's --quick mode."""
+    if numba_flash.in_simulator():
+        pin_to_one_cpu(rank)   # the ranks inherit the pinned test process's CPU: one CPU each instead
     device = torch.device(DEVICE, rank) if BACKEND == "nccl" else None
     if device is not None:
         torch.cuda.set_device(device)   # before numba-flash's first launch: Numba uses the current device
