@@ -91,7 +91,10 @@ def _bad_calls_raise(q, k, v):
 def _ring_worker(rank, store, out_dir):
     """One rank: every job's shards through ring_attention and back, then the experiment's --quick mode."""
     if numba_flash.in_simulator():
-        pin_to_one_cpu(rank)   # the ranks inherit the pinned test process's CPU: one CPU each instead
+        # Under pytest-xdist the ranks share the CPU of the worker that waits for them (the other workers keep
+        # theirs busy); a test process of its own gives them one CPU each (they inherit its one).
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        pin_to_one_cpu(rank if worker is None else int(worker.lstrip("gw")))
     device = torch.device(DEVICE, rank) if BACKEND == "nccl" else None
     if device is not None:
         torch.cuda.set_device(device)   # before numba-flash's first launch: Numba uses the current device
