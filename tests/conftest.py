@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from numba import config  # noqa: E402
 
-from simulator_cpus import pin_to_one_cpu  # noqa: E402
+from simulator_cpus import pin_to_one_cpu, xdist_worker  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)
@@ -44,9 +44,9 @@ def pytest_configure(config):
         # One CPU per process that runs tests (simulator_cpus says why): pytest-xdist worker gwN on the N-th
         # CPU, a run without workers on one.  Not xdist's controller, which runs no test (and whose CPUs
         # -n auto counts).
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        worker = xdist_worker()
         if worker is not None:
-            pin_to_one_cpu(int(worker.lstrip("gw")))
+            pin_to_one_cpu(worker)
         elif not getattr(config.option, "numprocesses", None):
             pin_to_one_cpu(os.getpid())
 

@@ -18,6 +18,12 @@ import os
 CPUS_VARIABLE = "NUMBA_FLASH_TEST_CPUS"
 
 
+def xdist_worker():
+    """The number N of this pytest-xdist worker (gwN), or None outside one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return None if worker is None else int(worker.lstrip("gw"))
+
+
 def session_cpus():
     """The CPUs the test session may use (saved at the first call, so pinned processes and their children
     see the whole set)."""

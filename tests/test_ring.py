@@ -28,7 +28,7 @@ import numba_flash
 import numba_flash.torch as nft
 import reference
 from numba_flash.ring import LAYOUTS, _visible_part, merge_by_lse, ring_positions, ring_shard, ring_unshard
-from simulator_cpus import pin_to_one_cpu
+from simulator_cpus import pin_to_one_cpu, xdist_worker
 from strategies import BFLOAT16
 from test_experiments_quick import load_script
 from tolerances import FLOAT64_AGREEMENT, backward_tolerance, forward_tolerance, ring_tolerances
@@ -93,8 +93,8 @@ def _ring_worker(rank, store, out_dir):
     if numba_flash.in_simulator():
         # Under pytest-xdist the ranks share the CPU of the worker that waits for them (the other workers keep
         # theirs busy); a test process of its own gives them one CPU each (they inherit its one).
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        pin_to_one_cpu(rank if worker is None else int(worker.lstrip("gw")))
+        worker = xdist_worker()
+        pin_to_one_cpu(rank if worker is None else worker)
     device = torch.device(DEVICE, rank) if BACKEND == "nccl" else None
     if device is not None:
         torch.cuda.set_device(device)   # before numba-flash's first launch: Numba uses the current device
