@@ -1,44 +1,99 @@
 """Decoding with warps taking turns along the keys: (tiles, kv_stages, key_warps, splits) against one-warp blocks,
-with torch cuDNN and flash beside (GPU time, four caches read in turn).  Results: results/decode_key_warps_h200.md.
+with torch's cuDNN and flash backends beside them (GPU time, four sets of q and caches read in turn, so that L2
+cannot serve one step from the last).  With ``--baseline DIR`` (another copy of the package, e.g. an earlier
+commit's) the same rows of that copy are timed in the same process.
 
-    PYTHONPATH=$PWD python3 experiments/decode_key_warps.py [B,H_q,H_kv,N]   # default: issue 16's (16, 32, 8, 8192), d = 128
+    PYTHONPATH=$PWD python3 experiments/decode_key_warps.py [--case B,H_q,H_kv,N] [--baseline DIR] [--out FILE]
+
+Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.  Results: results/decode_key_warps_h200.md.
 """
-import sys, numpy as np, torch
-import numba_flash
-from numba_flash.tools.timing import time_ms
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention as sdpa
-b, h, hk, n, d = 16, 32, 8, 8192, 128
-if len(sys.argv) > 1:
-    b, h, hk, n = map(int, sys.argv[1].split(","))
-g = torch.Generator(device="cuda").manual_seed(0)
-sets = [dict(q=torch.randn(b, h, 1, d, device="cuda", dtype=torch.float16, generator=g),
-             k=torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16, generator=g),
-             v=torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16, generator=g)) for _ in range(4)]
-turn = [0]
-def nxt(): turn[0] += 1
-def now(): return sets[turn[0] % 4]
-full = np.full(b, n, np.int32)
-T = lambda f: time_ms(f, repeats=50, warmup=3, device_only=True, setup=nxt)
-def peer(be):
-    def f():
-        x = now()
-        with sdpa_kernel(be):
-            sdpa(x["q"], x["k"], x["v"], enable_gqa=True)
-    return f
-print("case", (b, h, hk, n, d), "cudnn", round(T(peer(SDPBackend.CUDNN_ATTENTION)), 4), "flash", round(T(peer(SDPBackend.FLASH_ATTENTION)), 4), flush=True)
-configs = [((16, 16), 2, 1, 0), (None, 0, 0, 0)]
-for t, stages_list in (((16, 16), (2, 3, 4)), ((16, 32), (2, 3)), ((16, 64), (2,))):
-    for st in stages_list:
-        for kw in (2, 4, 8):
-            for sp in (1, 2):
-                configs.append((t, st, kw, sp))
-for t, st, kw, sp in configs:
-    def f(t=t, st=st, kw=kw, sp=sp):
-        x = now()
-        numba_flash.attention_with_kv_cache(x["q"], x["k"], x["v"], full, block_sizes=t, num_splits=sp, kv_stages=st, key_warps=kw)
-    try:
-        print(t, "stages", st, "key_warps", kw, "splits", sp, round(T(f), 4), flush=True)
-    except Exception as e:
-        print(t, st, kw, sp, "ERR", str(e)[:120], flush=True)
-print("cudnn again", round(T(peer(SDPBackend.CUDNN_ATTENTION)), 4), flush=True)
+import argparse
+import itertools
+
+import numpy as np
+
+#: (tiles, kv_stages, key_warps, splits); None / 0: the library's choice.
+CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0)] + [
+    (tiles, stages, warps, splits)
+    for tiles, stage_list in (((16, 16), (2, 3, 4)), ((16, 32), (2, 3)), ((16, 64), (2,)))
+    for stages, warps, splits in itertools.product(stage_list, (2, 4, 8), (1, 2))]
+#: The rows the baseline runs too: the defaults and the best of the last sweep.
+BASELINE_CONFIGS = [(None, 0, 0, 0), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1), ((16, 16), 4, 4, 1)]
+SETS = 4
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="16,32,8,8192", help="B,H_q,H_kv,N (d = 128)")
+    parser.add_argument("--baseline", default=None, help="another copy of the package, timed beside this one")
+    parser.add_argument("--out", default=None, help="markdown file for the table")
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numba_flash
+    from numba_flash.tools.bench import load_baseline
+    from numba_flash.tools.timing import time_ms
+
+    b, h, hk, n = map(int, args.case.split(","))
+    d = 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = [{name: torch.randn(b, heads, rows, d, device="cuda", dtype=torch.float16, generator=g)
+             for name, heads, rows in (("q", h, 1), ("k", hk, n), ("v", hk, n))} for _ in range(SETS)]
+    turn = [0]
+
+    def advance():
+        turn[0] += 1
+
+    def timed(call):
+        return time_ms(lambda: call(sets[turn[0] % SETS]), repeats=args.repeats, warmup=3, device_only=True,
+                       setup=advance)
+
+    def peer(backend):
+        def call(x):
+            with sdpa_kernel(backend):
+                sdpa(x["q"], x["k"], x["v"], enable_gqa=True)
+        return call
+
+    lengths = np.full(b, n, np.int32)
+    rows = []
+
+    def ours(package, label, config):
+        tiles, stages, warps, splits = config
+        try:
+            ms = timed(lambda x: package.attention_with_kv_cache(x["q"], x["k"], x["v"], lengths, block_sizes=tiles,
+                                                                 num_splits=splits, kv_stages=stages,
+                                                                 key_warps=warps))
+        except ValueError as exc:   # buffers beyond shared memory: refused before any launch
+            ms = f"refused ({str(exc)[:60]}...)"
+        rows.append((label, "default" if tiles is None else str(tiles), stages, warps, splits, ms))
+        print(rows[-1], flush=True)
+
+    peers = [("torch cuDNN", SDPBackend.CUDNN_ATTENTION), ("torch flash", SDPBackend.FLASH_ATTENTION)]
+    before = {name: timed(peer(backend)) for name, backend in peers}
+    print("peers", before, flush=True)
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    for config in CONFIGS:
+        ours(numba_flash, "this tree", config)
+        if baseline is not None and config in BASELINE_CONFIGS:
+            ours(baseline, baseline.label, config)
+    after = {name: timed(peer(backend)) for name, backend in peers}
+    fastest = min(min(before.values()), min(after.values()))
+    lines = [f"Case (B, H_q, H_kv, N_q, N, d) = ({b}, {h}, {hk}, 1, {n}, {d}) float16; GPU time, median of "
+             f"{args.repeats}, {SETS} caches in turn.  " + ", ".join(f"{name} {before[name]:.4f} / {after[name]:.4f} ms"
+                                                                  for name, _ in peers) + " (before / after).",
+             "", "| package | tiles | kv_stages | key_warps | splits | ms | vs fastest torch |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {tiles} | {stages} | {warps} | {splits} | "
+              + (f"{ms:.4f} | {fastest / ms:.2f}x |" if isinstance(ms, float) else f"{ms} | |")
+              for label, tiles, stages, warps, splits, ms in rows]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,8 @@ bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
-three causal ones; decode_stages4: the same with four K/V buffers).  Every result
+three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
+a block taking turns along the keys).  Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
 """
@@ -74,6 +75,10 @@ RUNS = [
     ("forward", "flash2", BF16, None, "decode"),
     # Four K/V buffers (kv_stages): three tiles in flight, one cp.async group each, the last groups empty.
     ("forward", "flash2", np.float16, (16, 16), "decode_stages4"),
+    # Warps of one block taking turns along the keys, the block copying each round of tiles together
+    # (key_warps): four warps, two buffers; three warps, three buffers (the last rounds leave warps idle).
+    ("forward", "flash2", np.float16, (16, 32), "decode_key_warps4"),
+    ("forward", "flash2", BF16, (16, 16), "decode_key_warps3"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -182,7 +187,9 @@ def main(selected=()):
         cases = cases[-1:] if quick else cases
         if variant.startswith("decode"):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
-            worst = max(worst, decode(dtype, blocks, rng, kv_stages=4 if variant == "decode_stages4" else 0))
+            key_warps = int(variant[-1]) if "key_warps" in variant else 0
+            stages = {"decode_stages4": 4, "decode_key_warps3": 3}.get(variant, 0)
+            worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, key_warps=key_warps))
             continue
         if variant == "varlen":
             print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
@@ -254,7 +261,7 @@ def packed(direction, dtype, blocks, rng):
 DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
-def decode(dtype, blocks, rng, kv_stages=0):
+def decode(dtype, blocks, rng, kv_stages=0, key_warps=0):
     """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), its lengths on
     the GPU (the key-bounds and poisoning kernels), then three queries (causal), lengths on the host; each
     appends as many keys.  Returns the worst relative error."""
@@ -278,7 +285,7 @@ def decode(dtype, blocks, rng, kv_stages=0):
         held = torch.as_tensor(lengths, device="cuda") if n_q == 1 else lengths
         out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, held,
                                                   k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks,
-                                                  kv_stages=kv_stages)
+                                                  kv_stages=kv_stages, key_warps=key_warps)
         lengths = lengths + n_q
         k64, v64 = (host(x).astype(np.float64) for x in (k_cache, v_cache))
         ref = np.zeros(q.shape)

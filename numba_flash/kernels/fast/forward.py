@@ -137,8 +137,11 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     KEY_WARPS (decoding, a tile of one warp's rows whose K/V tiles travel by cp.async): that many warps
     share the block's query rows and take turns along its keys, as the splits do across blocks: warp w of
-    split s visits tiles s KEY_WARPS + w, then every (splits KEY_WARPS)-th.  Each warp streams into buffers
-    of its own and waits only for its own copies (``sync_warp``, no block barrier in the loop), and at the
+    split s visits tiles s KEY_WARPS + w, then every (splits KEY_WARPS)-th.  The block moves in rounds:
+    round x is every warp's x-th tile, KEY_WARPS x BLOCK_N neighbouring keys, copied by all the block's
+    threads together into the warps' own buffers and handed over by one block barrier, so that the block
+    reads its head's cache as one stream of wide tiles (cuDNN's arrangement; warps each streaming their own
+    tiles under ``sync_warp`` alone ran 1.0x-0.9x as fast, ``results/decode_key_warps_h200.md``).  At the
     end the warps merge their m, l and O through shared memory (``merge_key_warps``) and warp 0 writes the
     block's result.  So one block per multiprocessor streams a head's cache with several tiles in flight,
     and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
@@ -150,7 +153,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     assert KEY_WARPS == 1 or (ROW_THREADS == 32 and WARP_ROWS == ROWS_PER_WARP and not HAS_MASK
                               and not HAS_DROPOUT), "key warps share one warp's 16 rows, dense or causal"
     THREADS = ROW_THREADS * KEY_WARPS
-    STREAMERS = THREADS if KEY_WARPS == 1 else 32   # the threads that copy and clean one K/V tile
+    STREAMERS = THREADS if KEY_WARPS == 1 else 32   # the threads that clean one K/V tile of NaN
     WARP_TILES = WARP_ROWS // ROWS_PER_WARP   # 16-row fragments per warp
     LANE_ROWS = 2 * WARP_TILES   # a lane's rows: g + 8 r (``fragments``: rows m X + x of s and acc)
     N_TILES = BLOCK_N // 8       # 8-wide key tiles of S
@@ -178,7 +181,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC,
                                                                              STREAMERS)
-    copy_key_rows = tile_copier(BLOCK_N, D_PAD, STREAMERS)[0] if ASYNC else None
+    copy_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS)[0] if ASYNC else None   # every thread copies
     wait_oldest_tile = copy_async_wait(AHEAD - 1) if ASYNC else None   # one group per tile, AHEAD in flight
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
@@ -194,19 +197,23 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     @inlined_device_function
     def start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                 k_first_tile, tile_step, n_k, head_dim, own, tid):
-        """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer (``own``:
-        the words from the block's buffers to this key warp's), one group (empty past the last tile, so that
-        groups count tiles), or as global loads into registers."""
+                 k_first_tile, tile_step, keys_visited, n_k, head_dim, tid):
+        """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer, one group
+        (empty past the last tile, so that groups count tiles), or as global loads into registers.
+
+        Key warps: the block's x-th round, every warp's x-th tile (those before ``keys_visited``), each into
+        that warp's buffers, the block's threads sharing the copies of each."""
         if x < n_tiles:
-            k0 = key_of(tile_entries, first, x, k_first_tile, tile_step)
-            if ASYNC:
-                stage = own + (x % STAGES) * KV_STAGE
-                copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
-                copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
-            else:
-                fetch_key_rows(k_regs, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
-                fetch_key_rows(v_regs, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
+            for w in range(KEY_WARPS):   # a constant trip count: unrolled
+                k0 = key_of(tile_entries, first, x, k_first_tile, tile_step) + w * BLOCK_N
+                if KEY_WARPS == 1 or k0 < keys_visited:
+                    if ASYNC:
+                        stage = w * KEY_WARP_WORDS + (x % STAGES) * KV_STAGE
+                        copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
+                        copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
+                    else:
+                        fetch_key_rows(k_regs, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
+                        fetch_key_rows(v_regs, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
         if ASYNC:
             copy_async_commit()
 
@@ -230,7 +237,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     @inlined_device_function
     def sync_tile():
-        """The barrier of the threads that share a K/V buffer: the block's, or a key warp's own."""
+        """The barrier of the threads that read a K/V buffer: the block's, or a key warp's own."""
         if KEY_WARPS > 1:
             sync_warp()
         else:
@@ -364,7 +371,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         row (m_w = -inf) weighs 0 there and its O is not read, so that 0 * NaN cannot reach the row.
 
         Each warp leaves its m, l and O fragments, lane by lane, in its own buffers: free once its lanes are
-        past ``sync_warp`` (each read its last tile before).  The block barrier then hands them to warp 0.
+        past ``sync_warp`` (each read its last tile before; every copy into them landed before the last
+        round's barrier).  The block barrier then hands them to warp 0.
         l stays per lane (each lane's columns), as ``write_output`` expects."""
         weights = cuda.local.array((KEY_WARPS, 2), float32)
         at = K_HI + key_warp * KEY_WARP_WORDS
@@ -422,14 +430,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         key_warp = warp if KEY_WARPS > 1 else 0  # which of the block's key warps (their rows are the same)
         row_warp = 0 if KEY_WARPS > 1 else warp  # which 16 (or 32) of the block's rows the warp owns
         own = key_warp * KEY_WARP_WORDS          # words from the block's K/V buffers to this warp's
-        streamer = tid % 32 if KEY_WARPS > 1 else tid
+        cleaner = tid % 32 if KEY_WARPS > 1 else tid   # this thread's rows when a tile's V is cleaned of NaN
         row0 = row_warp * WARP_ROWS + g          # this lane's rows: row0 + 8 r, r < LANE_ROWS
         k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn   # row 0 of this head's K (and V below)
         v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
         smem = cuda.shared.array(0, uint32)
 
-        # ---- the key tiles this query tile visits ----
+        # ---- the key tiles this query tile visits (n_tiles) and this warp (key warps: n_tiles of rounds) ----
         if HAS_MASK:  # listed by the host
             first = tile_offsets[bh * (q_tiles + 1) + q_tile]
             n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
@@ -441,15 +449,17 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if SPLIT or KEY_WARPS > 1:  # this warp's share of the key tiles: every turns-th, from tile turn
                 turn, turns = split * KEY_WARPS + key_warp, splits * KEY_WARPS
                 first = turn
+                keys_visited = n_tiles * BLOCK_N
+                rounds = ceil_div(max(0, n_tiles - split * KEY_WARPS), turns)   # warp 0's tiles: the most
                 n_tiles = ceil_div(max(0, n_tiles - turn), turns)
+        if KEY_WARPS == 1:
+            rounds, keys_visited = n_tiles, 0
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
         if not HAS_MASK or n_tiles > 0:   # a block mask's tile may visit nothing: O = 0, lse = -inf without Q
             fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
             commit_q(smem, q_regs, Q_HI, Q_LO, tid)
-        if KEY_WARPS > 1:
-            cuda.syncthreads()   # Q_i in shared memory for every warp (the loop's barriers are each warp's own)
 
         m_i = cuda.local.array(LANE_ROWS, float32)    # running max (log2 units) of the lane's rows
         l_i = cuda.local.array(LANE_ROWS, float32)    # running sum, this lane's columns only
@@ -473,11 +483,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         # ``results/decode_split_order_h200.md``; ``cp_async_stream.py`` shows the same on copies alone).
         # Key warps take turns in the same way within the block.
         tile_step = BLOCK_N * splits * KEY_WARPS if SPLIT or KEY_WARPS > 1 else BLOCK_N
+        round_first_key = k_first_tile - key_warp * BLOCK_N   # key warps: warp 0's, whose round the block copies
         for x in range(AHEAD):
-            start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                     k_first_tile, tile_step, n_k, head_dim, own, streamer)
+            start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, rounds, tile_entries, first,
+                     round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
 
-        for j in range(n_tiles):
+        for j in range(rounds):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_N)
                 if not PARTLY_MASKED:  # a constant for the compiler: the element test below is compiled out
@@ -489,16 +500,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 cuda.syncthreads()  # every warp is done with tile j - 1, which tile j overwrites
             land_kv(smem, stage, k_regs, v_regs, tid)
             # Tile j (and Q_i) complete in shared memory; with cp.async, also every warp done with
-            # tile j - 1, so that start_kv may refill its buffer with tile j + AHEAD.  (Key warps: the
-            # warp's own tile and buffers, so the warp's barrier.)
-            sync_tile()
-            start_kv(smem, j + AHEAD, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                     k_first_tile, tile_step, n_k, head_dim, own, streamer)
+            # tile j - 1, so that start_kv may refill its buffer with tile j + AHEAD.  (Key warps: round j,
+            # every warp's tile j, copied by all the block's threads.)
+            cuda.syncthreads()
+            start_kv(smem, j + AHEAD, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, rounds, tile_entries, first,
+                     round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
+            if KEY_WARPS > 1 and j >= n_tiles:   # a key warp past its last tile still copies and meets the barriers
+                continue
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
             mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block (of the warp, for key warps): all reach the barrier
-                sanitize_v(smem, stage, V_NAN + own, streamer)
+                sanitize_v(smem, stage, V_NAN + own, cleaner)
                 sync_tile()  # V_j without NaN, and its flags, before any warp reads them
 
             rows_by_rows_t(s, smem, Q_HI, Q_LO, K_HI + stage, K_LO + stage, row_warp * WARP_ROWS, g, t)  # S = Q_i K_j^T
