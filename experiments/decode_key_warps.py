@@ -3,14 +3,23 @@ with torch's cuDNN and flash backends beside them (GPU time, four sets of q and 
 cannot serve one step from the last).  With ``--baseline DIR`` (another copy of the package, e.g. an earlier
 commit's) the same rows of that copy are timed in the same process.
 
-    PYTHONPATH=$PWD python3 experiments/decode_key_warps.py [--case B,H_q,H_kv,N] [--baseline DIR] [--out FILE]
+    PYTHONPATH=$PWD python3 experiments/decode_key_warps.py [--case B,H_q,H_kv,N ...] [--quick] [--baseline DIR]
+                                                            [--out FILE]
 
-Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.  Results: results/decode_key_warps_h200.md.
+Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.  ``--quick``: QUICK_CONFIGS on the first case, the
+defaults alone on the others.  Results: results/decode_key_warps_h200.md.
 """
 import argparse
 import itertools
 
 import numpy as np
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+import numba_flash
+from numba_flash.tools.bench import load_baseline
+from numba_flash.tools.timing import time_ms
 
 #: (tiles, kv_stages, key_warps, splits); None / 0: the library's choice.
 CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0)] + [
@@ -19,25 +28,35 @@ CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0)] + [
     for stages, warps, splits in itertools.product(stage_list, (2, 4, 8), (1, 2))]
 #: The rows the baseline runs too: the defaults and the best of the last sweep.
 BASELINE_CONFIGS = [(None, 0, 0, 0), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1), ((16, 16), 4, 4, 1)]
+QUICK_CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1), ((16, 16), 4, 4, 1),
+                 ((16, 16), 3, 8, 1)]
 SETS = 4
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="16,32,8,8192", help="B,H_q,H_kv,N (d = 128)")
+    parser.add_argument("--case", action="append", help="B,H_q,H_kv,N (d = 128), one or more")
+    parser.add_argument("--quick", action="store_true", help="QUICK_CONFIGS, then the defaults of further cases")
     parser.add_argument("--baseline", default=None, help="another copy of the package, timed beside this one")
     parser.add_argument("--out", default=None, help="markdown file for the table")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    tables = []
+    for index, case in enumerate(args.case or ["16,32,8,8192"]):
+        configs = (QUICK_CONFIGS if index == 0 else CONFIGS[:1]) if args.quick else CONFIGS
+        tables.append(run_case(tuple(map(int, case.split(","))), configs, baseline, args.repeats))
+    text = "\n\n".join(tables)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
-    import numba_flash
-    from numba_flash.tools.bench import load_baseline
-    from numba_flash.tools.timing import time_ms
 
-    b, h, hk, n = map(int, args.case.split(","))
+def run_case(case, configs, baseline, repeats):
+    """The table of one case: each config of this tree (and of the baseline where in BASELINE_CONFIGS), torch's
+    backends timed before and after."""
+    b, h, hk, n = case
     d = 128
     g = torch.Generator(device="cuda").manual_seed(0)
     sets = [{name: torch.randn(b, heads, rows, d, device="cuda", dtype=torch.float16, generator=g)
@@ -48,7 +67,7 @@ def main():
         turn[0] += 1
 
     def timed(call):
-        return time_ms(lambda: call(sets[turn[0] % SETS]), repeats=args.repeats, warmup=3, device_only=True,
+        return time_ms(lambda: call(sets[turn[0] % SETS]), repeats=repeats, warmup=3, device_only=True,
                        setup=advance)
 
     def peer(backend):
@@ -69,31 +88,26 @@ def main():
         except ValueError as exc:   # buffers beyond shared memory: refused before any launch
             ms = f"refused ({str(exc)[:60]}...)"
         rows.append((label, "default" if tiles is None else str(tiles), stages, warps, splits, ms))
-        print(rows[-1], flush=True)
+        print(case, rows[-1], flush=True)
 
     peers = [("torch cuDNN", SDPBackend.CUDNN_ATTENTION), ("torch flash", SDPBackend.FLASH_ATTENTION)]
     before = {name: timed(peer(backend)) for name, backend in peers}
-    print("peers", before, flush=True)
-    baseline = load_baseline(args.baseline) if args.baseline else None
-    for config in CONFIGS:
+    print(case, "peers", before, flush=True)
+    for config in configs:
         ours(numba_flash, "this tree", config)
         if baseline is not None and config in BASELINE_CONFIGS:
             ours(baseline, baseline.label, config)
     after = {name: timed(peer(backend)) for name, backend in peers}
     fastest = min(min(before.values()), min(after.values()))
     lines = [f"Case (B, H_q, H_kv, N_q, N, d) = ({b}, {h}, {hk}, 1, {n}, {d}) float16; GPU time, median of "
-             f"{args.repeats}, {SETS} caches in turn.  " + ", ".join(f"{name} {before[name]:.4f} / {after[name]:.4f} ms"
-                                                                  for name, _ in peers) + " (before / after).",
-             "", "| package | tiles | kv_stages | key_warps | splits | ms | vs fastest torch |", "|---|---|---|---|---|---|---|"]
+             f"{repeats}, {SETS} caches in turn.  " + ", ".join(f"{name} {before[name]:.4f} / {after[name]:.4f} ms"
+                                                               for name, _ in peers) + " (before / after).",
+             "", "| package | tiles | kv_stages | key_warps | splits | ms | vs fastest torch |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {label} | {tiles} | {stages} | {warps} | {splits} | "
               + (f"{ms:.4f} | {fastest / ms:.2f}x |" if isinstance(ms, float) else f"{ms} | |")
               for label, tiles, stages, warps, splits, ms in rows]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
-
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

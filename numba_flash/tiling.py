@@ -352,21 +352,19 @@ def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=Fa
 #: The most 16-byte chunks a thread of a decoding block keeps in flight per K or V tile (more spills).
 DECODE_CHUNKS_PER_THREAD = 8
 #: K/V buffers of a decoding block (``attention_with_kv_cache``'s ``kv_stages`` = 0), so that this many
-#: tiles less one are in flight while one is computed on.  Timed as GPU time on the H200 (2026-12-02,
-#: results/decode_h200.md, (16, 32, 8, 1, 8192, 128) float16): 3, 4 or 6 buffers at their best split took
-#: 0.151-0.154 ms against 0.151-0.152 for two, so the bytes in flight are not what bounds it there, and the
-#: default stays at two (the least shared memory).  Those runs had each split read one contiguous run of
-#: tiles; with the splits taking turns (since 2026-12-02, 1.04x) copies alone gain from more buffers
-#: (results/cp_async_stream_h200.md: one-warp blocks, 0.1290 ms at six against 0.1331 at four), untimed
-#: here yet.
-DECODE_KV_STAGES = 2
+#: tiles less one are in flight while one is computed on.  For one-warp blocks (GPU time on the H200,
+#: 2026-12-02, results/decode_h200.md, (16, 32, 8, 1, 8192, 128) float16) 3, 4 or 6 buffers took 0.151-0.154 ms
+#: against 0.151-0.152 for two; for blocks of four key warps, whose rounds copy 64 keys at (16, 16) tiles,
+#: three buffers took 0.1374 ms against 0.1760 for two and 0.1387 for four (2026-12-03,
+#: results/decode_key_warps_h200.md).
+DECODE_KV_STAGES = 3
 #: Warps of a decoding block that share its query rows and take turns along the keys (forward.py's KEY_WARPS),
-#: where the tile is one warp's rows and travels by cp.async; ``attention_with_kv_cache``'s ``key_warps`` asks
-#: for more.  cuDNN's decoding kernel runs four such warps per block (ncu on the H200, 2026-12-02).  On the H200
-#: (GPU time, 2026-12-02, ``results/decode_key_warps_h200.md``) four warps, (16, 32) tiles, one split: 0.1417 ms
-#: against 0.1463 for one-warp blocks at the defaults; but four warps at the default (16, 16) tiles took 0.1521,
-#: so the default stays at one until the tiles are chosen with the warps.
-DECODE_KEY_WARPS = 1
+#: where the tile is one warp's rows and travels by cp.async (fewer where their buffers do not fit);
+#: ``attention_with_kv_cache``'s ``key_warps`` asks for others.  cuDNN's decoding kernel runs four such warps per
+#: block (ncu on the H200, 2026-12-02).  On the H200 (GPU time, 2026-12-03, results/decode_key_warps_h200.md)
+#: four warps, whose block copies each round of their tiles together, at (16, 16) tiles and three buffers:
+#: 0.1374 ms against 0.1457 for one-warp blocks (the default until then) in the same run.
+DECODE_KEY_WARPS = 4
 
 
 def decode_block_sizes(n_q, head_dim, precision):

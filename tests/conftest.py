@@ -18,6 +18,7 @@ The sizes each profile draws live in ``strategies.SIZES`` (and
 ``strategies.SMOKE_HEAD_DIMS``).
 """
 import os
+import sys
 
 import numba_flash  # noqa: F401,I001  (picks the simulator when there is no GPU, before Numba loads)
 
@@ -49,6 +50,29 @@ def pytest_configure(config):
             pin_to_one_cpu(worker)
         elif not getattr(config.option, "numprocesses", None):
             pin_to_one_cpu(os.getpid())
+
+
+def pytest_runtest_logreport(report):
+    """With NUMBA_FLASH_TEST_FAILURES=FILE, each failure's report is appended to FILE as it arrives (in the
+    process that prints the summary), so that a run cut short by a time limit (a GPU call's) still says what
+    failed and why."""
+    path = os.environ.get("NUMBA_FLASH_TEST_FAILURES")
+    if path and report.failed and xdist_worker() is None:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A pytest-xdist worker ends its process as soon as it has sent its results (in ``pytest_sessionfinish``)
+    and every other plugin has unconfigured.  On the H200 workers that had run GPU tests kept the controller
+    waiting in its teardown for minutes after the last test (2026-12-03: every test passed, then a device
+    call's time limit struck before the summary); the interpreter's own shutdown (CUDA contexts, Numba's and
+    torch's exit handlers) is what they were doing, and a test process has nothing left to save."""
+    if xdist_worker() is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def pytest_collection_modifyitems(config, items):
