@@ -38,6 +38,26 @@ PLAN_CACHE_SIZE = 256
 _PLANS = {}
 
 
+def _frees_after_the_call(entry_point):
+    """``entry_point`` with Numba's frees of device memory held back while it runs on Numba device arrays.
+
+    Numba frees the device arrays nobody references in batches (every tenth or so), and ``cuMemFree``
+    waits for the whole device: a batch falling due inside a call (the call's own temporaries, dropped
+    as it returns) made the call wait for the GPU (H200, 2026-12-03, tests/test_interop.py, once in the
+    whole suite).  Under ``cuda.defer_cleanup`` they join the batch of a later free instead.  Torch
+    tensors come from torch's caching allocator, which does not free; host arrays wait for their results
+    anyway."""
+    @functools.wraps(entry_point)
+    def call(q, *args, **kwargs):
+        if not _arrays.is_numba_device_array(q):
+            return entry_point(q, *args, **kwargs)
+        with cuda.defer_cleanup():
+            return entry_point(q, *args, **kwargs)
+
+    return call
+
+
+@_frees_after_the_call
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
               block_sizes=None, return_lse=False):
     """Exact attention softmax(scale * q k^T) v, computed on the GPU.
@@ -115,6 +135,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     return plan(q, k, v, seed, return_lse)
 
 
+@_frees_after_the_call
 def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
                        algorithm="flash2", block_sizes=None):
     """Gradients (dq, dk, dv) of sum(O * do) for O = attention(q, k, v, ...).
@@ -141,6 +162,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     return plan(q, k, v, o, lse, do, seed)
 
 
+@_frees_after_the_call
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
                      block_sizes=None, return_lse=False):
     """Attention over a batch of sequences of different lengths packed without padding (flash-attn's varlen).
@@ -181,6 +203,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     return plan(q, k, v, seed, return_lse, sequences)
 
 
+@_frees_after_the_call
 def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                               dropout_p=0.0, seed=0, block_sizes=None):
     """Gradients (dq, dk, dv) of sum(O * do) for O = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...).
@@ -194,6 +217,7 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
     return plan(q, k, v, o, lse, do, seed, sequences)
 
 
+@_frees_after_the_call
 def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=True, scale=None,
                             block_sizes=None, num_splits=0, kv_stages=0, key_warps=0, return_lse=False):
     """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.

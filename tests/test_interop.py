@@ -182,6 +182,17 @@ def test_a_call_returns_before_the_work_it_queues_behind_finishes(lib, name):
     arrays = [torch.from_numpy(x).cuda() if lib == "torch" else cuda.to_device(x) for x in hosts]
     call(*arrays)   # plan and compile first
     torch.cuda.synchronize()
+    if lib == "numba":
+        # Numba frees unreferenced device memory in batches, once more than CUDA_DEALLOCS_COUNT frees are pending,
+        # and cuMemFree waits for the device: with the count brought to the brink here, any array the call
+        # drops would free a batch inside the call, unless the call holds its frees back (api.py).
+        from numba.cuda.cudadrv import driver
+
+        pending, brink = cuda.current_context().deallocations, driver.config.CUDA_DEALLOCS_COUNT
+        pending.clear()
+        for _ in range(brink):
+            cuda.device_array(1)
+        assert len(pending._cons) == brink
     big = torch.randn(8192, 8192, device="cuda")
     for _ in range(20):
         big = big @ big / 8192 ** 0.5   # tens of milliseconds queued on the legacy default stream
