@@ -188,7 +188,7 @@ def test_a_call_returns_before_the_work_it_queues_behind_finishes(lib, name):
         # drops would free a batch inside the call, unless the call holds its frees back (api.py).
         from numba.cuda.cudadrv import driver
 
-        pending, brink = cuda.current_context().deallocations, driver.config.CUDA_DEALLOCS_COUNT
+        pending, brink = cuda.current_context().memory_manager.deallocations, driver.config.CUDA_DEALLOCS_COUNT
         pending.clear()
         for _ in range(brink):
             cuda.device_array(1)
