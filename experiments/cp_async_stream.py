@@ -17,10 +17,10 @@ Then the same bytes through Hopper's bulk copy engine (``cp.async.bulk`` complet
 ``kernels/hopper/bulk.py``): one thread per copy, whole tiles in one copy or row by row into rows padded
 by 16 bytes (the layout the decoding kernel's ldmatrix reads without bank conflicts), several buffers
 deep, and every thread reading one word of each 16 bytes that landed.  Then cuDNN's own arrangement for
-issue 16's case (``PAIRED_VARIANTS``, added 2026-12-03 and not yet run on a GPU): 128 blocks of four warps, one
-per (b, h_kv), each reading its head's K and V as two streams in turn in block-wide tiles.  Beside them,
-torch's own read of the same bytes (a sum) and copy (read + write), as references.  Every row is timed twice:
-over one buffer again and again, and over ROTATE buffers in turn, so that what the 50 MB L2 kept of the
+issue 16's case (``PAIRED_VARIANTS``; on the H200 no faster than the rest, 0.1267 ms at best): 128 blocks of
+four warps, one per (b, h_kv), each reading its head's K and V as two streams in turn in block-wide tiles.
+Beside them, torch's own read of the same bytes (a sum) and copy (read + write), as references.  Every row is
+timed twice: over one buffer again and again, and over ROTATE buffers in turn, so that what the 50 MB L2 kept of the
 last pass cannot serve the next one (the way a model's layers each read their own cache).  Needs a GPU and
 torch.
 

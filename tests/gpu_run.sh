@@ -8,7 +8,8 @@
 # Logs go to $OUT/run (or ./run), results files to experiments/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
 # run is JIT compilation (seconds per kernel specialisation, in every pytest worker), hence the
-# short Hypothesis profile for the tests (the whole suite: 432 s on 15 workers, 2026-12-02).  With BASELINE set to a package folder (an earlier commit,
+# short Hypothesis profile for the tests (the whole suite: 382 s on 16 workers, 2026-12-03; each failure's
+# report lands in $LOGS/failures.txt as it happens).  With BASELINE set to a package folder (an earlier commit,
 # e.g. .baseline/numba_flash_a449d24), the benchmarks and the accuracy experiment measure it beside
 # this tree in the same process.  GPU=i puts the steps on GPU i; TEST_FILES narrows the tests step
 # (to split the suite between device calls), SANITIZE_WORDS the sanitizer runs (e.g. "flash2 float16":
@@ -31,8 +32,8 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 for s in $STEPS; do
     case $s in
     tests)
-        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} step pytest ${TEST_LIMIT:-520} \
-            python3 -m pytest -q -n ${WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 ${TEST_FILES:-tests/}
+        NUMBA_FLASH_TEST_FAILURES=$LOGS/failures.txt HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} \
+            step pytest ${TEST_LIMIT:-520} python3 -m pytest -q -n ${WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 ${TEST_FILES:-tests/}
         grep -E "passed|failed|^FAILED|^ERROR" "$LOGS/pytest.log" | tail -12 ;;
     sanitize|memcheck|racecheck)
         for tool in memcheck racecheck; do

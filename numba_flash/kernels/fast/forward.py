@@ -140,8 +140,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     split s visits tiles s KEY_WARPS + w, then every (splits KEY_WARPS)-th.  The block moves in rounds:
     round x is every warp's x-th tile, KEY_WARPS x BLOCK_N neighbouring keys, copied by all the block's
     threads together into the warps' own buffers and handed over by one block barrier, so that the block
-    reads its head's cache as one stream of wide tiles (cuDNN's arrangement; warps each streaming their own
-    tiles under ``sync_warp`` alone ran 1.0x-0.9x as fast, ``results/decode_key_warps_h200.md``).  At the
+    reads its head's cache as one stream of wide tiles, as cuDNN's decoding kernel does (on the H200, four warps
+    of (16, 16) tiles, four buffers: 0.1387 ms against 0.1455 when each warp streamed its own tiles under
+    ``sync_warp`` alone; no difference at (16, 32); ``results/decode_key_warps_h200.md``).  At the
     end the warps merge their m, l and O through shared memory (``merge_key_warps``) and warp 0 writes the
     block's result.  So one block per multiprocessor streams a head's cache with several tiles in flight,
     and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
