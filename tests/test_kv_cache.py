@@ -1,7 +1,7 @@
 """Decoding from a KV cache (attention_with_kv_cache): appends in place, per-entry lengths, split keys."""
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, reject
 from hypothesis import strategies as st
 from numba import cuda
 
@@ -36,14 +36,20 @@ def decoding_problems(draw, dtype):
     tiles = draw(st.one_of(st.none(), block_sizes("flash2", d, dtype)))
     splits = draw(st.integers(0, 4))           # 0: the library's choice; more than the key tiles is capped
     # K/V buffers: 0 (the library's), or 2-4 where the tiles travel by cp.async (16-bit rows of 16 bytes)
-    stages = draw(st.sampled_from((0, 2, 3, 4))) if dtype != np.float32 and d % 8 == 0 else 0
-    return q, k_cache, v_cache, seqlens, new, causal, tiles, splits, stages
+    streamed = dtype != np.float32 and d % 8 == 0
+    stages = draw(st.sampled_from((0, 2, 3, 4))) if streamed else 0
+    # Key warps: 0 (the library's), 1 (one-warp blocks), or 2-4 sharing a tile of one warp's rows (at most 16:
+    # here the group's heads times N_q are at most 12, so the default tiles have one warp's rows).
+    one_warp = tiles is None or tiles[0] <= 16
+    key_warps = draw(st.sampled_from((0, 1, 2, 3, 4) if streamed and one_warp else (0, 1)))
+    return q, k_cache, v_cache, seqlens, new, causal, tiles, splits, stages, key_warps
 
 
 @cache_dtypes
 @given(data=st.data(), on_device=st.booleans())
 def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data, on_device):
-    q, k_cache, v_cache, seqlens, (k_new, v_new), causal, tiles, splits, stages = data.draw(decoding_problems(dtype))
+    q, k_cache, v_cache, seqlens, (k_new, v_new), causal, tiles, splits, stages, key_warps = data.draw(
+        decoding_problems(dtype))
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
     n_new = 0 if k_new is None else k_new.shape[2]
     for b, start in enumerate(seqlens):
@@ -52,10 +58,16 @@ def test_decoding_matches_the_float64_reference_and_appends_in_place(dtype, data
             expected_v[b, :, start:start + n_new] = v_new[b]
     to = cuda.to_device if on_device and dtype != np.dtype("bfloat16") else (lambda x: x)
     caches = (to(k_cache), to(v_cache))
-    out, lse = numba_flash.attention_with_kv_cache(to(q), *caches, to(seqlens), k_new=None if k_new is None else to(k_new),
-                                                   v_new=None if v_new is None else to(v_new), causal=causal,
-                                                   block_sizes=tiles, num_splits=splits, kv_stages=stages,
-                                                   return_lse=True)
+    try:
+        out, lse = numba_flash.attention_with_kv_cache(to(q), *caches, to(seqlens),
+                                                       k_new=None if k_new is None else to(k_new),
+                                                       v_new=None if v_new is None else to(v_new), causal=causal,
+                                                       block_sizes=tiles, num_splits=splits, kv_stages=stages,
+                                                       key_warps=key_warps, return_lse=True)
+    except ValueError as exc:   # buffers beyond shared memory (wide tiles, big d, many warps): refused up front
+        if "bytes of shared memory" not in str(exc):
+            raise
+        reject()
     out, lse = (x.copy_to_host() if hasattr(x, "copy_to_host") else x for x in (out, lse))
     got_k, got_v = (x.copy_to_host() if hasattr(x, "copy_to_host") else x for x in caches)
     np.testing.assert_array_equal(got_k.view(np.uint8), expected_k.view(np.uint8))   # appended, nothing else moved
@@ -96,14 +108,14 @@ def test_one_step_of_generation_with_grouped_heads_and_split_keys(tiles, group):
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [t for t in VARLEN_DTYPES if t != np.float32], ids=dtype_name)
 def test_deeper_kv_pipelines_decode_as_two_buffers_do(dtype, stages):
-    # Many key tiles per block (300 keys in tiles of 16, two splits), so that every buffer is refilled
+    # Many key tiles per block (300 keys in tiles of 16, two splits of one warp), so that every buffer is refilled
     # several times, and the last tiles' groups are empty; grouped heads; entries of different lengths.
     rng = np.random.default_rng(7)
     q = rng.standard_normal((2, 4, 1, 16)).astype(dtype)
     k_cache, v_cache = (rng.standard_normal((2, 2, 300, 16)).astype(dtype) for _ in range(2))
     seqlens = np.array([300, 133], np.int32)
     out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, block_sizes=(16, 16), num_splits=2,
-                                                   kv_stages=stages, return_lse=True)
+                                                   kv_stages=stages, key_warps=1, return_lse=True)
     for b, length in enumerate(seqlens):
         k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
         ref_out, ref_lse = reference.attention(q[b], k, v)
