@@ -205,8 +205,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         Key warps: the block's x-th round, every warp's x-th tile (those before ``keys_visited``), each into
         that warp's buffers, the block's threads sharing the copies of each."""
         if x < n_tiles:
+            round_k0 = key_of(tile_entries, first, x, k_first_tile, tile_step)
             for w in range(KEY_WARPS):   # a constant trip count: unrolled
-                k0 = key_of(tile_entries, first, x, k_first_tile, tile_step) + w * BLOCK_N
+                k0 = round_k0 + w * BLOCK_N
                 if KEY_WARPS == 1 or k0 < keys_visited:
                     if ASYNC:
                         stage = w * KEY_WARP_WORDS + (x % STAGES) * KV_STAGE
