@@ -12,11 +12,9 @@ itself on a Hopper GPU in its scope.
 
 ``--decode``: one decoding step instead (``attention_with_kv_cache``, one query per head against a full
 cache; the shape is then (B, H_q, N_cache, D) with ``--kv-heads`` key/value heads), whose kernels are the
-split forward and the merge: profile both of the second call with ``--kernel-name regex:. --launch-skip 2
---launch-count 2``.  At issue 16's case:
-
-    ncu --clock-control none --kernel-name regex:. --launch-skip 2 --launch-count 2 --section SpeedOfLight \
-        python3 experiments/ncu_case.py 16 32 8192 128 --dtype float16 --decode --kv-heads 8
+forward, and the merge when the keys are split (smaller grids): with ``--kernel-name regex:flash2
+--launch-skip 1 --launch-count 1`` ncu profiles the second call's forward.  ``decode_breakdown.py --profile``
+profiles a step of torch's backends beside ours (``results/decode_breakdown_h200.md``).
 """
 import argparse
 

@@ -36,8 +36,9 @@ CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 class Varlen:
     """Batch entries of different lengths, read from per-call bounds arrays (``kernels/fast/common.py``,
     ``sequence_bounds``): flash-attn's packed layout (q (total_q, H, d), k and v (total_k, H_kv, d), sequence b
-    in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1: cumulative bounds, step 1), or a KV cache (keys 0 .. L_b - 1
-    of cache entry b: (0, L_b) pairs, step 2; queries the pair (0, N_q), step 0)."""
+    in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1: cumulative bounds, step 1), or a KV cache (``kv_cache``: the
+    key bounds array holds cache_seqlens, entry b's keys 0 .. cache_seqlens[b] + new_keys - 1; its queries the
+    call's N_q)."""
 
     batch: int
     longest_q: int
@@ -49,6 +50,8 @@ class Varlen:
     q_bounds_size: int = 0
     k_bounds_size: int = 0
     packed: bool = True         # q, k, v (total, heads, d) (else (batch, heads, N, d) with batch strides)
+    kv_cache: bool = False      # the key bounds are a KV cache's lengths before the call's new keys
+    new_keys: int = 0           # ... and each entry gains this many
 
 
 @dataclass(frozen=True)
@@ -479,8 +482,9 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
         block_sizes = decode_default_block_sizes(n_q, head_dim, PRECISION[q.dtype])
     block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, n_q, n_max, q.dtype, False, is_causal)
     vec = sixteen_byte_rows((q, k_cache, v_cache), strides, head_dim, q.dtype)
-    sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=2, lse_strides=(heads * n_q, n_q),
-                       q_bounds_size=2, k_bounds_size=2 * batch, packed=False)
+    sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=0, lse_strides=(heads * n_q, n_q),
+                       k_bounds_size=batch, packed=False, kv_cache=True,
+                       new_keys=0 if k_new is None else k_new.shape[2])
     return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,
                          block_sizes, q.kind, q_shape, tuple(k_cache.shape), tuple(strides), vec, None, 0.0,
                          sequences)

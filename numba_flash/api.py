@@ -21,7 +21,7 @@ from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_a
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
-from .kernels.fast.cache import append_launch, decode_splits, key_bounds_launch, merge_launch, poison_launch
+from .kernels.fast.cache import append_launch, decode_splits, merge_launch
 from .kernels.fast.forward import forward_launch
 from .kernels.hopper import forward as hopper
 from .kernels.literal.flash1_backward import flash1_backward
@@ -517,8 +517,6 @@ class _CachePlan(_Plan):
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
         self.merge = (merge_launch(self.rows, self.splits, self.d_pad, call.head_dim, call.precision)
                       if self.splits > 1 else None)
-        # Entry b's queries are rows 0 .. n_q - 1 (the bounds pair (0, n_q), read with step 0).
-        self.q_bounds = _arrays.int32_on_device(None, np.array([0, self.call.n_q]), self.call.kind, self.device)
         self.appends = None
         if k_new is not None and self.call.on_device:
             self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
@@ -526,18 +524,10 @@ class _CachePlan(_Plan):
                                  for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
                                                                     ("v_cache", v_cache, "v_new", v_new)))
 
-    @functools.cached_property
-    def on_gpu_lengths(self):
-        """(key bounds, poisoning) launches for lengths that stay on the GPU: the key bounds computed there, and
-        NaN for entries out of range.  Built (and compiled) on the first such call only."""
-        call = self.call
-        return (key_bounds_launch(call.batch, self.n_new, call.n_k),
-                poison_launch(call.batch, self.user_shape[1] * self.user_shape[2], call.head_dim, self.n_new,
-                              call.n_k, call.precision))
-
     def __call__(self, arrays, cache_seqlens, lengths, return_lse):
         """The call; ``lengths``: the checked keys per entry after the append, or None for lengths that stay on
-        the GPU (``cache_seqlens`` itself, of the call's kind: read by the kernels only)."""
+        the GPU (``cache_seqlens`` itself, of the call's kind: read by the kernels only, which give an entry out
+        of range no append and NaN in its rows: ``common.sequence_bounds``)."""
         call = self.call
         if self.n_new and not call.on_device:  # host caches: append where they live, then copy
             seqlens = lengths - self.n_new
@@ -547,31 +537,21 @@ class _CachePlan(_Plan):
                     cache[b, :, start:start + self.n_new] = new[b]
         q, k_cache, v_cache, *new = self.to_device(arrays)
         stream = self.stream((q, k_cache, v_cache, *new))
-        on_gpu = lengths is None
+        # The appends and the forward read the lengths before the call's new keys, where they lie.
+        seqlens = cache_seqlens if lengths is None else _arrays.int32_on_device(cache_seqlens, lengths - self.n_new,
+                                                                                call.kind, self.device, stream)
         if self.appends is not None:
-            seqlens = cache_seqlens if on_gpu else _arrays.int32_on_device(cache_seqlens, lengths - self.n_new,
-                                                                           call.kind, self.device, stream)
             for append, cache, fresh in zip(self.appends, (k_cache, v_cache), new):
                 append(stream, cache, fresh, seqlens)
-        if on_gpu:
-            key_bounds, poison = self.on_gpu_lengths
-            k_bounds = self.empty((2 * call.batch,), "int32", stream)
-            key_bounds(stream, cache_seqlens, k_bounds)
-        else:
-            k_bounds = np.zeros(2 * call.batch, np.int64)
-            k_bounds[1::2] = lengths   # entry b: keys 0 .. L_b - 1
-            k_bounds = _arrays.int32_on_device(None, k_bounds, call.kind, self.device, stream)
         o = self.empty(self.user_shape, call.dtype, stream)     # the kernels' q view has q's C order
         lse = self.empty(self.user_shape[:-1], "float32", stream)
         if self.merge is None:
-            self.launch(stream, q, k_cache, v_cache, o, lse, self.q_bounds, k_bounds, 0, 0)
+            self.launch(stream, q, k_cache, v_cache, o, lse, seqlens, 0, 0)
         else:
             partial_o = self.empty((self.splits, self.rows, self.d_pad), "float32", stream)
             partial_lse = self.empty((self.splits, self.rows), "float32", stream)
-            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, self.q_bounds, k_bounds, 0, 0)
+            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, seqlens, 0, 0)
             self.merge(stream, partial_o, partial_lse, o, lse)
-        if on_gpu:
-            poison(stream, cache_seqlens, o, lse)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o
 

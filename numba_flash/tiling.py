@@ -26,7 +26,9 @@ flash2's kernels keep their tiles in one dynamic shared-memory buffer of
 32-bit words.  ``SharedTiles`` names each tile and its size; a kernel takes
 its offsets from the same object that the host uses to size the launch.
 Every tile is row-major; rows are padded so that the 32 lanes of a fragment
-load, or ldmatrix's 8 rows of 16 bytes, hit different banks (``row_stride``).
+load, or ldmatrix's 8 rows of 16 bytes, hit different banks (``row_stride``),
+except decoding's streamed K and V tiles, whose rows are unpadded and
+swizzled instead (``swizzled_rows``).
 """
 import math
 from dataclasses import dataclass
@@ -154,6 +156,24 @@ def row_stride(d_pad, sixteen_bit):
     return padded_stride(d_pad // 2 if sixteen_bit else d_pad, 4)
 
 
+#: A swizzled row's 16-byte chunks are permuted within groups of this many (``swizzled_rows``).
+SWIZZLE_CHUNKS = 8
+
+
+def swizzled_rows(d_pad, precision, key_warps):
+    """Whether decoding's streamed K and V tiles (``key_warps`` > 1, 16-bit, d_pad a multiple of 64) sit in
+    shared memory unpadded, chunk c of row r at chunk ``c ^ (r % 8)`` (``fragments.swizzle``), as
+    CUTLASS's 128-byte swizzle lays them out.
+
+    Why: each row then starts on a 128-byte boundary, so that a warp's cp.async of two 256-byte rows
+    writes whole 128-byte lines of shared memory, as the copies alone do; ldmatrix's 8 rows of one
+    logical chunk still hit 8 different chunk positions, so no bank is read twice.  With padded rows
+    (16 bytes more each) ncu counted 1.5 times the ideal L2 sectors for the K/V reads of decoding (34% of
+    them L2 hits, 80.7% of DRAM bandwidth; cuDNN's kernel 0.6% and 91%; H200, 2026-12-03,
+    ``results/decode_breakdown_h200.md``)."""
+    return key_warps > 1 and precision != "tf32x3" and d_pad % (SWIZZLE_CHUNKS * 8) == 0
+
+
 def flash2_threads(block_rows, warp_rows=ROWS_PER_WARP):
     """Threads of a flash2 block: one warp per ``warp_rows`` rows of the tile it owns (16 unless the
     forward's ``flash2_forward_warp_rows`` says 32)."""
@@ -184,9 +204,10 @@ class SharedTiles:
         return 4 * self.words
 
 
-def _rows(name, rows, d_pad, precision):
-    """A row-major tile of ``rows`` rows: one copy for 16-bit data, hi and lo halves for 3xTF32."""
-    stride = row_stride(d_pad, precision != "tf32x3")
+def _rows(name, rows, d_pad, precision, swizzled=False):
+    """A row-major tile of ``rows`` rows: one copy for 16-bit data, hi and lo halves for 3xTF32; swizzled
+    rows (``swizzled_rows``) unpadded."""
+    stride = d_pad // 2 if swizzled else row_stride(d_pad, precision != "tf32x3")
     if precision == "tf32x3":
         return ((name + "_HI", rows * stride), (name + "_LO", rows * stride))
     return ((name, rows * stride),)
@@ -209,12 +230,14 @@ def flash2_forward_smem(block_m, block_n, d_pad, precision, stages=1, key_warps=
 
     ``key_warps`` > 1 (decoding: warps that share one warp's query rows and take turns along the keys,
     forward.py's KEY_WARPS): each warp has buffers and flags of its own, ``KEY_WARPS - K`` words apart,
-    with room there for its partial result when the warps merge (``key_warp_result_words``)."""
-    streamed = _rows("K", block_n, d_pad, precision) + _rows("V", block_n, d_pad, precision)
+    with room there for its partial result when the warps merge (``key_warp_result_words``), each warp's
+    first buffer on a 128-byte boundary (its rows are swizzled: ``swizzled_rows``)."""
+    swizzled = swizzled_rows(d_pad, precision, key_warps)
+    streamed = _rows("K", block_n, d_pad, precision, swizzled) + _rows("V", block_n, d_pad, precision, swizzled)
     own = _staged(streamed, stages) + (("V_NAN", _words(block_n)),)
     if key_warps > 1:
         words = sum(size for _, size in own)
-        stride = max(words, key_warp_result_words(d_pad))
+        stride = cdiv(max(words, key_warp_result_words(d_pad)), 32) * 32
         own += (("KEY_WARP_SLACK", stride - words), ("KEY_WARPS", (key_warps - 1) * stride))
     return SharedTiles(_rows("Q", block_m, d_pad, precision) + own)
 

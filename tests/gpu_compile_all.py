@@ -36,8 +36,7 @@ dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability
 # Sizes that depend on the device's limits (flash2's K/V buffers) take the H200's.
 numba_flash.tiling.device_limits = lambda: numba_flash.runtime.device.SIMULATED_DEVICE
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq, make_preprocess  # noqa: E402
-from numba_flash.kernels.fast.cache import (make_append, make_key_bounds, make_merge,  # noqa: E402
-                                            make_poison_overflowing)
+from numba_flash.kernels.fast.cache import make_append, make_merge  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
@@ -99,16 +98,15 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
 
 def decode(precision, head_dim):
     """Decoding from a KV cache at its default tiles (one query, and 40): the forward over per-entry lengths,
-    its split-keys form, the merge, the NaN of entries whose lengths (left on the GPU) do not fit."""
+    its split-keys form (with the NaN of entries whose lengths, left on the GPU, do not fit), the merge."""
     for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
         fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
-                          False, True, split))
+                          False, "cache", split))
     if precision != "tf32x3":   # warps taking turns along the keys: one warp's rows, tiles by cp.async
         for causal, split in itertools.product((False, True), (False, True)):
             fast(make_forward(*decode_block_sizes(1, head_dim, precision), head_dim, precision, True, causal, False,
-                              False, True, split, KEY_WARPS=4))
+                              False, "cache", split, KEY_WARPS=4))
     fast(make_merge(precision))
-    fast(make_poison_overflowing(precision))
 
 
 def main(argv):
@@ -153,7 +151,6 @@ def main(argv):
                               POSITIVE_SCALE=False))
     for element in (np.float32, np.uint16):
         fast(make_append(element))
-    fast(make_key_bounds())
     return f"{len(failures)} failed: {failures}" if failures else 0
 
 

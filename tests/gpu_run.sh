@@ -67,16 +67,17 @@ for s in $STEPS; do
         tail -3 "$LOGS/block_sparse.log"
         step block_sparse_float16 200 python3 experiments/block_sparse.py --dtype float16
         tail -3 "$LOGS/block_sparse_float16.log" ;;
-    decode)  # the defaults beside BASELINE and torch (GPU time), then where one step's GPU time goes: ncu of its
-             # kernels with the warps' stall reasons (issue 16: cuDNN runs at the speed of copying alone, ours 10%
-             # slower, 2026-12-03)
+    decode)  # where one step's GPU time goes and the defaults beside BASELINE and torch (GPU time), then ncu of
+             # ours and cuDNN's kernels: L2 sectors and stall reasons (issue 16: 0.96x cuDNN, 2026-12-03)
+        step decode_breakdown 100 python3 experiments/decode_breakdown.py ${BASELINE:+--baseline $BASELINE}
+        grep -E "^\| " "$LOGS/decode_breakdown.log" | tail -12
         step decode 300 python3 experiments/decode_key_warps.py --quick ${BASELINE:+--baseline $BASELINE} \
             --case 16,32,8,8192 --case 1,32,8,8192 --case 4,32,8,32768 --out experiments/results/decode_quick_h200.md
         grep -E "^\| |Case" "$LOGS/decode.log" | tail -24
-        step decode_profile 120 ncu --clock-control none --kernel-name regex:. --launch-skip 2 --launch-count 2 \
-            --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-            python3 experiments/ncu_case.py 16 32 8192 128 --dtype float16 --decode --kv-heads 8
-        grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Stall" "$LOGS/decode_profile.log" \
+        step decode_profile 120 ncu --clock-control none --profile-from-start off --kernel-name regex:"flash2|cudnn" \
+            --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \
+            python3 experiments/decode_breakdown.py --profile
+        grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|L2 Hit Rate|excessive|Warp Cycles Per Issued" "$LOGS/decode_profile.log" \
             | head -30 ;;
     ring)  # two GPUs (nvidia-h200-x2): NCCL equalities, then the scaling run; NVLink multicast stays off
         export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -20,7 +20,8 @@ path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
 three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
-a block taking turns along the keys).  Every result
+a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled).
+Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
 """
@@ -79,6 +80,8 @@ RUNS = [
     # (key_warps): four warps, two buffers; three warps, three buffers (the last rounds leave warps idle).
     ("forward", "flash2", np.float16, (16, 32), "decode_key_warps4"),
     ("forward", "flash2", BF16, (16, 16), "decode_key_warps3"),
+    # At d = 128 the key warps' K/V rows are unpadded and swizzled (tiling.swizzled_rows); the default layout.
+    ("forward", "flash2", np.float16, (16, 16), "decode_swizzled"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -187,9 +190,10 @@ def main(selected=()):
         cases = cases[-1:] if quick else cases
         if variant.startswith("decode"):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
-            key_warps = int(variant[-1]) if "key_warps" in variant else 0
-            stages = {"decode_stages4": 4, "decode_key_warps3": 3}.get(variant, 0)
-            worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, key_warps=key_warps))
+            key_warps = int(variant[-1]) if "key_warps" in variant else 4 if variant == "decode_swizzled" else 0
+            stages = {"decode_stages4": 4, "decode_key_warps3": 3, "decode_swizzled": 3}.get(variant, 0)
+            worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, key_warps=key_warps,
+                                      d=128 if variant == "decode_swizzled" else 40))
             continue
         if variant == "varlen":
             print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
@@ -261,11 +265,11 @@ def packed(direction, dtype, blocks, rng):
 DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
-def decode(dtype, blocks, rng, kv_stages=0, key_warps=0):
+def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40):
     """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), its lengths on
-    the GPU (the key-bounds and poisoning kernels), then three queries (causal), lengths on the host; each
+    the GPU (read by the forward itself), then three queries (causal), lengths on the host; each
     appends as many keys.  Returns the worst relative error."""
-    heads, kv_heads, d = 8, 2, 40
+    heads, kv_heads = 8, 2
     batch = len(DECODE_LENGTHS)
 
     def device(x):

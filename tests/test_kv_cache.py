@@ -145,6 +145,40 @@ def test_warps_taking_turns_along_the_keys_decode_as_one_warp_does(dtype, key_wa
         assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["one query", "three causal queries"])
+def test_key_warps_keep_swizzled_rows_at_head_dims_of_64(causal):
+    # At d = 64 the key warps keep K and V in unpadded rows whose 16-byte chunks are permuted by row
+    # (tiling.swizzled_rows): the copies, both products and the NaN cleaning of partly masked tiles must
+    # agree on where each chunk sits.  Entry 1 holds 45 keys, the last one with a NaN value: one query sees
+    # every key (heads 0 and 1, which read key/value head 0, are NaN); of three causal queries (bottom-right)
+    # only the last sees key 44, and the tile of keys 32-47 is partly masked, so V is cleaned there.
+    rng = np.random.default_rng(13)
+    dtype, n_q, d = SIXTEEN_BIT[0], 3 if causal else 1, 64
+    q = rng.standard_normal((2, 4, n_q, d)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((2, 2, 100, d)).astype(dtype) for _ in range(2))
+    seqlens = np.array([100, 45], np.int32)
+
+    def decode(v):
+        return numba_flash.attention_with_kv_cache(q, k_cache, v, seqlens, causal=causal, block_sizes=(16, 16),
+                                                   num_splits=1, kv_stages=3, key_warps=4, return_lse=True)
+
+    out, lse = decode(v_cache)
+    for b, length in enumerate(seqlens):
+        k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
+        ref_out, ref_lse = reference.attention(q[b], k, v, causal="bottom_right" if causal else False)
+        assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, d ** -0.5, dtype)
+    poisoned = v_cache.copy()
+    poisoned[1, 0, 44, 5] = np.nan
+    nan_out, nan_lse = decode(poisoned)
+    nan_rows = np.zeros(out.shape[:-1], bool)
+    nan_rows[1, :2, -1] = True                  # the query that sees key 44 (every one without causal)
+    if not causal:
+        nan_rows[1, :2] = True
+    np.testing.assert_array_equal(np.isnan(nan_out).any(axis=-1), nan_rows)
+    np.testing.assert_array_equal(nan_out[~nan_rows], out[~nan_rows])   # the cleaned zero adds nothing
+    np.testing.assert_array_equal(nan_lse, lse)   # lse is the logits' (a NaN value does not reach it)
+
+
 @pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
 def test_one_plan_decodes_call_after_call_as_lengths_change(dtype):
     # Three splits take turns along the key tiles (split s: tiles s, s + 3, ...), so entries of 1, 17 or 33

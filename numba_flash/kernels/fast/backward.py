@@ -225,7 +225,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
         k_tile, hk, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, heads // group, CAUSAL)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
-                                                             causal_offset, bottom_right)
+                                                             causal_offset, bottom_right, 0)
         k0 = k_tile * BLOCK_KEYS
         if VARLEN and k0 >= n_k:  # the grid covers the longest sequence; the whole block leaves together
             return
@@ -408,7 +408,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
-                                                             causal_offset, bottom_right)
+                                                             causal_offset, bottom_right, 0)
         # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
         # rank 0 starts first (``tile_coordinates``).
         q_tile = q_tiles - 1 - tile if CAUSAL else tile

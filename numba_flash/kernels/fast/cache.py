@@ -3,19 +3,18 @@
 * ``append``: one thread block per new row (batch b, key/value head h, row
   r), its threads along d: row r of ``new`` goes to row ``cache_seqlens[b] +
   r`` of the cache.  Elements move as they are (float32, or 16-bit words),
-  with any strides whose last dimension is contiguous.
-* ``key_bounds`` and ``poison_overflowing`` (lengths that stay on the GPU, so that the host never waits
-  to read them): the key bounds pair (0, cache_seqlens[b] + N_new) of each entry, computed where the
-  lengths are; an entry whose length is out of range (negative, or its new keys past N_max) gets no
-  append, no keys, and then NaN in its rows of O and lse: a loud result, where reading past the cache
-  would be a silent one (the host cannot raise without reading the lengths).
+  with any strides whose last dimension is contiguous.  The lengths are read
+  where they lie (on the GPU, the host never waits for them): an entry whose
+  length is out of range (negative, or its new keys past N_max) gets no
+  append, and the forward gives it no keys and NaN in its rows of O and lse
+  (``common.sequence_bounds``).
 * ``merge`` (flash-decoding): with few queries and many keys, the forward
   splits each query tile's keys between ``splits`` thread blocks
   (``forward.py``, SPLIT), each leaving its O_s (normalised by its own l_s)
   and lse_s.  Then lse = log sum_s exp(lse_s) and O = sum_s exp(lse_s - lse)
   O_s: one thread block per output row, its threads along d.  A split that
   saw no key has lse_s = -inf and weighs nothing; a row that saw none at all
-  gets O = 0, lse = -inf, as everywhere.
+  gets O = 0, lse = -inf, as everywhere; NaN (an overflowing entry's) stays NaN.
 """
 import math
 from functools import lru_cache
@@ -25,17 +24,11 @@ from numba import cuda, float32, int64, uint32
 
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
-from .common import NEG_INF, operand_extent
+from .common import NEG_INF, entry_fits, operand_extent
 from .fragments import sixteen_bit_ops
 
 #: Threads per block of the append kernel (along d; d <= 256).
 APPEND_THREADS = 64
-
-
-@inlined_device_function
-def entry_fits(held, n_new, n_max):
-    """Whether a cache entry holding ``held`` keys takes ``n_new`` more within its ``n_max`` rows."""
-    return held >= 0 and held + n_new <= n_max
 
 
 @lru_cache(maxsize=None)
@@ -83,57 +76,6 @@ def output_element(PRECISION):
         return value
 
     return as_output, (np.uint16 if SIXTEEN else np.float32)
-
-
-#: Threads per block of the key-bounds kernel (one per entry) and of the poisoning one (along d).
-LENGTH_THREADS = 64
-
-
-@lru_cache(maxsize=None)
-def make_key_bounds():
-    """Entry b's key bounds pair (0, L_b), L_b = SEQLENS[b] + n_new, or (0, 0) when it does not fit."""
-
-    def kernel(SEQLENS, K_BOUNDS, batch, n_new, n_max):
-        b = cuda.blockIdx.x * LENGTH_THREADS + cuda.threadIdx.x
-        if b < batch:
-            held = int64(SEQLENS[b])
-            K_BOUNDS[2 * b] = 0
-            K_BOUNDS[2 * b + 1] = held + n_new if entry_fits(held, n_new, n_max) else 0
-
-    return Kernel(kernel, "kv_cache_key_bounds", arrays=dict(SEQLENS=np.int32, K_BOUNDS=np.int32))
-
-
-def key_bounds_launch(batch, n_new, n_max):
-    """A ``Launch`` of the key-bounds kernel; per call: (SEQLENS, K_BOUNDS), int32 (batch,) and (2 batch,)."""
-    return Launch(make_key_bounds(), cdiv(batch, LENGTH_THREADS), LENGTH_THREADS, 0,
-                  dict(batch=batch, n_new=n_new, n_max=n_max), ("SEQLENS", "K_BOUNDS"),
-                  dict(SEQLENS=batch, K_BOUNDS=2 * batch))
-
-
-@lru_cache(maxsize=None)
-def make_poison_overflowing(PRECISION):
-    """NaN in every row of O and lse of an entry whose length did not fit (``make_key_bounds``' (0, 0))."""
-    as_output, element = output_element(PRECISION)
-
-    def kernel(SEQLENS, O, LSE, rows_per_entry, n_new, n_max, head_dim):
-        row = cuda.blockIdx.x                 # a row of O, (batch, heads, N_q) in C order
-        if entry_fits(int64(SEQLENS[row // rows_per_entry]), n_new, n_max):
-            return
-        for x in range(cuda.threadIdx.x, head_dim, LENGTH_THREADS):
-            O[row * head_dim + x] = as_output(float32(math.nan))
-        if cuda.threadIdx.x == 0:
-            LSE[row] = float32(math.nan)
-
-    return Kernel(kernel, f"kv_cache_poison_overflowing_{PRECISION}",
-                  arrays=dict(SEQLENS=np.int32, O=element, LSE=np.float32))
-
-
-def poison_launch(batch, rows_per_entry, head_dim, n_new, n_max, precision):
-    """A ``Launch`` of the poisoning kernel; per call: (SEQLENS, O, LSE), O and LSE C-contiguous."""
-    rows = batch * rows_per_entry
-    return Launch(make_poison_overflowing(precision), rows, LENGTH_THREADS, 0,
-                  dict(rows_per_entry=rows_per_entry, n_new=n_new, n_max=n_max, head_dim=head_dim),
-                  ("SEQLENS", "O", "LSE"), dict(SEQLENS=batch, O=rows * head_dim, LSE=rows))
 
 
 #: Threads per block of the merge kernel (along d).
@@ -194,5 +136,4 @@ def decode_splits(blocks, key_tiles, multiprocessors, key_warps=1, most=32):
     return max(1, min(most, cdiv(key_tiles, key_warps), fitting))
 
 
-__all__ = ["append_launch", "decode_splits", "key_bounds_launch", "make_append", "make_key_bounds", "make_merge",
-           "make_poison_overflowing", "merge_launch", "poison_launch"]
+__all__ = ["append_launch", "decode_splits", "make_append", "make_merge", "merge_launch"]

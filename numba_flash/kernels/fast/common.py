@@ -46,7 +46,7 @@ from ...runtime.arrays import extent, placeholder
 from ...runtime.launch import inlined_device_function
 from ...sparsity.tile_lists import mask_arguments
 from ...tiling import ROWS_PER_WARP, cdiv, row_stride
-from .fragments import split_tf32
+from .fragments import split_tf32, swizzle
 from .primitives import copy_async16, copy_async_wait_all, load_vec4, load_word, store_vec4
 
 NEG_INF = -math.inf
@@ -118,17 +118,27 @@ def sequence_arguments(call):
     bounds arrays (which come per call), the causal alignment and lse's strides.  Placeholders without them."""
     if call.varlen is None:
         return dict(q_bounds=placeholder(np.int32), k_bounds=placeholder(np.int32), q_step=0, k_step=0,
-                    bottom_right=0, lse_sb=0, lse_sh=0)
+                    bottom_right=0, lse_sb=0, lse_sh=0, new_keys=0)
     sequences = call.varlen
-    return dict(q_step=sequences.q_step, k_step=sequences.k_step, bottom_right=int(sequences.bottom_right),
-                lse_sb=sequences.lse_strides[0], lse_sh=sequences.lse_strides[1])
+    fixed = dict(q_step=sequences.q_step, k_step=sequences.k_step, bottom_right=int(sequences.bottom_right),
+                 lse_sb=sequences.lse_strides[0], lse_sh=sequences.lse_strides[1], new_keys=sequences.new_keys)
+    if sequences.kv_cache:   # the queries' bounds are the call's own: no array to read
+        fixed["q_bounds"] = placeholder(np.int32)
+    return fixed
+
+
+def sequence_mode(call):
+    """The kernels' VARLEN for a call (``sequence_bounds``): False, True (bounds arrays) or "cache"."""
+    if call.varlen is None:
+        return False
+    return "cache" if call.varlen.kv_cache else True
 
 
 def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropout, varlen=False):
     """A readable name for one specialisation (what profilers show)."""
     return (f"{base}_{blocks[0]}x{blocks[1]}_d{d_pad}_{precision}" + ("_causal" if causal else "")
             + ("" if vec else "_scalar") + ("_sparse" if has_mask else "") + ("_dropout" if has_dropout else "")
-            + ("_varlen" if varlen else ""))
+            + ({"cache": "_kv_cache", True: "_varlen", False: ""}[varlen]))
 
 
 @inlined_device_function
@@ -156,12 +166,18 @@ def tile_coordinates(block_id, tiles, heads, rank_major=False):
     return tile, bh % heads, bh // heads, bh
 
 
+@inlined_device_function
+def entry_fits(held, n_new, n_max):
+    """Whether a cache entry holding ``held`` keys takes ``n_new`` more within its ``n_max`` rows."""
+    return held >= 0 and held + n_new <= n_max
+
+
 @lru_cache(maxsize=None)
 def sequence_bounds(VARLEN):
     """(sequence, lse_row): where batch entry b's rows are, as two device functions.
 
-    ``sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k, causal_offset, bottom_right)`` returns
-    (q_first, k_first, n_q, n_k, causal_offset): b's first query and key rows (row r of b is at
+    ``sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k, causal_offset, bottom_right, new_keys)``
+    returns (q_first, k_first, n_q, n_k, causal_offset): b's first query and key rows (row r of b is at
     ``b * s_b + (first + r) * s_n``), its lengths and causal offset.  ``lse_row(bh, b, h, q_first, rows,
     lse_sb, lse_sh)`` is where head h's lse (and D) rows of b start, ``rows`` being the kernel's n_q.
 
@@ -171,12 +187,22 @@ def sequence_bounds(VARLEN):
       (keys likewise), its causal mask aligned bottom-right when ``bottom_right`` (key j visible to query i
       iff j <= i + N_k,b - N_q,b), its lse row r of head h at b * lse_sb + h * lse_sh + q_first + r.
       flash-attn's packed batches: cumulative bounds (step 1) into rows with batch stride 0, lse
-      (heads, total_q).  A KV cache: keys 0 .. L_b - 1 of cache b (bounds pairs, step 2), queries 0 ..
-      N_q - 1 of every b (the pair (0, N_q), step 0), lse (batch, heads, N_q).
+      (heads, total_q).
+    * VARLEN "cache" (a KV cache, the forward only): k_bounds holds each entry's length before the call,
+      cache_seqlens, read where it lies (on the GPU, so that the host never waits for it): b's keys are
+      0 .. cache_seqlens[b] + new_keys - 1 of its n_k rows, its queries the call's n_q.  An entry whose
+      keys would not fit (``entry_fits``: a negative length, or new keys past n_k) gets n_k = -1: it sees
+      no key, and the forward writes NaN in its rows (a loud result where reading past the cache would be
+      a silent one: the host cannot raise without reading the lengths).
     """
+    KV_CACHE = VARLEN == "cache"
 
     @inlined_device_function
-    def sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k, causal_offset, bottom_right):
+    def sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k, causal_offset, bottom_right, new_keys):
+        if KV_CACHE:
+            held = int64(k_bounds[b])
+            n_k_b = held + new_keys if entry_fits(held, new_keys, n_k) else int64(-1)
+            return int64(0), int64(0), n_q, n_k_b, causal_offset + bottom_right * (n_k_b - n_q)
         if VARLEN:
             q_first = int64(q_bounds[b * q_step])
             k_first = int64(k_bounds[b * k_step])
@@ -351,7 +377,7 @@ def chunk_loader(PRECISION, VEC):
 
 
 @lru_cache(maxsize=None)
-def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
+def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS, SWIZZLED=False):
     """(ITERS, fetch_rows, commit_rows, sanitize_row): device functions that move a tile of ROWS rows
     between device and shared memory (see the module docstring), row-major in shared memory.
 
@@ -364,9 +390,11 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
       whether there were any, for the caller's flags (the module docstring says why).  Callers give
       every row to some thread, rows tid, tid + THREADS, ... (a tile may have more rows than the block
       has threads: 64 keys for the 32 threads of 16 query rows).
+
+    SWIZZLED: the tile's rows are unpadded and swizzled (``tiling.swizzled_rows``).
     """
     SIXTEEN = PRECISION != "tf32x3"
-    RS = row_stride(D_PAD, SIXTEEN)
+    RS = D_PAD // 2 if SWIZZLED else row_stride(D_PAD, SIXTEEN)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
     CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
     ROW_UNITS = ROWS * ROW_CHUNKS
@@ -388,7 +416,8 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
         for i in range(ROW_ITERS):
             e = tid + i * THREADS
             if e < ROW_UNITS:
-                at = (e // ROW_CHUNKS) * RS + 4 * (e % ROW_CHUNKS)
+                row, chunk = e // ROW_CHUNKS, e % ROW_CHUNKS
+                at = row * RS + 4 * (swizzle(chunk, row) if SWIZZLED else chunk)
                 if SIXTEEN:
                     store_vec4(smem, HI + at, regs[i, 0], regs[i, 1], regs[i, 2], regs[i, 3])
                 else:
@@ -403,7 +432,8 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
     def sanitize_row(smem, HI, r):
         """NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
 
-        The row's data words (not its bank padding) are read 16 bytes at a time and written back only
+        The row's data words (not its bank padding; swizzled, in their order) are read 16 bytes at a time and
+        written back only
         where a chunk held a NaN: each thread cleans whole rows while the block waits at the barrier
         after this pass, so its length is the length of one row's (or two rows') cleaning.
         For 3xTF32 only the hi half needs it: a NaN's lo half is 0 (``split_tf32``).
@@ -425,7 +455,7 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS):
 
 
 @lru_cache(maxsize=None)
-def tile_copier(ROWS, D_PAD, THREADS):
+def tile_copier(ROWS, D_PAD, THREADS, BUFFER_ROWS=None, BUFFER_WORDS=0, SWIZZLED=False):
     """(copy_rows, wait_rows): a tile of ROWS rows of 16-bit pairs (``VEC``) from device memory into a
     row-major tile in shared memory by ``cp.async``.
 
@@ -434,16 +464,45 @@ def tile_copier(ROWS, D_PAD, THREADS):
       tile at word AT; nothing waits for them;
     * ``wait_rows()``: the thread's copies have landed (the block's, after the next barrier).
 
+    With BUFFER_ROWS (decoding's key warps: one round of every warp's tile) the tile's rows go to
+    buffers of BUFFER_ROWS rows each, BUFFER_WORDS apart: row R to row R % BUFFER_ROWS of buffer
+    R // BUFFER_ROWS.  SWIZZLED: rows unpadded and swizzled (``tiling.swizzled_rows``).
+
     A thread keeps one column of chunks and walks down the rows, ``ROWS_PER_PASS`` at a time, so that
-    each copy costs one address increment (the 64-bit index arithmetic of a general chunk number
-    would cost some thirty instructions per 16 bytes).  When the chunks of a row do not divide the
+    each copy costs one address increment.  A tile whose rows are all inside (every one but a
+    sequence's last) takes a path without the bounds tests, whose 64-bit compares and selects cost some
+    ten instructions per copy (ptxas 13, sm_90, decoding's round of four (16, 16) tiles: 409 instructions
+    instead of 618 with the 32-bit buffer index of ``forward.py``; no faster on the H200, whose decoding
+    waits on memory: ``results/decode_breakdown_h200.md``).  When the chunks of a row do not divide the
     threads (d = 80: 10 chunks), the last few threads copy nothing.
     """
-    RS = row_stride(D_PAD, True)
+    RS = D_PAD // 2 if SWIZZLED else row_stride(D_PAD, True)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, True)   # at most 32 (d <= 256): never more than the threads
     ROWS_PER_PASS = THREADS // ROW_CHUNKS
     COPYING = ROWS_PER_PASS * ROW_CHUNKS             # threads that copy
     PASSES = cdiv(ROWS, ROWS_PER_PASS)
+    BUFFER_ROWS = BUFFER_ROWS or ROWS
+
+    PASS_IN_ONE_BUFFER = BUFFER_ROWS % ROWS_PER_PASS == 0   # d = 64 and 128: a pass never straddles two
+    # Swizzled, a thread's chunk moves with its row modulo 8: the same in every pass when passes are 8k rows.
+    SAME_SWIZZLE = ROWS_PER_PASS % 8 == 0
+
+    @inlined_device_function
+    def row_at(r, i):
+        """Words from the tile's start to pass i's row r + i ROWS_PER_PASS (constant but for r, once the
+        passes are unrolled)."""
+        if PASS_IN_ONE_BUFFER:
+            first = i * ROWS_PER_PASS
+            return (first // BUFFER_ROWS) * BUFFER_WORDS + (first % BUFFER_ROWS + r) * RS
+        row = i * ROWS_PER_PASS + r
+        return (row // BUFFER_ROWS) * BUFFER_WORDS + (row % BUFFER_ROWS) * RS
+
+    @inlined_device_function
+    def chunk_at(chunk, r, i):
+        """Words from a row's start to the thread's chunk in pass i."""
+        if not SWIZZLED:
+            return 4 * chunk
+        return 4 * swizzle(chunk, r if SAME_SWIZZLE else r + i * ROWS_PER_PASS)
 
     @inlined_device_function
     def copy_rows(smem, AT, X, base, stride, rows_valid, head_dim, tid):
@@ -451,17 +510,21 @@ def tile_copier(ROWS, D_PAD, THREADS):
             return
         r = tid // ROW_CHUNKS
         c = (tid % ROW_CHUNKS) * 8                     # the thread's column of chunks, in elements
-        at = AT + r * RS + c // 2
         # Words of X (pairs): rows are 16-byte aligned, so base, stride and c are even.
-        chunk = (base + r * stride + c) >> 1
-        step = (ROWS_PER_PASS * stride) >> 1
-        for i in range(PASSES):
-            row = r + i * ROWS_PER_PASS
-            if ROWS % ROWS_PER_PASS == 0 or row < ROWS:
-                inside = row < rows_valid and c < head_dim
-                # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
-                copy_async16(smem, at + i * ROWS_PER_PASS * RS, X, chunk + i * step if inside else base >> 1,
-                             inside)
+        chunk = (base >> 1) + r * (stride >> 1) + (c >> 1)
+        step = ROWS_PER_PASS * (stride >> 1)
+        if rows_valid >= ROWS and head_dim >= D_PAD:   # every chunk inside: no tests
+            for i in range(PASSES):
+                if ROWS % ROWS_PER_PASS == 0 or r + i * ROWS_PER_PASS < ROWS:
+                    copy_async16(smem, AT + row_at(r, i) + chunk_at(c >> 3, r, i), X, chunk + i * step, True)
+        else:
+            for i in range(PASSES):
+                row = r + i * ROWS_PER_PASS
+                if ROWS % ROWS_PER_PASS == 0 or row < ROWS:
+                    inside = row < rows_valid and c < head_dim
+                    # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
+                    copy_async16(smem, AT + row_at(r, i) + chunk_at(c >> 3, r, i), X,
+                                 chunk + i * step if inside else base >> 1, inside)
 
     return copy_rows, copy_async_wait_all
 
@@ -483,6 +546,7 @@ def warp_lane(tid):
 
 
 __all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div",
-           "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "kernel_name", "operand_extent",
-           "pair_has_nan", "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_bounds",
-           "tile_coordinates", "tile_copier", "tile_movers", "warp_lane", "word_extent", "words_per_chunk_row"]
+           "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "entry_fits", "kernel_name",
+           "operand_extent", "pair_has_nan", "partly_masked_tiles", "row_lse", "sequence_arguments",
+           "sequence_bounds", "sequence_mode", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane",
+           "word_extent", "words_per_chunk_row"]

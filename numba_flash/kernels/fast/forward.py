@@ -97,16 +97,16 @@ import math
 from functools import lru_cache, partial
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
-                       flash2_threads, padded_head_dim)
+                       flash2_threads, padded_head_dim, swizzled_rows)
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
-                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
+                     sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products
 from .primitives import (copy_async_commit, copy_async_wait, exp2, f32_as_u32, shfl_xor, store_word, sync_warp,
                          u32_as_f32)
@@ -123,7 +123,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     zero-fills the rest.  VEC: rows start on 16-byte boundaries, so tiles move
     in 16-byte loads.  HAS_MASK: a block mask lists the key tiles of each query
     tile (``sparsity/tile_lists.py``).  HAS_DROPOUT: Algorithm 2's dropout.  VARLEN: per-batch lengths
-    (``common.sequence_bounds``).  SPLIT (flash-decoding, for few queries and many keys): ``splits`` blocks
+    (``common.sequence_bounds``: True for bounds arrays, "cache" for a KV cache's lengths, its overflowing
+    entries' rows written as NaN).  SPLIT (flash-decoding, for few queries and many keys): ``splits`` blocks
     share a query tile's keys (every splits-th key tile each), each writing its partial O (float32,
     normalised by its own l) and lse at ``split * o_split`` and ``split * lse_split``; ``cache.py`` merges
     them by their lse.  POSITIVE_SCALE:
@@ -142,7 +143,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     threads together into the warps' own buffers and handed over by one block barrier, so that the block
     reads its head's cache as one stream of wide tiles, as cuDNN's decoding kernel does (on the H200, four warps
     of (16, 16) tiles, four buffers: 0.1387 ms against 0.1455 when each warp streamed its own tiles under
-    ``sync_warp`` alone; no difference at (16, 32); ``results/decode_key_warps_h200.md``).  At the
+    ``sync_warp`` alone; no difference at (16, 32); ``results/decode_key_warps_h200.md``).  Their K/V rows are
+    unpadded and swizzled (``tiling.swizzled_rows``: padded, L2 served 1.5 times the sectors needed).  At the
     end the warps merge their m, l and O through shared memory (``merge_key_warps``) and warp 0 writes the
     block's result.  So one block per multiprocessor streams a head's cache with several tiles in flight,
     and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
@@ -180,16 +182,23 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     KV_STAGE = tiles.offset("K_STAGE1") - K_HI if ASYNC else 0   # words from buffer 0 to buffer 1
     KEY_WARP_WORDS = tiles.offset("KEY_WARPS") - K_HI if KEY_WARPS > 1 else 0   # from one key warp's buffers on
     Q_ITERS, fetch_q, commit_q, _ = tile_movers(BLOCK_M, D_PAD, PRECISION, VEC, THREADS)
+    # Decoding's key warps keep K_j, V_j in unpadded, swizzled rows (``tiling.swizzled_rows`` says why).
+    SWIZZLED = swizzled_rows(D_PAD, PRECISION, KEY_WARPS)
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC,
-                                                                             STREAMERS)
-    copy_key_rows = tile_copier(BLOCK_N, D_PAD, THREADS)[0] if ASYNC else None   # every thread copies
+                                                                             STREAMERS, SWIZZLED)
+    # Every thread copies: a tile, or with key warps a round of them (every warp's next tile, side by side in
+    # the cache) into the warps' buffers.
+    ROUND_ROWS = KEY_WARPS * BLOCK_N
+    copy_key_rows = (tile_copier(ROUND_ROWS, D_PAD, THREADS, BLOCK_N, KEY_WARP_WORDS, SWIZZLED)[0] if ASYNC
+                     else None)
     wait_oldest_tile = copy_async_wait(AHEAD - 1) if ASYNC else None   # one group per tile, AHEAD in flight
-    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES)
+    rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES, SWIZZLED)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
                                                                                                    VEC)
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
+    KV_CACHE = VARLEN == "cache"
 
     @inlined_device_function
     def key_of(tile_entries, first, x, k_first_tile, tile_step):
@@ -197,25 +206,31 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         return listed_tile(tile_entries, first + x, BLOCK_N)[0] if HAS_MASK else k_first_tile + x * tile_step
 
     @inlined_device_function
+    def buffer_of(x):
+        """Words from the first K/V buffer to the x-th visited tile's (x modulo STAGES, in 32 bits: three
+        buffers make it a multiply by a magic number, some fifteen instructions in 64 bits)."""
+        return int32(uint32(x) % uint32(STAGES)) * KV_STAGE
+
+    @inlined_device_function
     def start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
                  k_first_tile, tile_step, keys_visited, n_k, head_dim, tid):
         """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer, one group
         (empty past the last tile, so that groups count tiles), or as global loads into registers.
 
-        Key warps: the block's x-th round, every warp's x-th tile (those before ``keys_visited``), each into
-        that warp's buffers, the block's threads sharing the copies of each."""
+        Key warps: the block's x-th round, every warp's x-th tile, KEY_WARPS x BLOCK_N neighbouring keys
+        copied by all the block's threads into the warps' buffers (zeros from ``keys_visited`` on: tiles no
+        warp visits)."""
         if x < n_tiles:
-            round_k0 = key_of(tile_entries, first, x, k_first_tile, tile_step)
-            for w in range(KEY_WARPS):   # a constant trip count: unrolled
-                k0 = round_k0 + w * BLOCK_N
-                if KEY_WARPS == 1 or k0 < keys_visited:
-                    if ASYNC:
-                        stage = w * KEY_WARP_WORDS + (x % STAGES) * KV_STAGE
-                        copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
-                        copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
-                    else:
-                        fetch_key_rows(k_regs, K, k_row + k0 * k_sn, k_sn, n_k - k0, head_dim, tid)
-                        fetch_key_rows(v_regs, V, v_row + k0 * v_sn, v_sn, n_k - k0, head_dim, tid)
+            k0 = key_of(tile_entries, first, x, k_first_tile, tile_step)
+            # Keys of the tile (or round) to copy; zeros after them.
+            valid = (min(n_k, keys_visited) if KEY_WARPS > 1 else n_k) - k0
+            if ASYNC:
+                stage = buffer_of(x)
+                copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, valid, head_dim, tid)
+                copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, valid, head_dim, tid)
+            else:
+                fetch_key_rows(k_regs, K, k_row + k0 * k_sn, k_sn, valid, head_dim, tid)
+                fetch_key_rows(v_regs, V, v_row + k0 * v_sn, v_sn, valid, head_dim, tid)
         if ASYNC:
             copy_async_commit()
 
@@ -323,8 +338,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 s[x_row, 2 * half + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
 
     @inlined_device_function
-    def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim):
-        """O_i = acc / l and lse = m + log l, once; a row with no allowed key gets O = 0, lse = -inf."""
+    def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim, overflowing):
+        """O_i = acc / l and lse = m + log l, once; a row with no allowed key gets O = 0, lse = -inf, and every
+        row of a cache entry that ``overflowing`` (``sequence_bounds``) NaN in both."""
         for r in range(LANE_ROWS):
             l_row = l_i[r]
             l_row += shfl_xor(l_row, 1)
@@ -332,10 +348,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             row = q0 + row0 + 8 * r
             # l is 0 only for a row that saw no allowed key; NaN stays NaN.
             inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
+            if overflowing:   # a cache entry the kernel could not read: 0 * NaN, and NaN for lse
+                inv_l = float32(math.nan)
             if row < n_q:
                 store_fragment_row(O, acc, r, o_row + row * o_sn, head_dim, inv_l, t)
                 if t == 0:
-                    LSE[lse_first + row] = row_lse(m_i[r], l_row)
+                    LSE[lse_first + row] = row_lse(m_i[r], l_row) if not overflowing else float32(math.nan)
 
     RESULT_ROW = 2 * 32     # words of a key warp's result per lane row r: m of the 32 lanes, then l
 
@@ -403,8 +421,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
-               mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb,
-               lse_sh, splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
+               mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys,
+               lse_sb, lse_sh, splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
@@ -420,7 +438,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             tile %= q_tiles
         lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
-                                                             causal_offset, bottom_right)
+                                                             causal_offset, bottom_right, new_keys)
+        overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
         # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
         # rank 0 starts first (``tile_coordinates``).  A block mask's order already says which tile.
         q_tile = q_tiles - 1 - tile if CAUSAL and not HAS_MASK else tile
@@ -497,7 +516,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     partly_masked = False
             else:
                 k0, partly_masked = k_first_tile + j * tile_step, False
-            stage = own + (j % STAGES) * KV_STAGE   # the word offset of tile j's buffer
+            stage = own + buffer_of(j)   # the word offset of tile j's buffer
             if not ASYNC:
                 cuda.syncthreads()  # every warp is done with tile j - 1, which tile j overwrites
             land_kv(smem, stage, k_regs, v_regs, tid)
@@ -535,7 +554,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if key_warp != 0:
                 return
         write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,
-                     split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim)
+                     split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim,
+                     overflowing)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
@@ -581,7 +601,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
     warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          call.varlen is not None, splits > 1, positive_scale, warp_rows, partly, stages, key_warps)
+                          sequence_mode(call), splits > 1, positive_scale, warp_rows, partly, stages, key_warps)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -602,7 +622,9 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
                  **sequence_arguments(call), **split_layout)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
-    per_call = ("Q", "K", "V", "O", "LSE") + (("q_bounds", "k_bounds") if call.varlen else ()) + ("seed0", "seed1")
+    # Per-batch bounds come per call: a cache's lengths alone (its queries' bounds are the call's own).
+    bounds = () if not call.varlen else ("k_bounds",) if call.varlen.kv_cache else ("q_bounds", "k_bounds")
+    per_call = ("Q", "K", "V", "O", "LSE") + bounds + ("seed0", "seed1")
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
     return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows) * key_warps,

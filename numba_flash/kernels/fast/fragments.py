@@ -49,7 +49,7 @@ from functools import lru_cache
 from numba import cuda, float32, uint32
 
 from ...runtime.launch import inlined_device_function, unrolled
-from ...tiling import row_stride
+from ...tiling import SWIZZLE_CHUNKS, row_stride
 from .primitives import (bf16_to_f32, half_to_f32, ldmatrix_x2, ldmatrix_x2_trans, ldmatrix_x4, load_word, mma_bf16,
                          mma_f16, mma_tf32, pack_bf16x2, pack_half2, store_word, tf32_round, f32_as_u32,
                          u32_as_f32)
@@ -105,12 +105,22 @@ def widening(PRECISION):
     return widen
 
 
+@inlined_device_function
+def swizzle(chunk, row):
+    """Where logical 16-byte chunk ``chunk`` of ``row`` sits in a swizzled row (``tiling.swizzled_rows``)."""
+    return chunk ^ (row % SWIZZLE_CHUNKS)
+
+
 @lru_cache(maxsize=None)
-def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
+def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
     """(rows_by_rows_t, accumulate_product) for a streamed tile of OTHER rows and head dim D_PAD, for a warp
-    that owns M_TILES fragments of 16 rows (module docstring: ``fragment [m, x]`` is row ``m * X + x``)."""
+    that owns M_TILES fragments of 16 rows (module docstring: ``fragment [m, x]`` is row ``m * X + x``).
+    SWIZZLED (16-bit): the streamed tiles, B of both products, have swizzled rows (``tiling.swizzled_rows``);
+    A's stay padded."""
     SIXTEEN = PRECISION != "tf32x3"
+    assert SIXTEEN or not SWIZZLED, "swizzled rows are 16-bit rows read by ldmatrix"
     RS = row_stride(D_PAD, SIXTEEN)
+    RS_B = D_PAD // 2 if SWIZZLED else RS          # words per row of B
     O_TILES = OTHER // 8            # 8-wide column tiles of a 16 x OTHER fragment
     D_TILES = D_PAD // 8
     QK_STEPS = D_PAD // (16 if SIXTEEN else 8)
@@ -148,16 +158,19 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
         row_in_matrix = 4 * (g & 1) + t
         matrix = g >> 1
         a_lane = A_HI + (a_row0 + (matrix & 1) * 8 + row_in_matrix) * RS + (matrix >> 1) * 4
-        b_lane = B_HI + row_in_matrix * RS + (matrix & 1) * 4
+        b_lane = B_HI + row_in_matrix * RS_B     # B's row (8 ot +) row_in_matrix; chunk 2 ks + (matrix & 1)
         for ks in range(QK_STEPS):
             if SIXTEEN:
                 for m in range(M_TILES):
                     a[m, 0], a[m, 1], a[m, 2], a[m, 3] = ldmatrix_x4(smem, a_lane, m * 16 * RS + ks * 8)
+                # The lane's chunk of B for this k-step (rows 8 ot + row_in_matrix: one swizzle for every ot).
+                b_chunk = 2 * ks + (matrix & 1)
+                b_at = 4 * (swizzle(b_chunk, row_in_matrix) if SWIZZLED else b_chunk)
                 # Each B fragment is loaded one product ahead, so that no mma waits on its own load.
-                b0, b1 = ldmatrix_x2(smem, b_lane, ks * 8)
+                b0, b1 = ldmatrix_x2(smem, b_lane, b_at)
                 for ot in range(O_TILES):
                     if ot + 1 < O_TILES:
-                        n0, n1 = ldmatrix_x2(smem, b_lane, (ot + 1) * 8 * RS + ks * 8)
+                        n0, n1 = ldmatrix_x2(smem, b_lane, (ot + 1) * 8 * RS_B + b_at)
                     for m in range(M_TILES):
                         mma_into(acc, m * O_TILES + ot, a, a_lo, m, b0, b1, b0, b1)
                     if ot + 1 < O_TILES:
@@ -176,6 +189,11 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                     for m in range(M_TILES):
                         mma_into(acc, m * O_TILES + ot, a, a_lo, m, bh0, bh1, bl0, bl1)
 
+    @inlined_device_function
+    def v_at(d_tile, row_in_matrix):
+        """Words from a row's start to head-dim tile ``d_tile`` (one 16-byte chunk) of B in accumulate_product."""
+        return 4 * (swizzle(d_tile, row_in_matrix) if SWIZZLED else d_tile)
+
     def product_chunk(FIRST, COUNT):
         """acc[m, FIRST:FIRST + COUNT] = alpha acc + (P . B)[m, FIRST:FIRST + COUNT], through a fresh fragment."""
         TILE_ROWS = M_TILES * COUNT
@@ -193,7 +211,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                 # matrices (k 0-7 | 8-15) x (d tile FIRST + c): b0 and b1 of one d tile.  (x4 for two d tiles
                 # at once held two registers more and spilled flash2's forward at its register cap.)
                 row_in_matrix = 4 * (g & 1) + t
-                b_lane = B_HI + (((g >> 1) & 1) * 8 + row_in_matrix) * RS + FIRST * 4
+                b_lane = B_HI + (((g >> 1) & 1) * 8 + row_in_matrix) * RS_B   # rows 16 ks + this; chunk: d tile
                 for ks in range(O_TILES // 2):
                     for m in range(M_TILES):
                         k0, k1 = m * O_TILES + 2 * ks, m * O_TILES + 2 * ks + 1
@@ -201,10 +219,11 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1):
                         a[m, 1] = pack(p[k0, 2], p[k0, 3])
                         a[m, 2] = pack(p[k1, 0], p[k1, 1])
                         a[m, 3] = pack(p[k1, 2], p[k1, 3])
-                    b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS)
+                    b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS_B + v_at(FIRST, row_in_matrix))
                     for c in range(COUNT):   # B one product ahead, as in rows_by_rows_t
                         if c + 1 < COUNT:
-                            n0, n1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS + (c + 1) * 4)
+                            n0, n1 = ldmatrix_x2_trans(smem, b_lane,
+                                                       ks * 16 * RS_B + v_at(FIRST + c + 1, row_in_matrix))
                         for m in range(M_TILES):
                             mma_into(tile, m * COUNT + c, a, a_lo, m, b0, b1, b0, b1)
                         if c + 1 < COUNT:
