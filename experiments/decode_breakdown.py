@@ -28,16 +28,32 @@ D = 128
 
 
 def make_sets(b, h, hk, n):
+    """SETS sets of q (b, h, 1, D) and caches (b, hk, n, D), float16, to be read in turn."""
     g = torch.Generator(device="cuda").manual_seed(0)
     return [{name: torch.randn(bb, heads, rows, D, device="cuda", dtype=torch.float16, generator=g)
              for name, bb, heads, rows in (("q", b, h, 1), ("k", b, hk, n), ("v", b, hk, n))} for _ in range(SETS)]
 
 
 def peer(backend):
+    """A decoding step of torch's SDPA with ``backend`` on a set (grouped heads)."""
     def call(x):
         with sdpa_kernel(backend):
             return sdpa(x["q"], x["k"], x["v"], enable_gqa=True)
     return call
+
+
+def rotating_timer(sets, repeats):
+    """timed(call): GPU time of ``call(set)``, median of ``repeats``, each sample on the next set in turn."""
+    turn = [0]
+
+    def advance():
+        turn[0] += 1
+
+    def timed(call):
+        return time_ms(lambda: call(sets[turn[0] % len(sets)]), repeats=repeats, warmup=3, device_only=True,
+                       setup=advance)
+
+    return timed
 
 
 def steps(package, b, n):
@@ -98,15 +114,7 @@ def main():
         torch.cuda.profiler.stop()
         return
 
-    turn = [0]
-
-    def advance():
-        turn[0] += 1
-
-    def timed(call):
-        return time_ms(lambda: call(sets[turn[0] % SETS]), repeats=args.repeats, warmup=3, device_only=True,
-                       setup=advance)
-
+    timed = rotating_timer(sets, args.repeats)
     rows = [(name, timed(call)) for name, call in peers]
     for name, package in packages:
         for label, call in steps(package, b, n):

@@ -13,13 +13,11 @@ import argparse
 import itertools
 
 import numpy as np
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention as sdpa
+from decode_breakdown import D, SETS, make_sets, peer, rotating_timer   # this folder's: the same data and peers
+from torch.nn.attention import SDPBackend
 
 import numba_flash
 from numba_flash.tools.bench import load_baseline
-from numba_flash.tools.timing import time_ms
 
 #: (tiles, kv_stages, key_warps, splits); None / 0: the library's choice.
 CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0)] + [
@@ -30,7 +28,6 @@ CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0)] + [
 BASELINE_CONFIGS = [(None, 0, 0, 0), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1), ((16, 16), 4, 4, 1)]
 QUICK_CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0), ((16, 16), 4, 4, 1), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1),
                  ((16, 16), 2, 8, 1), ((16, 16), 3, 8, 1), ((16, 32), 2, 2, 1)]
-SETS = 4
 
 
 def main():
@@ -57,25 +54,7 @@ def run_case(case, configs, baseline, repeats):
     """The table of one case: each config of this tree (and of the baseline where in BASELINE_CONFIGS), torch's
     backends timed before and after."""
     b, h, hk, n = case
-    d = 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sets = [{name: torch.randn(b, heads, rows, d, device="cuda", dtype=torch.float16, generator=g)
-             for name, heads, rows in (("q", h, 1), ("k", hk, n), ("v", hk, n))} for _ in range(SETS)]
-    turn = [0]
-
-    def advance():
-        turn[0] += 1
-
-    def timed(call):
-        return time_ms(lambda: call(sets[turn[0] % SETS]), repeats=repeats, warmup=3, device_only=True,
-                       setup=advance)
-
-    def peer(backend):
-        def call(x):
-            with sdpa_kernel(backend):
-                sdpa(x["q"], x["k"], x["v"], enable_gqa=True)
-        return call
-
+    timed = rotating_timer(make_sets(b, h, hk, n), repeats)
     lengths = np.full(b, n, np.int32)
     rows = []
 
@@ -99,7 +78,7 @@ def run_case(case, configs, baseline, repeats):
             ours(baseline, baseline.label, config)
     after = {name: timed(peer(backend)) for name, backend in peers}
     fastest = min(min(before.values()), min(after.values()))
-    lines = [f"Case (B, H_q, H_kv, N_q, N, d) = ({b}, {h}, {hk}, 1, {n}, {d}) float16; GPU time, median of "
+    lines = [f"Case (B, H_q, H_kv, N_q, N, d) = ({b}, {h}, {hk}, 1, {n}, {D}) float16; GPU time, median of "
              f"{repeats}, {SETS} caches in turn.  " + ", ".join(f"{name} {before[name]:.4f} / {after[name]:.4f} ms"
                                                                for name, _ in peers) + " (before / after).",
              "", "| package | tiles | kv_stages | key_warps | splits | ms | vs fastest torch |",
@@ -108,6 +87,7 @@ def run_case(case, configs, baseline, repeats):
               + (f"{ms:.4f} | {fastest / ms:.2f}x |" if isinstance(ms, float) else f"{ms} | |")
               for label, tiles, stages, warps, splits, ms in rows]
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

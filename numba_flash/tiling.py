@@ -151,9 +151,11 @@ def padded_stride(words, residue):
     return words + (residue - words) % 32
 
 
-def row_stride(d_pad, sixteen_bit):
-    """Words per row of a row-major tile: tf32 words, or 16-bit pairs along d (4 mod 32: conflict-free)."""
-    return padded_stride(d_pad // 2 if sixteen_bit else d_pad, 4)
+def row_stride(d_pad, sixteen_bit, swizzled=False):
+    """Words per row of a row-major tile: tf32 words, or 16-bit pairs along d (4 mod 32: conflict-free);
+    swizzled rows (``swizzled_rows``: 16-bit) unpadded."""
+    words = d_pad // 2 if sixteen_bit else d_pad
+    return words if swizzled else padded_stride(words, 4)
 
 
 #: A swizzled row's 16-byte chunks are permuted within groups of this many (``swizzled_rows``).
@@ -207,7 +209,7 @@ class SharedTiles:
 def _rows(name, rows, d_pad, precision, swizzled=False):
     """A row-major tile of ``rows`` rows: one copy for 16-bit data, hi and lo halves for 3xTF32; swizzled
     rows (``swizzled_rows``) unpadded."""
-    stride = d_pad // 2 if swizzled else row_stride(d_pad, precision != "tf32x3")
+    stride = row_stride(d_pad, precision != "tf32x3", swizzled)
     if precision == "tf32x3":
         return ((name + "_HI", rows * stride), (name + "_LO", rows * stride))
     return ((name, rows * stride),)

@@ -394,7 +394,7 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS, SWIZZLED=False):
     SWIZZLED: the tile's rows are unpadded and swizzled (``tiling.swizzled_rows``).
     """
     SIXTEEN = PRECISION != "tf32x3"
-    RS = D_PAD // 2 if SWIZZLED else row_stride(D_PAD, SIXTEEN)
+    RS = row_stride(D_PAD, SIXTEEN, SWIZZLED)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, SIXTEEN)
     CHUNK = 8 if SIXTEEN else 4                 # elements per chunk
     ROW_UNITS = ROWS * ROW_CHUNKS
@@ -432,10 +432,9 @@ def tile_movers(ROWS, D_PAD, PRECISION, VEC, THREADS, SWIZZLED=False):
     def sanitize_row(smem, HI, r):
         """NaN elements of row r of the row-major tile at HI to 0; returns 1 if there were any.
 
-        The row's data words (not its bank padding; swizzled, in their order) are read 16 bytes at a time and
-        written back only
-        where a chunk held a NaN: each thread cleans whole rows while the block waits at the barrier
-        after this pass, so its length is the length of one row's (or two rows') cleaning.
+        The row's data words (not its bank padding; swizzled, in their order) are read 16 bytes at a time
+        and written back only where a chunk held a NaN: each thread cleans whole rows while the block waits
+        at the barrier after this pass, so its length is the length of one row's (or two rows') cleaning.
         For 3xTF32 only the hi half needs it: a NaN's lo half is 0 (``split_tf32``).
         """
         found = uint32(0)
@@ -476,7 +475,7 @@ def tile_copier(ROWS, D_PAD, THREADS, BUFFER_ROWS=None, BUFFER_WORDS=0, SWIZZLED
     waits on memory: ``results/decode_breakdown_h200.md``).  When the chunks of a row do not divide the
     threads (d = 80: 10 chunks), the last few threads copy nothing.
     """
-    RS = D_PAD // 2 if SWIZZLED else row_stride(D_PAD, True)
+    RS = row_stride(D_PAD, True, SWIZZLED)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, True)   # at most 32 (d <= 256): never more than the threads
     ROWS_PER_PASS = THREADS // ROW_CHUNKS
     COPYING = ROWS_PER_PASS * ROW_CHUNKS             # threads that copy

@@ -120,7 +120,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
     SIXTEEN = PRECISION != "tf32x3"
     assert SIXTEEN or not SWIZZLED, "swizzled rows are 16-bit rows read by ldmatrix"
     RS = row_stride(D_PAD, SIXTEEN)
-    RS_B = D_PAD // 2 if SWIZZLED else RS          # words per row of B
+    RS_B = row_stride(D_PAD, SIXTEEN, SWIZZLED)    # words per row of B
     O_TILES = OTHER // 8            # 8-wide column tiles of a 16 x OTHER fragment
     D_TILES = D_PAD // 8
     QK_STEPS = D_PAD // (16 if SIXTEEN else 8)
