@@ -25,9 +25,9 @@ CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0)] + [
     for tiles, stage_list in (((16, 16), (2, 3, 4)), ((16, 32), (2, 3)), ((16, 64), (2,)))
     for stages, warps, splits in itertools.product(stage_list, (2, 4, 8), (1, 2))]
 #: The rows the baseline runs too: the defaults and the best of the last sweep.
-BASELINE_CONFIGS = [(None, 0, 0, 0), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1), ((16, 16), 4, 4, 1)]
-QUICK_CONFIGS = [(None, 0, 0, 0), ((16, 16), 2, 1, 0), ((16, 16), 4, 4, 1), ((16, 32), 2, 4, 1), ((16, 32), 3, 4, 1),
-                 ((16, 16), 2, 8, 1), ((16, 16), 3, 8, 1), ((16, 32), 2, 2, 1)]
+BASELINE_CONFIGS = [(None, 0, 0, 0), ((16, 32), 3, 4, 1)]
+QUICK_CONFIGS = [(None, 0, 0, 0), ((16, 32), 3, 4, 1), ((16, 32), 2, 4, 1), ((16, 16), 4, 4, 1), ((16, 64), 2, 2, 1),
+                 ((16, 64), 3, 2, 1)]
 
 
 def main():

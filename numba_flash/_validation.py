@@ -490,6 +490,12 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
                          sequences)
 
 
+def streamed(call):
+    """Whether a decoding call's K/V tiles travel by cp.async into several buffers (16-bit tiles whose rows start
+    on 16-byte boundaries); otherwise they wait in registers, one tile ahead."""
+    return call.precision != "tf32x3" and call.vec
+
+
 def check_decode_layout(call, kv_stages, key_warps):
     """(K/V buffers, key warps) for a decoding call checked by ``check_cache_args``: those asked for, or the
     library's where 0 (``tiling.DECODE_KV_STAGES``, ``tiling.DECODE_KEY_WARPS``, fewer warps where they do not fit).
@@ -500,14 +506,14 @@ def check_decode_layout(call, kv_stages, key_warps):
         raise TypeError(f"key_warps must be an int (0: chosen by the library), got {key_warps!r}")
     if key_warps < 0:
         raise ValueError(f"key_warps must not be negative (0: chosen by the library), got {key_warps}")
-    streamed = call.precision != "tf32x3" and call.vec
+    streams = streamed(call)
     block_m, block_n = call.block_sizes
-    if kv_stages and not streamed:
+    if kv_stages and not streams:
         raise ValueError(f"kv_stages={kv_stages}: only 16-bit tiles whose rows start on 16-byte boundaries travel "
                          "by cp.async into several buffers (these go through registers, one tile ahead); leave "
                          "kv_stages at 0")
     one_warp = block_m <= ROWS_PER_WARP
-    if key_warps > 1 and not (streamed and one_warp):
+    if key_warps > 1 and not (streams and one_warp):
         raise ValueError(f"key_warps={key_warps}: warps take turns along the keys only for 16-bit tiles whose rows "
                          f"start on 16-byte boundaries, of at most {ROWS_PER_WARP} query rows (block_sizes "
                          f"{tuple(call.block_sizes)}, {call.dtype}); leave key_warps at 0")
@@ -516,7 +522,7 @@ def check_decode_layout(call, kv_stages, key_warps):
     limit = device_limits().shared_bytes_per_block_optin
 
     def needed(warps):
-        return flash2_forward_smem(block_m, block_n, d_pad, call.precision, stages=stages if streamed else 1,
+        return flash2_forward_smem(block_m, block_n, d_pad, call.precision, stages=stages if streams else 1,
                                    key_warps=warps).bytes
 
     if key_warps or kv_stages:
@@ -527,7 +533,7 @@ def check_decode_layout(call, kv_stages, key_warps):
                              f"is {limit}")
         if key_warps:
             return stages, warps
-    fitting = [w for w in range(1, DECODE_KEY_WARPS + 1) if needed(w) <= limit] if streamed and one_warp else [1]
+    fitting = [w for w in range(1, DECODE_KEY_WARPS + 1) if needed(w) <= limit] if streams and one_warp else [1]
     return stages, fitting[-1] if fitting else 1
 
 

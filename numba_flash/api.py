@@ -10,6 +10,7 @@ summary allocates its results, writes the data pointers and launches: no
 argument typing, no host synchronisation (``README``: "Host time per call").
 """
 import functools
+from dataclasses import replace
 
 import numpy as np
 from numba import cuda
@@ -17,7 +18,7 @@ from numba import cuda
 from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
                           check_cache_args, check_cache_seqlens, check_cu_seqlens, check_decode_layout,
                           check_device_cache_seqlens, check_dropout, check_new_keys, check_varlen_args,
-                          operand_strides)
+                          operand_strides, streamed)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
@@ -30,7 +31,7 @@ from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import cdiv, padded_head_dim
+from .tiling import cdiv, decode_streamed_block_sizes, padded_head_dim
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -241,7 +242,9 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         Key j of entry b is visible iff j < L_b = cache_seqlens[b] + N_new and, when causal (True means
         bottom-right, as flash-attn), j <= i + L_b - N_q for query i.
     scale, block_sizes, return_lse
-        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs.
+        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs,
+        and is wider along the keys where its blocks fill the GPU without splits
+        (``tiling.decode_streamed_block_sizes``).
     num_splits : int
         Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
         flash-attn's ``num_splits``); 0 (default) chooses from the grid and the GPU (``decode_splits``).
@@ -512,6 +515,17 @@ class _CachePlan(_Plan):
         self.splits = (min(num_splits, cdiv(key_tiles, self.key_warps)) if num_splits else
                        decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
                                      device_limits().multiprocessors, self.key_warps))
+        if block_sizes is None and self.splits == 1 and streamed(call) and not device_limits().simulated:
+            # Blocks that fill the GPU alone stream the keys in wider tiles (tiling.DECODE_STREAMED_KEYS: faster
+            # there, slower with splits), where the buffers of the layout chosen above still fit.
+            wide = replace(call, block_sizes=decode_streamed_block_sizes(call.block_sizes, call.head_dim,
+                                                                         call.precision))
+            try:
+                fits = check_decode_layout(wide, kv_stages, key_warps) == (stages, self.key_warps)
+            except ValueError:   # the kv_stages / key_warps asked for fit the library's narrower tile only
+                fits = False
+            if fits:
+                call = self.call = wide
         self.launch = forward_launch(call, self.splits, stages, self.key_warps)
         self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)

@@ -81,7 +81,7 @@ RUNS = [
     ("forward", "flash2", np.float16, (16, 32), "decode_key_warps4"),
     ("forward", "flash2", BF16, (16, 16), "decode_key_warps3"),
     # At d = 128 the key warps' K/V rows are unpadded and swizzled (tiling.swizzled_rows); the default layout.
-    ("forward", "flash2", np.float16, (16, 16), "decode_swizzled"),
+    ("forward", "flash2", np.float16, (16, 32), "decode_swizzled"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
