@@ -42,7 +42,7 @@ from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # 
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
 from numba_flash.kernels.literal.standard_attention import make_batched_matmul, make_row_softmax  # noqa: E402
 from numba_flash.tiling import (FORWARD_BLOCK_SIZES, PRECISIONS, ROWS_PER_WARP, decode_block_sizes,  # noqa: E402
-                                flash2_forward_warp_rows, tiles_for_head_dim)
+                                decode_streamed_block_sizes, flash2_forward_warp_rows, tiles_for_head_dim)
 
 a3 = T.Array(T.float32, 3, "C")
 l2 = T.Array(T.float32, 2, "C")
@@ -104,8 +104,8 @@ def decode(precision, head_dim):
                           False, "cache", split))
     if precision != "tf32x3":   # warps taking turns along the keys: one warp's rows, tiles by cp.async
         for causal, split in itertools.product((False, True), (False, True)):
-            fast(make_forward(*decode_block_sizes(1, head_dim, precision), head_dim, precision, True, causal, False,
-                              False, "cache", split, KEY_WARPS=4))
+            tiles = decode_streamed_block_sizes(decode_block_sizes(1, head_dim, precision), head_dim, precision)
+            fast(make_forward(*tiles, head_dim, precision, True, causal, False, False, "cache", split, KEY_WARPS=4))
     fast(make_merge(precision))
 
 
