@@ -401,8 +401,7 @@ def decode_block_sizes(n_q, head_dim, precision):
     (16, 32) 0.63 ms, (16, 64) 1.49 ms: wider key tiles spill (ptxas: 3.4 KB at (16, 64)).  Those
     numbers predate cp.async: aligned 16-bit tiles now travel without registers, and ptxas fits
     (16, 32) at d = 128 in 251 registers and (16, 64) in 255 with 20 bytes of spills (to be re-timed).
-    With four key warps and swizzled rows (2026-12-03, results/decode_breakdown_h200.md, one run):
-    (16, 32) x three buffers 0.1301 ms, (16, 16) (this default) 0.1320; not yet changed on one run.
+    Tiles of key warps whose blocks need no split are widened (``decode_streamed_block_sizes``).
     """
     rows = min(128, cdiv(n_q, ROWS_PER_WARP) * ROWS_PER_WARP)
     chunk = 4 if precision == "tf32x3" else 8        # elements per 16-byte chunk

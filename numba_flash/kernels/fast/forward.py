@@ -600,8 +600,9 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
     warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
+    mode = sequence_mode(call)
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          sequence_mode(call), splits > 1, positive_scale, warp_rows, partly, stages, key_warps)
+                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -623,7 +624,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
                  **sequence_arguments(call), **split_layout)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
     # Per-batch bounds come per call: a cache's lengths alone (its queries' bounds are the call's own).
-    bounds = () if not call.varlen else ("k_bounds",) if call.varlen.kv_cache else ("q_bounds", "k_bounds")
+    bounds = {False: (), True: ("q_bounds", "k_bounds"), "cache": ("k_bounds",)}[mode]
     per_call = ("Q", "K", "V", "O", "LSE") + bounds + ("seed0", "seed1")
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)

@@ -141,6 +141,12 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
         acc[i, 0], acc[i, 1], acc[i, 2], acc[i, 3] = c0, c1, c2, c3
 
     @inlined_device_function
+    def b_chunk_at(chunk, row):
+        """Words from the start of a row of B (in both products) to its 16-byte chunk ``chunk``: ``swizzle`` where
+        B's rows are swizzled (``row``: the row modulo 8 is what counts)."""
+        return 4 * (swizzle(chunk, row) if SWIZZLED else chunk)
+
+    @inlined_device_function
     def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
         """acc[m, ot] = A[a_row0 + 16 m + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B).
 
@@ -164,8 +170,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
                 for m in range(M_TILES):
                     a[m, 0], a[m, 1], a[m, 2], a[m, 3] = ldmatrix_x4(smem, a_lane, m * 16 * RS + ks * 8)
                 # The lane's chunk of B for this k-step (rows 8 ot + row_in_matrix: one swizzle for every ot).
-                b_chunk = 2 * ks + (matrix & 1)
-                b_at = 4 * (swizzle(b_chunk, row_in_matrix) if SWIZZLED else b_chunk)
+                b_at = b_chunk_at(2 * ks + (matrix & 1), row_in_matrix)
                 # Each B fragment is loaded one product ahead, so that no mma waits on its own load.
                 b0, b1 = ldmatrix_x2(smem, b_lane, b_at)
                 for ot in range(O_TILES):
@@ -188,11 +193,6 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
                     bl0, bl1 = load_word(smem, B_LO + b_row), load_word(smem, B_LO + b_row + 4)
                     for m in range(M_TILES):
                         mma_into(acc, m * O_TILES + ot, a, a_lo, m, bh0, bh1, bl0, bl1)
-
-    @inlined_device_function
-    def v_at(d_tile, row_in_matrix):
-        """Words from a row's start to head-dim tile ``d_tile`` (one 16-byte chunk) of B in accumulate_product."""
-        return 4 * (swizzle(d_tile, row_in_matrix) if SWIZZLED else d_tile)
 
     def product_chunk(FIRST, COUNT):
         """acc[m, FIRST:FIRST + COUNT] = alpha acc + (P . B)[m, FIRST:FIRST + COUNT], through a fresh fragment."""
@@ -219,11 +219,11 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
                         a[m, 1] = pack(p[k0, 2], p[k0, 3])
                         a[m, 2] = pack(p[k1, 0], p[k1, 1])
                         a[m, 3] = pack(p[k1, 2], p[k1, 3])
-                    b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS_B + v_at(FIRST, row_in_matrix))
+                    b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS_B + b_chunk_at(FIRST, row_in_matrix))
                     for c in range(COUNT):   # B one product ahead, as in rows_by_rows_t
                         if c + 1 < COUNT:
                             n0, n1 = ldmatrix_x2_trans(smem, b_lane,
-                                                       ks * 16 * RS_B + v_at(FIRST + c + 1, row_in_matrix))
+                                                       ks * 16 * RS_B + b_chunk_at(FIRST + c + 1, row_in_matrix))
                         for m in range(M_TILES):
                             mma_into(tile, m * COUNT + c, a, a_lo, m, b0, b1, b0, b1)
                         if c + 1 < COUNT:
