@@ -13,7 +13,7 @@ from strategies import SIZES, VARLEN_DTYPES, arrays, block_sizes, dtype_name, he
 from tolerances import assert_close_to_reference
 
 from numba_flash.runtime.device import device_limits
-from numba_flash.tiling import DECODE_STREAMED_KEYS, PRECISION, decode_default_block_sizes
+from numba_flash.tiling import DECODE_STREAMED_KEYS, PRECISION, cdiv, decode_default_block_sizes
 
 cache_dtypes = pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
 
@@ -190,27 +190,29 @@ def test_blocks_that_fill_the_gpu_alone_stream_wider_key_tiles(monkeypatch, n_ma
     # warp's rows widen to tiling.DECODE_STREAMED_KEYS keys (16-bit, d <= 128); float32 (tiles through
     # registers) and calls that split the keys keep theirs (a split asked of a one-tile cache does not
     # happen).  The widened kernel runs (in the simulator) and matches the reference, also with a cache
-    # shorter than one tile.
+    # shorter than one tile.  d = 128: the narrow tile is 16 keys on the GPU too.
+    d = 128
     one_multiprocessor = replace(device_limits(), simulated=False, multiprocessors=1)
     monkeypatch.setattr(numba_flash.api, "device_limits", lambda: one_multiprocessor)
     plans = {}   # no plan made before the patch
     monkeypatch.setattr(numba_flash.api, "_PLANS", plans)
     rng = np.random.default_rng(17)
     for dtype, splits in ((SIXTEEN_BIT[0], 0), (SIXTEEN_BIT[0], 2), (np.float32, 0)):
-        q = rng.standard_normal((2, 4, 1, 64)).astype(dtype)
-        k_cache, v_cache = (rng.standard_normal((2, 2, n_max, 64)).astype(dtype) for _ in range(2))
+        q = rng.standard_normal((2, 4, 1, d)).astype(dtype)
+        k_cache, v_cache = (rng.standard_normal((2, 2, n_max, d)).astype(dtype) for _ in range(2))
         seqlens = np.array([n_max, n_max // 2], np.int32)
         out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, num_splits=splits,
                                                        return_lse=True)
         plan = list(plans.values())[-1]
-        narrow = decode_default_block_sizes(4, 64, PRECISION[np.dtype(dtype).name])
-        assert plan.splits == (2 if splits and n_max > 16 * 4 else 1)   # 8 keys: one tile, nothing to split
+        narrow = decode_default_block_sizes(4, d, PRECISION[np.dtype(dtype).name])
+        # Two splits where the key warps have more than one turn of narrow tiles (8 keys: one tile, no split).
+        assert plan.splits == (2 if splits and cdiv(n_max, narrow[1]) > plan.key_warps else 1)
         wide = plan.splits == 1 and dtype != np.float32
         assert plan.call.block_sizes == (narrow[0], DECODE_STREAMED_KEYS if wide else narrow[1])
         for b, length in enumerate(seqlens):
             k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
             ref_out, ref_lse = reference.attention(q[b], k, v)
-            assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 64 ** -0.5, dtype)
+            assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, d ** -0.5, dtype)
 
 
 @pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)

@@ -107,9 +107,9 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
                      sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
-from .fragments import fragment_row_store, tile_products
-from .primitives import (copy_async_commit, copy_async_wait, exp2, f32_as_u32, shfl_xor, store_word, sync_warp,
-                         u32_as_f32)
+from .fragments import fragment_row_store, pair_store, tile_products
+from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, shfl_xor,
+                         store_word, sync_warp, u32_as_f32)
 
 
 @lru_cache(maxsize=None)
@@ -145,9 +145,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     of (16, 16) tiles, four buffers: 0.1387 ms against 0.1455 when each warp streamed its own tiles under
     ``sync_warp`` alone; no difference at (16, 32); ``results/decode_key_warps_h200.md``).  Their K/V rows are
     unpadded and swizzled (``tiling.swizzled_rows``: padded, L2 served 1.5 times the sectors needed).  At the
-    end the warps merge their m, l and O through shared memory (``merge_key_warps``) and warp 0 writes the
-    block's result.  So one block per multiprocessor streams a head's cache with several tiles in flight,
-    and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
+    end the warps leave their m, l and O in shared memory (``share_results``) and each combines and writes
+    a share of the result's columns (``write_merged_output``).  So one block per multiprocessor streams a
+    head's cache with several tiles in flight, and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
     on the H200 (ncu, 2026-12-02: 128 blocks of four warps, 16 x 128 tiles, for (B, H_kv) = (16, 8)).
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
@@ -194,11 +194,16 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     wait_oldest_tile = copy_async_wait(AHEAD - 1) if ASYNC else None   # one group per tile, AHEAD in flight
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES, SWIZZLED)
     # Partial results of a split are float32 (they are merged before rounding to the output type).
-    store_fragment_row = fragment_row_store(D_PAD, "tf32x3", False) if SPLIT else fragment_row_store(D_PAD, PRECISION,
-                                                                                                   VEC)
+    OUTPUT = ("tf32x3", False) if SPLIT else (PRECISION, VEC)
+    store_fragment_row, store_pair = fragment_row_store(D_PAD, *OUTPUT), pair_store(*OUTPUT)
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
     KV_CACHE = VARLEN == "cache"
+    # Decoding's Q_i travels by cp.async too, in the first K/V tile's group: its rows need no bound read from
+    # memory, so its copies start before the cache's lengths are read, where its load through registers waited
+    # for them and its store to shared memory held back the first K/V copies (two memory latencies in turn).
+    ASYNC_Q = ASYNC and KV_CACHE
+    copy_q_rows = tile_copier(BLOCK_M, D_PAD, THREADS)[0] if ASYNC_Q else None
 
     @inlined_device_function
     def key_of(tile_entries, first, x, k_first_tile, tile_step):
@@ -338,86 +343,110 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 s[x_row, 2 * half + 1] *= float32(keep_scale) if second >= keep_threshold else float32(0)
 
     @inlined_device_function
+    def row_sum(l_lane):
+        """A row's l from the partial sums of the four lanes that hold it (each sums its own columns)."""
+        l_row = l_lane + shfl_xor(l_lane, 1)
+        return l_row + shfl_xor(l_row, 2)
+
+    @inlined_device_function
+    def inverse_sum(l_row, overflowing):
+        """1 / l; 0 for a row that saw no allowed key (l = 0: O = 0), NaN in every row of a cache entry that
+        ``overflowing`` (``sequence_bounds``: 0 * NaN).  l = NaN stays NaN."""
+        if overflowing:
+            return float32(math.nan)
+        return float32(1) / l_row if l_row != float32(0) else float32(0)
+
+    @inlined_device_function
+    def write_lse(LSE, at, m_log2, l_row, overflowing):
+        """lse = m + log l (-inf for a row with no allowed key; NaN where the entry is ``overflowing``)."""
+        LSE[at] = row_lse(m_log2, l_row) if not overflowing else float32(math.nan)
+
+    @inlined_device_function
     def write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim, overflowing):
-        """O_i = acc / l and lse = m + log l, once; a row with no allowed key gets O = 0, lse = -inf, and every
-        row of a cache entry that ``overflowing`` (``sequence_bounds``) NaN in both."""
+        """O_i = acc / l and lse = m + log l, once (``inverse_sum``, ``write_lse``)."""
         for r in range(LANE_ROWS):
-            l_row = l_i[r]
-            l_row += shfl_xor(l_row, 1)
-            l_row += shfl_xor(l_row, 2)
+            l_row = row_sum(l_i[r])
+            inv_l = inverse_sum(l_row, overflowing)
             row = q0 + row0 + 8 * r
-            # l is 0 only for a row that saw no allowed key; NaN stays NaN.
-            inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
-            if overflowing:   # a cache entry the kernel could not read: 0 * NaN, and NaN for lse
-                inv_l = float32(math.nan)
             if row < n_q:
                 store_fragment_row(O, acc, r, o_row + row * o_sn, head_dim, inv_l, t)
                 if t == 0:
-                    LSE[lse_first + row] = row_lse(m_i[r], l_row) if not overflowing else float32(math.nan)
+                    write_lse(LSE, lse_first + row, m_i[r], l_row, overflowing)
 
+    # ---- key warps: the block's result from its warps' partial ones (KEY_WARPS > 1) ----
     RESULT_ROW = 2 * 32     # words of a key warp's result per lane row r: m of the 32 lanes, then l
+    RESULT_O = 2 * RESULT_ROW   # then its O fragments: word e of fragment dt of lane l at 4 dt 32 + e 32 + l
+    WARP_D_TILES = cdiv(D_TILES, KEY_WARPS)   # the 8-wide column tiles of O that each warp combines and writes
 
-    def result_fragment(x_row):
-        """(save, combine) for O fragment ``x_row``, its index a constant (a loop over the fragments stays
-        rolled in NVVM, and a run-time index sends the whole accumulator to local memory)."""
-        at_fragment = 2 * RESULT_ROW + 4 * x_row * 32
-
+    def fragment_saver(dt):
+        """save(smem, acc, at, lane): O fragment ``dt`` of the lane into its warp's result at word ``at`` (the
+        index a constant: a loop over the fragments stays rolled in NVVM, and a run-time index sends the whole
+        accumulator to local memory)."""
         @inlined_device_function
-        def save(smem, acc, weights, at, lane):
+        def save(smem, acc, at, lane):
             for e in range(4):
-                smem[at + at_fragment + e * 32 + lane] = f32_as_u32(acc[x_row, e])
+                smem[at + RESULT_O + 4 * dt * 32 + e * 32 + lane] = f32_as_u32(acc[dt, e])
 
-        @inlined_device_function
-        def combine(smem, acc, weights, at, lane):
-            for e in range(4):
-                total = float32(0)
-                for w in range(KEY_WARPS):
-                    weight = weights[w, e // 2]   # the fragment's row g (e = 0, 1) or g + 8 (e = 2, 3)
-                    if weight != float32(0):
-                        total += weight * u32_as_f32(smem[at + w * KEY_WARP_WORDS + at_fragment + e * 32 + lane])
-                acc[x_row, e] = total
+        return save
 
-        return save, combine
-
-    fragments = [result_fragment(x_row) for x_row in range(D_TILES)] if KEY_WARPS > 1 else []
-    save_fragments = unrolled([save for save, _ in fragments]) if fragments else None
-    combine_fragments = unrolled([combine for _, combine in fragments]) if fragments else None
+    save_fragments = unrolled([fragment_saver(dt) for dt in range(D_TILES)]) if KEY_WARPS > 1 else None
 
     @inlined_device_function
-    def merge_key_warps(smem, acc, m_i, l_i, key_warp, lane):
-        """The key warps' partial results combined into warp 0's registers (KEY_WARPS > 1), as ``cache.py``'s
-        merge combines splits: with m = max_w m_w and weights a_w = exp2(m_w - m), l = sum_w a_w l_w and
-        O = sum_w a_w O_w, in the order of the warps (the same bits every call).  A warp that saw no key of a
-        row (m_w = -inf) weighs 0 there and its O is not read, so that 0 * NaN cannot reach the row.
-
-        Each warp leaves its m, l and O fragments, lane by lane, in its own buffers: free once its lanes are
-        past ``sync_warp`` (each read its last tile before; every copy into them landed before the last
-        round's barrier).  The block barrier then hands them to warp 0.
-        l stays per lane (each lane's columns), as ``write_output`` expects."""
-        weights = cuda.local.array((KEY_WARPS, 2), float32)
+    def share_results(smem, acc, m_i, l_i, key_warp, lane):
+        """Each key warp's m, l and O fragments, lane by lane, into its own buffers, for every warp to read
+        after the block barrier.  The buffers are free once the warp's lanes are past ``sync_warp`` (each read
+        its last tile before; every copy into them landed before the last round's barrier)."""
         at = K_HI + key_warp * KEY_WARP_WORDS
         sync_warp()   # every lane of this warp done with its last tile before its result overwrites it
         for r in range(2):
             smem[at + r * RESULT_ROW + lane] = f32_as_u32(m_i[r])
             smem[at + r * RESULT_ROW + 32 + lane] = f32_as_u32(l_i[r])
-        save_fragments(smem, acc, weights, at, lane)
-        cuda.syncthreads()   # every warp's result in shared memory before warp 0 reads them
-        if key_warp == 0:
-            for r in range(2):
-                m = float32(NEG_INF)
-                for w in range(KEY_WARPS):
-                    m = max(m, u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]))
-                shift = m if m != float32(NEG_INF) else float32(0)   # no key in any warp: every weight 0
-                total = float32(0)
-                for w in range(KEY_WARPS):
-                    from_w = K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane
-                    weight = exp2(u32_as_f32(smem[from_w]) - shift)
-                    weights[w, r] = weight
-                    if weight != float32(0):
-                        total += weight * u32_as_f32(smem[from_w + 32])
-                m_i[r] = m
-                l_i[r] = total
-            combine_fragments(smem, acc, weights, K_HI, lane)
+        save_fragments(smem, acc, K_HI + key_warp * KEY_WARP_WORDS, lane)
+        cuda.syncthreads()   # every warp's result in shared memory before any warp reads them
+
+    @inlined_device_function
+    def combined(smem, weights, word, lane):
+        """sum_w a_w x_w over the key warps' results, x_w the lane's word ``word`` of warp w's (in the order of
+        the warps: the same bits every call; a warp of weight 0 is not read, so that 0 * NaN cannot count)."""
+        total = float32(0)
+        for w in range(KEY_WARPS):
+            if weights[w] != float32(0):
+                total += weights[w] * u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + word + lane])
+        return total
+
+    @inlined_device_function
+    def write_merged_output(O, LSE, smem, key_warp, lane, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim,
+                            overflowing):
+        """The key warps' results (``share_results``) combined and written, as ``cache.py``'s merge combines
+        splits: with m = max_w m_w and weights a_w = exp2(m_w - m), l = sum_w a_w l_w and O = sum_w a_w O_w
+        (``combined``).  A warp that saw no key of a row (m_w = -inf) weighs 0 there.
+
+        Every warp combines m and l, then the O columns of its own WARP_D_TILES tiles, and writes them; warp 0
+        writes lse.  (Warp 0 alone combining and writing every column took 7% of the kernel's warp samples
+        after its loop, against cuDNN's 1%: ncu, H200, 2026-12-03, ``results/decode_breakdown_h200.md``.)
+        Rows past the queries (decoding's rows g + 8 for up to 8 queries) are neither combined nor written."""
+        weights = cuda.local.array(KEY_WARPS, float32)
+        for r in range(2):
+            if q0 + 8 * r >= n_q:   # no lane's row g + 8 r is a query (the whole warp skips: no shuffle waits)
+                continue
+            m = float32(NEG_INF)
+            for w in range(KEY_WARPS):
+                m = max(m, u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]))
+            shift = m if m != float32(NEG_INF) else float32(0)   # no key in any warp: every weight 0
+            for w in range(KEY_WARPS):
+                weights[w] = exp2(u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]) - shift)
+            l_row = row_sum(combined(smem, weights, r * RESULT_ROW + 32, lane))
+            inv_l = inverse_sum(l_row, overflowing)
+            row = q0 + row0 + 8 * r
+            if row < n_q:
+                for i in range(WARP_D_TILES):
+                    dt = key_warp * WARP_D_TILES + i
+                    if dt < D_TILES:
+                        at = RESULT_O + 4 * dt * 32 + 2 * r * 32   # the lane's words (g + 8 r, 2t) and (.., 2t + 1)
+                        store_pair(O, o_row + row * o_sn, dt * 8 + 2 * t, combined(smem, weights, at, lane) * inv_l,
+                                   combined(smem, weights, at + 32, lane) * inv_l, head_dim)
+                if key_warp == 0 and t == 0:
+                    write_lse(LSE, lse_first + row, m, l_row, overflowing)
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
@@ -437,16 +466,19 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         if SPLIT:
             tile %= q_tiles
         lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
-        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
-                                                             causal_offset, bottom_right, new_keys)
-        overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
         # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
         # rank 0 starts first (``tile_coordinates``).  A block mask's order already says which tile.
         q_tile = q_tiles - 1 - tile if CAUSAL and not HAS_MASK else tile
         q0 = q_tile * BLOCK_M
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(0, uint32)
+        if ASYNC_Q:   # Q_i on its way before the cache's lengths are read (``sequence``), with K/V's first group
+            copy_q_rows(smem, Q_HI, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                             causal_offset, bottom_right, new_keys)
+        overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
         if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
             return
-        tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         key_warp = warp if KEY_WARPS > 1 else 0  # which of the block's key warps (their rows are the same)
         row_warp = 0 if KEY_WARPS > 1 else warp  # which 16 (or 32) of the block's rows the warp owns
@@ -456,7 +488,6 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn   # row 0 of this head's K (and V below)
         v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
-        smem = cuda.shared.array(0, uint32)
 
         # ---- the key tiles this query tile visits (n_tiles) and this warp (key warps: n_tiles of rounds) ----
         if HAS_MASK:  # listed by the host
@@ -468,7 +499,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if CAUSAL:  # no key beyond the last row's diagonal
                 n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
             if SPLIT or KEY_WARPS > 1:  # this warp's share of the key tiles: every turns-th, from tile turn
-                turn, turns = split * KEY_WARPS + key_warp, splits * KEY_WARPS
+                # (Unsplit, turns is a constant: a shift where a run-time count cost two 64-bit divisions.)
+                turn, turns = split * KEY_WARPS + key_warp, (splits if SPLIT else 1) * KEY_WARPS
                 first = turn
                 keys_visited = n_tiles * BLOCK_N
                 rounds = ceil_div(max(0, n_tiles - split * KEY_WARPS), turns)   # warp 0's tiles: the most
@@ -478,7 +510,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
-        if not HAS_MASK or n_tiles > 0:   # a block mask's tile may visit nothing: O = 0, lse = -inf without Q
+        # (A block mask's tile may visit nothing: O = 0, lse = -inf without Q.)
+        if not ASYNC_Q and (not HAS_MASK or n_tiles > 0):
             fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
             commit_q(smem, q_regs, Q_HI, Q_LO, tid)
 
@@ -549,13 +582,16 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                mask_rows, mask_cols, mask_t_r, mask_t_c)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
+        if ASYNC_Q and rounds == 0:   # no round waited for Q_i's copies: none may outlive the block
+            copy_async_wait_all()
+        o_row = split * o_split + b * o_sb + h * o_sh + q_first * o_sn   # row 0 of this head's O (and lse)
+        lse_first = split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)
         if KEY_WARPS > 1:
-            merge_key_warps(smem, acc, m_i, l_i, key_warp, tid % 32)
-            if key_warp != 0:
-                return
-        write_output(O, LSE, acc, m_i, l_i, q0, row0, t, split * o_split + b * o_sb + h * o_sh + q_first * o_sn, o_sn,
-                     split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh), n_q, head_dim,
-                     overflowing)
+            share_results(smem, acc, m_i, l_i, key_warp, tid % 32)
+            write_merged_output(O, LSE, smem, key_warp, tid % 32, q0, row0, t, o_row, o_sn, lse_first, n_q,
+                                head_dim, overflowing)
+        else:
+            write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim, overflowing)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,

@@ -26,7 +26,8 @@ g + 8 r).
   a time, so it costs 4 CHUNK registers, not d / 2.
 * ``store_fragment_row`` (from ``fragment_row_store``): one of a lane's
   rows of its d-wide accumulators, scaled, to device memory: the forward's
-  O_i and the backward's dK, dV and dQ.
+  O_i and the backward's dK, dV and dQ; ``store_pair`` (from ``pair_store``)
+  two neighbouring columns of a row, as it writes them.
 
 For tf32 (k = 8) ``accumulate_product`` renumbers the accumulator's columns
 (2t, 2t + 1) as k-indices t and t + 4 inside each k-step, and reads B with
@@ -265,40 +266,49 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
 
 
 @lru_cache(maxsize=None)
+def pair_store(PRECISION, VEC):
+    """store_pair(X, out, col, x0, x1, head_dim): elements col and col + 1 of the row at X[out] (col even),
+    those below head_dim.  X is flat: float32 elements, or for 16-bit outputs packed pairs (uint32, with VEC:
+    d even, so a pair never straddles head_dim) or single 16-bit words (uint16)."""
+    SIXTEEN = PRECISION != "tf32x3"
+    pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
+
+    @inlined_device_function
+    def store_pair(X, out, col, x0, x1, head_dim):
+        if SIXTEEN:
+            pair = pack(x0, x1)
+            if VEC:  # columns col, col + 1 as one packed pair
+                if col < head_dim:
+                    store_word(X, (out + col) // 2, pair)
+            else:
+                if col < head_dim:
+                    store_word(X, out + col, pair & uint32(0xFFFF))
+                if col + 1 < head_dim:
+                    store_word(X, out + col + 1, pair >> uint32(16))
+        else:
+            if col < head_dim:
+                store_word(X, out + col, x0)
+            if col + 1 < head_dim:
+                store_word(X, out + col + 1, x1)
+
+    return store_pair
+
+
+@lru_cache(maxsize=None)
 def fragment_row_store(D_PAD, PRECISION, VEC):
     """store_fragment_row(X, acc, r, out, head_dim, scale, t) for a warp's accumulator fragments of D_PAD columns.
 
     Writes the lane's row r (rows g + 8 r: r = 0, 1 in fragment 0, 2, 3 in fragment 1, ...), times scale, to
-    X[out + c] for the lane's columns c = 8 dt + 2t, 8 dt + 2t + 1 below head_dim.
-    X is flat: float32 elements, or for 16-bit outputs packed pairs (uint32,
-    with VEC: d even, so a pair never straddles head_dim) or single 16-bit
-    words (uint16).
+    X[out + c] for the lane's columns c = 8 dt + 2t, 8 dt + 2t + 1 below head_dim (``pair_store``'s X).
     """
     D_TILES = D_PAD // 8
-    SIXTEEN = PRECISION != "tf32x3"
-    pack = sixteen_bit_ops(PRECISION)[1] if SIXTEEN else None
+    store_pair = pair_store(PRECISION, VEC)
 
     @inlined_device_function
     def store_fragment_row(X, acc, r, out, head_dim, scale, t):
         fragment, half = r // 2, r % 2
         for dt in range(D_TILES):
-            col = dt * 8 + 2 * t
-            x0 = acc[fragment * D_TILES + dt, 2 * half] * scale
-            x1 = acc[fragment * D_TILES + dt, 2 * half + 1] * scale
-            if SIXTEEN:
-                pair = pack(x0, x1)
-                if VEC:  # columns col, col + 1 as one packed pair
-                    if col < head_dim:
-                        store_word(X, (out + col) // 2, pair)
-                else:
-                    if col < head_dim:
-                        store_word(X, out + col, pair & uint32(0xFFFF))
-                    if col + 1 < head_dim:
-                        store_word(X, out + col + 1, pair >> uint32(16))
-            else:
-                if col < head_dim:
-                    store_word(X, out + col, x0)
-                if col + 1 < head_dim:
-                    store_word(X, out + col + 1, x1)
+            store_pair(X, out, dt * 8 + 2 * t, acc[fragment * D_TILES + dt, 2 * half] * scale,
+                       acc[fragment * D_TILES + dt, 2 * half + 1] * scale, head_dim)
 
     return store_fragment_row
