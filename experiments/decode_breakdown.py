@@ -3,6 +3,7 @@ forward kernel alone, beside torch's cuDNN and flash backends (GPU time, four se
 all in one process).
 
     PYTHONPATH=$PWD python3 experiments/decode_breakdown.py [--case B,H_q,H_kv,N] [--baseline DIR] [--out FILE]
+    PYTHONPATH=$PWD python3 experiments/decode_breakdown.py --lengths 2048,8192,32768 [--baseline DIR]
     ncu --clock-control none --profile-from-start off ... python3 experiments/decode_breakdown.py --profile
 
 The call with lengths on the host copies them to the GPU (a host-to-device copy in the timed region); with
@@ -10,6 +11,8 @@ lengths on the GPU (a torch int32 tensor, as a generation loop keeps them) the c
 kernel alone" launches the call's own plan with its key bounds prepared beforehand: the kernels' share of the
 step.  ``--profile`` runs one step of each (cuDNN, flash, ours with GPU lengths) between
 ``cudaProfilerStart`` and ``cudaProfilerStop``, after a warm-up, for ncu's ``--profile-from-start off``.
+``--lengths``: the step at several cache lengths (the case's N unused) and a line through the times: its slope
+is the rate at which K and V stream, its intercept the fixed cost of a call.
 Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.
 """
 import argparse
@@ -84,6 +87,30 @@ def forward_alone(package, sets, b, n):
     return lambda x: plan.launch(stream, x["q"], x["k"], x["v"], o, lse, *bounds, 0, 0)
 
 
+def fixed_and_streaming(b, h, hk, lengths, packages, repeats):
+    """Lines of a table: cuDNN and each package's decoding step (lengths on the GPU) at each cache length, best
+    of three passes, and a least-squares line through them: its slope is the streaming rate, its intercept
+    the cost every call pays whatever it reads (launch, prologue, epilogue)."""
+    rows, lines = [], ["| N | MB of K, V | torch cuDNN | " + " | ".join(name for name, _ in packages) + " |",
+                       "|---|---|---|" + "---|" * len(packages)]
+    for n in lengths:
+        sets = make_sets(b, h, hk, n)
+        timed = rotating_timer(sets, repeats)
+        calls = [("torch cuDNN", peer(SDPBackend.CUDNN_ATTENTION))] + [(name, steps(package, b, n)[1][1])
+                                                                      for name, package in packages]
+        best = {name: min(timed(call) for _ in range(3)) for name, call in calls}
+        megabytes = 2 * b * hk * n * D * 2 / 1e6
+        rows.append((megabytes, best))
+        lines.append(f"| {n} | {megabytes:.0f} | " + " | ".join(f"{ms:.4f}" for ms in best.values()) + " |")
+        print(lines[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    for name in rows[0][1]:
+        slope, intercept = np.polyfit([mb for mb, _ in rows], [best[name] for _, best in rows], 1)
+        lines.append(f"{name}: {slope * 1e3:.4f} us per MB ({1 / slope:.0f} GB/s), fixed {intercept * 1e3:.2f} us")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="16,32,8,8192", help="B,H_q,H_kv,N (d = 128)")
@@ -91,13 +118,23 @@ def main():
     parser.add_argument("--profile", action="store_true", help="one step of each between profiler start and stop")
     parser.add_argument("--out", default=None, help="markdown file for the table")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--lengths", default=None,
+                        help="N,N,...: time the case's B, H_q, H_kv at these cache lengths and fit fixed + streaming")
     args = parser.parse_args()
     b, h, hk, n = map(int, args.case.split(","))
-    sets = make_sets(b, h, hk, n)
     packages = [("this tree", numba_flash)]
     if args.baseline:
         base = load_baseline(args.baseline)
         packages.append((base.label, base))
+    if args.lengths:
+        text = "\n".join(fixed_and_streaming(b, h, hk, [int(x) for x in args.lengths.split(",")], packages,
+                                             args.repeats))
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return
+    sets = make_sets(b, h, hk, n)
     peers = [("torch cuDNN", peer(SDPBackend.CUDNN_ATTENTION)), ("torch flash", peer(SDPBackend.FLASH_ATTENTION))]
     ours = [(f"{name}: {label}", call) for name, package in packages for label, call in steps(package, b, n)]
 

@@ -13,6 +13,7 @@ The inner loop, one key tile K_j, V_j per iteration::
 
     land_kv          tile j (started last iteration) complete in shared memory, then a barrier
     start_kv         tile j + 1 on its way, in flight while we compute on tile j
+    clear_rows_from  (decoding's first tiles, copied before the entry's length was read) V past its keys to 0
     S = Q K^T        ``rows_by_rows_t``: each warp its 16 (or 32) query rows
     mask_scores      (tiles some query may not fully see) -inf where a query may not see a key
     online_softmax   m_new = c max S, P = exp2(c S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
@@ -103,7 +104,7 @@ from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
-                       flash2_threads, padded_head_dim, swizzled_rows)
+                       flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
                      sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
@@ -199,11 +200,13 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
     KV_CACHE = VARLEN == "cache"
-    # Decoding's Q_i travels by cp.async too, in the first K/V tile's group: its rows need no bound read from
-    # memory, so its copies start before the cache's lengths are read, where its load through registers waited
-    # for them and its store to shared memory held back the first K/V copies (two memory latencies in turn).
-    ASYNC_Q = ASYNC and KV_CACHE
-    copy_q_rows = tile_copier(BLOCK_M, D_PAD, THREADS)[0] if ASYNC_Q else None
+    # Decoding (K/V by cp.async): Q_i travels by cp.async too, in the first K/V round's group, and both start
+    # before the entry's length is read from memory; through registers, Q's load waited for that read and its
+    # store held back the first K/V copies, which needed the length (two memory latencies in turn).
+    EARLY_COPIES = ASYNC and KV_CACHE
+    copy_q_rows = tile_copier(BLOCK_M, D_PAD, THREADS)[0] if EARLY_COPIES else None
+    V_ROW_WORDS, V_ROW_STRIDE = D_PAD // 2, row_stride(D_PAD, True, SWIZZLED)   # (16-bit pairs)
+    CLEAR_PASSES = cdiv(BLOCK_N * V_ROW_WORDS, STREAMERS)   # words per thread when a V tile's rows are cleared
 
     @inlined_device_function
     def key_of(tile_entries, first, x, k_first_tile, tile_step):
@@ -264,6 +267,28 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             sync_warp()
         else:
             cuda.syncthreads()
+
+    @inlined_device_function
+    def tiles_of(n_tiles, split, key_warp, turns):
+        """(this warp's tiles, the block's rounds, the keys the rounds cover) of a query tile that visits
+        ``n_tiles`` key tiles: with splits or key warps, every turns-th from tile split KEY_WARPS + key_warp,
+        warp 0 the most (its count is the rounds')."""
+        if SPLIT or KEY_WARPS > 1:
+            mine = ceil_div(max(0, n_tiles - (split * KEY_WARPS + key_warp)), turns)
+            if KEY_WARPS > 1:
+                return mine, ceil_div(max(0, n_tiles - split * KEY_WARPS), turns), n_tiles * BLOCK_N
+            return mine, mine, 0
+        return n_tiles, n_tiles, 0
+
+    @inlined_device_function
+    def clear_rows_from(smem, at, first_row, cleaner):
+        """Rows first_row .. BLOCK_N - 1 of the 16-bit V tile at word ``at`` to zeros (a swizzle moves chunks
+        within their row only): P is 0 there, and 0 times what a cache holds past its keys may be NaN."""
+        for i in range(CLEAR_PASSES):
+            word = cleaner + i * STREAMERS
+            row = word // V_ROW_WORDS
+            if row >= first_row and row < BLOCK_N:
+                smem[at + row * V_ROW_STRIDE + word % V_ROW_WORDS] = uint32(0)
 
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
@@ -419,7 +444,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                             overflowing):
         """The key warps' results (``share_results``) combined and written, as ``cache.py``'s merge combines
         splits: with m = max_w m_w and weights a_w = exp2(m_w - m), l = sum_w a_w l_w and O = sum_w a_w O_w
-        (``combined``).  A warp that saw no key of a row (m_w = -inf) weighs 0 there.
+        (``combined``).  A warp that saw no key of a row (m_w = -inf, l_w = 0) weighs 0 there, one that saw
+        only NaN scores (m_w = -inf, l_w = NaN) NaN.
 
         Every warp combines m and l, then the O columns of its own WARP_D_TILES tiles, and writes them; warp 0
         writes lse.  (Warp 0 alone combining and writing every column took 7% of the kernel's warp samples
@@ -434,7 +460,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 m = max(m, u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]))
             shift = m if m != float32(NEG_INF) else float32(0)   # no key in any warp: every weight 0
             for w in range(KEY_WARPS):
-                weights[w] = exp2(u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]) - shift)
+                result = K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane   # warp w's m; its l 32 words on
+                m_w, l_w = u32_as_f32(smem[result]), u32_as_f32(smem[result + 32])
+                # m_w = -inf: the warp saw no allowed key (l_w = 0: weight 0), or only NaN scores (a NaN query
+                # row, whose max passes over NaN: l_w = NaN, which must reach the row as one warp's result does).
+                no_key = m_w == float32(NEG_INF) and l_w == float32(0)
+                weights[w] = exp2(m_w - shift) if m_w != float32(NEG_INF) or no_key else float32(math.nan)
             l_row = row_sum(combined(smem, weights, r * RESULT_ROW + 32, lane))
             inv_l = inverse_sum(l_row, overflowing)
             row = q0 + row0 + 8 * r
@@ -471,47 +502,64 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         q_tile = q_tiles - 1 - tile if CAUSAL and not HAS_MASK else tile
         q0 = q_tile * BLOCK_M
         tid = cuda.threadIdx.x
-        smem = cuda.shared.array(0, uint32)
-        if ASYNC_Q:   # Q_i on its way before the cache's lengths are read (``sequence``), with K/V's first group
-            copy_q_rows(smem, Q_HI, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
-        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
-                                                             causal_offset, bottom_right, new_keys)
-        overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
-        if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
-            return
         warp, g, t = warp_lane(tid)
         key_warp = warp if KEY_WARPS > 1 else 0  # which of the block's key warps (their rows are the same)
         row_warp = 0 if KEY_WARPS > 1 else warp  # which 16 (or 32) of the block's rows the warp owns
         own = key_warp * KEY_WARP_WORDS          # words from the block's K/V buffers to this warp's
         cleaner = tid % 32 if KEY_WARPS > 1 else tid   # this thread's rows when a tile's V is cleaned of NaN
         row0 = row_warp * WARP_ROWS + g          # this lane's rows: row0 + 8 r, r < LANE_ROWS
-        k_row = b * k_sb + (h // group) * k_sh + k_first * k_sn   # row 0 of this head's K (and V below)
-        v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
+        k_head = b * k_sb + (h // group) * k_sh  # row 0 of this head's K (and V), before a sequence's first row
+        v_head = b * v_sb + (h // group) * v_sh
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
+        smem = cuda.shared.array(0, uint32)
+        # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
+        k_regs = cuda.local.array((K_ITERS, 4), WORD)
+        v_regs = cuda.local.array((K_ITERS, 4), WORD)
 
-        # ---- the key tiles this query tile visits (n_tiles) and this warp (key warps: n_tiles of rounds) ----
+        # ---- the order of the key tiles (first, tile_step), and for decoding the first copies ----
+        # The splits of a query tile take turns along its keys, so that the blocks streaming one head's cache
+        # read neighbouring tiles at any moment: 1.04x faster decoding than each split reading one contiguous run
+        # (H200, 2026-12-02, ``results/decode_split_order_h200.md``; ``cp_async_stream.py`` shows the same on
+        # copies alone).  Key warps take turns in the same way within the block: warp w of split s visits
+        # every turns-th tile from tile ``first`` = s KEY_WARPS + w (a block mask lists its tiles instead).
+        # (Unsplit, turns is a constant: a shift where a run-time count cost two 64-bit divisions.)
+        turns = (splits if SPLIT else 1) * KEY_WARPS
+        first = split * KEY_WARPS + key_warp
+        tile_step = BLOCK_N * turns               # keys from one visited tile to the next, unmasked
+        k_first_tile = first * BLOCK_N            # the key of the first visited tile, unmasked
+        round_first_key = k_first_tile - key_warp * BLOCK_N   # key warps: warp 0's, whose round the block copies
+        if EARLY_COPIES:
+            # Before the entry's length is read (``sequence``: a load from memory), Q_i and the first AHEAD
+            # rounds start on their way bounded by the cache's rows (n_k, here its N_max): their rows past
+            # the entry's keys are cleared in the loop (``clear_rows_from``).
+            copy_q_rows(smem, Q_HI, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
+            _, capacity, capacity_keys = tiles_of(ceil_div(n_k, BLOCK_N), split, key_warp, turns)
+            for x in range(AHEAD):
+                start_kv(smem, x, k_regs, v_regs, K, V, k_head, v_head, k_sn, v_sn, capacity, tile_entries, first,
+                         round_first_key, tile_step, capacity_keys, n_k, head_dim, tid)
+        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                             causal_offset, bottom_right, new_keys)
+        overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
+        if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
+            return
+        k_row = k_head + k_first * k_sn          # row 0 of this sequence's K (and V)
+        v_row = v_head + k_first * v_sn
+
+        # ---- the key tiles this query tile visits, this warp's (n_tiles) and the block's rounds ----
         if HAS_MASK:  # listed by the host
             first = tile_offsets[bh * (q_tiles + 1) + q_tile]
             n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
+            rounds, keys_visited, k_first_tile, tile_step = n_tiles, 0, 0, BLOCK_N
         else:
-            first = 0
             n_tiles = ceil_div(n_k, BLOCK_N)
             if CAUSAL:  # no key beyond the last row's diagonal
                 n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
-            if SPLIT or KEY_WARPS > 1:  # this warp's share of the key tiles: every turns-th, from tile turn
-                # (Unsplit, turns is a constant: a shift where a run-time count cost two 64-bit divisions.)
-                turn, turns = split * KEY_WARPS + key_warp, (splits if SPLIT else 1) * KEY_WARPS
-                first = turn
-                keys_visited = n_tiles * BLOCK_N
-                rounds = ceil_div(max(0, n_tiles - split * KEY_WARPS), turns)   # warp 0's tiles: the most
-                n_tiles = ceil_div(max(0, n_tiles - turn), turns)
-        if KEY_WARPS == 1:
-            rounds, keys_visited = n_tiles, 0
+            n_tiles, rounds, keys_visited = tiles_of(n_tiles, split, key_warp, turns)
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
         q_regs = cuda.local.array((Q_ITERS, 4), WORD)
         # (A block mask's tile may visit nothing: O = 0, lse = -inf without Q.)
-        if not ASYNC_Q and (not HAS_MASK or n_tiles > 0):
+        if not EARLY_COPIES and (not HAS_MASK or n_tiles > 0):
             fetch_q(q_regs, Q, b * q_sb + h * q_sh + (q_first + q0) * q_sn, q_sn, n_q - q0, head_dim, tid)
             commit_q(smem, q_regs, Q_HI, Q_LO, tid)
 
@@ -520,9 +568,6 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         alpha = cuda.local.array(LANE_ROWS, float32)  # this tile's rescale of O, per row
         acc = cuda.local.array((O_ROWS, 4), float32)
         s = cuda.local.array((S_ROWS, 4), float32)
-        # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
-        k_regs = cuda.local.array((K_ITERS, 4), WORD)
-        v_regs = cuda.local.array((K_ITERS, 4), WORD)
         for r in range(LANE_ROWS):
             m_i[r] = float32(NEG_INF)
             l_i[r] = float32(0)
@@ -530,17 +575,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             for e in range(4):
                 acc[x_row, e] = float32(0)
 
-        k_first_tile = 0 if HAS_MASK else first * BLOCK_N   # the key of the first visited tile, unmasked
-        # Keys from one visited tile to the next, unmasked.  The splits of a query tile take turns along its
-        # keys, so that the blocks streaming one head's cache read neighbouring tiles at any moment: 1.04x
-        # faster decoding than each split reading one contiguous run (H200, 2026-12-02,
-        # ``results/decode_split_order_h200.md``; ``cp_async_stream.py`` shows the same on copies alone).
-        # Key warps take turns in the same way within the block.
-        tile_step = BLOCK_N * splits * KEY_WARPS if SPLIT or KEY_WARPS > 1 else BLOCK_N
-        round_first_key = k_first_tile - key_warp * BLOCK_N   # key warps: warp 0's, whose round the block copies
-        for x in range(AHEAD):
-            start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, rounds, tile_entries, first,
-                     round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
+        if not EARLY_COPIES:
+            for x in range(AHEAD):
+                start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, rounds, tile_entries, first,
+                         round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
 
         for j in range(rounds):
             if HAS_MASK:
@@ -561,6 +599,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                      round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
             if KEY_WARPS > 1 and j >= n_tiles:   # a key warp past its last tile still copies and meets the barriers
                 continue
+            if EARLY_COPIES and j < AHEAD and k0 + BLOCK_N > n_k:   # copied up to the cache's rows: past the keys,
+                clear_rows_from(smem, V_HI + stage, n_k - k0, cleaner)   # V holds what the cache holds there
+                sync_tile()
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
             mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
@@ -582,8 +623,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                mask_rows, mask_cols, mask_t_r, mask_t_c)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
-        if ASYNC_Q and rounds == 0:   # no round waited for Q_i's copies: none may outlive the block
-            copy_async_wait_all()
+        if EARLY_COPIES and rounds < AHEAD:   # rounds copied early that the entry does not have: every thread's
+            copy_async_wait_all()             # copies landed before the block ends, or its warps' results
+            cuda.syncthreads()                # overwrite the buffers (``share_results``)
         o_row = split * o_split + b * o_sb + h * o_sh + q_first * o_sn   # row 0 of this head's O (and lse)
         lse_first = split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)
         if KEY_WARPS > 1:
