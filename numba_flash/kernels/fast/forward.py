@@ -420,13 +420,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     def share_results(smem, acc, m_i, l_i, key_warp, lane):
         """Each key warp's m, l and O fragments, lane by lane, into its own buffers, for every warp to read
         after the block barrier.  The buffers are free once the warp's lanes are past ``sync_warp`` (each read
-        its last tile before; every copy into them landed before the last round's barrier)."""
+        its last tile before; every copy into them landed before the last round's barrier, or, copied early
+        for rounds the entry lacks, before the barrier after the loop)."""
         at = K_HI + key_warp * KEY_WARP_WORDS
         sync_warp()   # every lane of this warp done with its last tile before its result overwrites it
         for r in range(2):
             smem[at + r * RESULT_ROW + lane] = f32_as_u32(m_i[r])
             smem[at + r * RESULT_ROW + 32 + lane] = f32_as_u32(l_i[r])
-        save_fragments(smem, acc, K_HI + key_warp * KEY_WARP_WORDS, lane)
+        save_fragments(smem, acc, at, lane)
         cuda.syncthreads()   # every warp's result in shared memory before any warp reads them
 
     @inlined_device_function
