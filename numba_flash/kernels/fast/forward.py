@@ -550,7 +550,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         if HAS_MASK:  # listed by the host
             first = tile_offsets[bh * (q_tiles + 1) + q_tile]
             n_tiles = tile_offsets[bh * (q_tiles + 1) + q_tile + 1] - first
-            rounds, keys_visited, k_first_tile, tile_step = n_tiles, 0, 0, BLOCK_N
+            rounds, keys_visited = n_tiles, 0
         else:
             n_tiles = ceil_div(n_k, BLOCK_N)
             if CAUSAL:  # no key beyond the last row's diagonal
