@@ -109,8 +109,8 @@ from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
                      sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
-from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, shfl_xor,
-                         store_word, sync_warp, u32_as_f32)
+from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
+                         shfl_xor, store_word, sync_warp, u32_as_f32)
 
 
 @lru_cache(maxsize=None)
@@ -288,7 +288,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             word = cleaner + i * STREAMERS
             row = word // V_ROW_WORDS
             if row >= first_row and row < BLOCK_N:
-                smem[at + row * V_ROW_STRIDE + word % V_ROW_WORDS] = uint32(0)
+                store_word(smem, at + row * V_ROW_STRIDE + word % V_ROW_WORDS, uint32(0))
 
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
@@ -410,7 +410,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         @inlined_device_function
         def save(smem, acc, at, lane):
             for e in range(4):
-                smem[at + RESULT_O + 4 * dt * 32 + e * 32 + lane] = f32_as_u32(acc[dt, e])
+                store_word(smem, at + RESULT_O + 4 * dt * 32 + e * 32 + lane, f32_as_u32(acc[dt, e]))
 
         return save
 
@@ -425,8 +425,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         at = K_HI + key_warp * KEY_WARP_WORDS
         sync_warp()   # every lane of this warp done with its last tile before its result overwrites it
         for r in range(2):
-            smem[at + r * RESULT_ROW + lane] = f32_as_u32(m_i[r])
-            smem[at + r * RESULT_ROW + 32 + lane] = f32_as_u32(l_i[r])
+            store_word(smem, at + r * RESULT_ROW + lane, f32_as_u32(m_i[r]))
+            store_word(smem, at + r * RESULT_ROW + 32 + lane, f32_as_u32(l_i[r]))
         save_fragments(smem, acc, at, lane)
         cuda.syncthreads()   # every warp's result in shared memory before any warp reads them
 
@@ -437,7 +437,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         total = float32(0)
         for w in range(KEY_WARPS):
             if weights[w] != float32(0):
-                total += weights[w] * u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + word + lane])
+                total += weights[w] * u32_as_f32(load_word(smem, K_HI + w * KEY_WARP_WORDS + word + lane))
         return total
 
     @inlined_device_function
@@ -458,11 +458,11 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 continue
             m = float32(NEG_INF)
             for w in range(KEY_WARPS):
-                m = max(m, u32_as_f32(smem[K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane]))
+                m = max(m, u32_as_f32(load_word(smem, K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane)))
             shift = m if m != float32(NEG_INF) else float32(0)   # no key in any warp: every weight 0
             for w in range(KEY_WARPS):
                 result = K_HI + w * KEY_WARP_WORDS + r * RESULT_ROW + lane   # warp w's m; its l 32 words on
-                m_w, l_w = u32_as_f32(smem[result]), u32_as_f32(smem[result + 32])
+                m_w, l_w = u32_as_f32(load_word(smem, result)), u32_as_f32(load_word(smem, result + 32))
                 # m_w = -inf: the warp saw no allowed key (l_w = 0: weight 0), or only NaN scores (a NaN query
                 # row, whose max passes over NaN: l_w = NaN, which must reach the row as one warp's result does).
                 no_key = m_w == float32(NEG_INF) and l_w == float32(0)
@@ -473,7 +473,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if row < n_q:
                 for i in range(WARP_D_TILES):
                     dt = key_warp * WARP_D_TILES + i
-                    if dt < D_TILES:
+                    if D_TILES % KEY_WARPS == 0 or dt < D_TILES:
                         at = RESULT_O + 4 * dt * 32 + 2 * r * 32   # the lane's words (g + 8 r, 2t) and (.., 2t + 1)
                         store_pair(O, o_row + row * o_sn, dt * 8 + 2 * t, combined(smem, weights, at, lane) * inv_l,
                                    combined(smem, weights, at + 32, lane) * inv_l, head_dim)
@@ -655,8 +655,13 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   # the cap: one block per multiprocessor; 128 with 4 bytes of spills under it).
                   # Masks tested per element, dropout and packed sequences need more, and would spill under
                   # the cap (tests/gpu_compile_all.py prints them); a mask of whole tiles compiles like dense.
+                  # Decoding's key warps: one block per multiprocessor (their K/V buffers fill its shared memory),
+                  # all its registers theirs.  (Left alone, ptxas 13 once gave the (16, 32) d = 128 kernel 167 of
+                  # them, when the block coordinates were computed in 32 bits, and P V's mma then waited on each
+                  # other's registers: NOPs between them, K and V streamed 2% slower on the H200, 2026-12-03.)
                   launch_bounds=((THREADS, 2) if (D_PAD <= 64 or ASYNC and D_PAD <= 128)
-                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN) else None))
+                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN)
+                                 else (THREADS, 1) if KEY_WARPS > 1 else None))
 
 
 def forward_launch(call, splits=1, kv_stages=2, key_warps=1):

@@ -277,9 +277,10 @@ def pair_store(PRECISION, VEC):
     def store_pair(X, out, col, x0, x1, head_dim):
         if SIXTEEN:
             pair = pack(x0, x1)
-            if VEC:  # columns col, col + 1 as one packed pair
+            if VEC:  # columns col, col + 1 as one packed pair, word (out + col) / 2 by a shift: out + col is
+                # never negative, and // would round a negative value down (some ten 64-bit instructions a store)
                 if col < head_dim:
-                    store_word(X, (out + col) // 2, pair)
+                    store_word(X, (out + col) >> 1, pair)
             else:
                 if col < head_dim:
                     store_word(X, out + col, pair & uint32(0xFFFF))
