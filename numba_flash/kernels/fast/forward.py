@@ -148,8 +148,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     unpadded and swizzled (``tiling.swizzled_rows``: padded, L2 served 1.5 times the sectors needed).  At the
     end the warps leave their m, l and O in shared memory (``share_results``) and each combines and writes
     a share of the result's columns (``write_merged_output``).  So one block per multiprocessor streams a
-    head's cache with several tiles in flight, and a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so
-    on the H200 (ncu, 2026-12-02: 128 blocks of four warps, 16 x 128 tiles, for (B, H_kv) = (16, 8)).
+    head's cache with several tiles in flight, and a grid of one block per query tile needs no merge kernel:
+    cuDNN's decoding kernel is laid out so on the H200 (ncu, 2026-12-02: 128 blocks of four warps, 16 x 128
+    tiles, for (B, H_kv) = (16, 8)).
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     SIXTEEN = PRECISION != "tf32x3"
