@@ -142,7 +142,7 @@ def kernel_name(base, blocks, d_pad, precision, vec, causal, has_mask, has_dropo
 
 
 @inlined_device_function
-def tile_coordinates(block_id, tiles, heads, rank_major=False):
+def tile_coordinates(block_id, tiles, heads, rank_major=False, narrow=False):
     """A 1-D grid of ``tiles`` blocks per (batch, head) decoded: (tile, head, batch, batch*heads index).
 
     Usually the tiles of one head are neighbours: neighbouring blocks work on
@@ -155,7 +155,25 @@ def tile_coordinates(block_id, tiles, heads, rank_major=False):
     work is done (a list-scheduling model of 264 block slots puts the cost
     at 12-15% of a causal forward: experiments/results/causal_schedule.md).
     The grid is limited only by gridDim.x (2^31 - 1), not by gridDim.y's 65535.
+
+    ``narrow`` (decoding): in unsigned 32-bit arithmetic, where Python's floor division of int64 costs a branch,
+    a call for wide operands and sign fixes per division, and decoding's one block per multiprocessor waits for
+    them before its first copy.  With the kv head's division narrowed too (``forward.py``), a decoding block's
+    first copy comes after 192 SASS instructions instead of 460, and a call's fixed cost fell from 7.92 to
+    7.50 us on the H200 (results/decode_breakdown_h200.md, session 24).  Not everywhere: NVVM 13 fails to
+    compile seven block-sparse and varlen kernels with it (ERROR_COMPILATION).
     """
+    if narrow:
+        block, tiles, heads = uint32(block_id), uint32(tiles), uint32(heads)
+        if rank_major:
+            batch_heads = uint32(cuda.gridDim.x) // tiles
+            tile = block // batch_heads
+            bh = block - tile * batch_heads
+        else:
+            bh = block // tiles
+            tile = block - bh * tiles
+        b = bh // heads
+        return int64(tile), int64(bh - b * heads), int64(b), int64(bh)
     if rank_major:
         batch_heads = cuda.gridDim.x // tiles
         tile = block_id // batch_heads

@@ -98,7 +98,7 @@ import math
 from functools import lru_cache, partial
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ...runtime.arrays import Strides
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
@@ -494,7 +494,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         if HAS_MASK:
             tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
         else:
-            tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL)
+            tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL,
+                                              KV_CACHE)
         split = tile // q_tiles if SPLIT else 0
         if SPLIT:
             tile %= q_tiles
@@ -510,8 +511,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         own = key_warp * KEY_WARP_WORDS          # words from the block's K/V buffers to this warp's
         cleaner = tid % 32 if KEY_WARPS > 1 else tid   # this thread's rows when a tile's V is cleaned of NaN
         row0 = row_warp * WARP_ROWS + g          # this lane's rows: row0 + 8 r, r < LANE_ROWS
-        k_head = b * k_sb + (h // group) * k_sh  # row 0 of this head's K (and V), before a sequence's first row
-        v_head = b * v_sb + (h // group) * v_sh
+        kv_h = int64(uint32(h) // uint32(group)) if KV_CACHE else h // group   # as ``tile_coordinates``' narrow
+        k_head = b * k_sb + kv_h * k_sh          # row 0 of this head's K (and V), before a sequence's first row
+        v_head = b * v_sb + kv_h * v_sh
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
