@@ -243,8 +243,8 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         bottom-right, as flash-attn), j <= i + L_b - N_q for query i.
     scale, block_sizes, return_lse
         As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs,
-        and is wider along the keys where its blocks fill the GPU without splits
-        (``tiling.decode_streamed_block_sizes``).
+        and is wider along the keys where a block's warps take turns along them, or its blocks fill the GPU
+        without splits (``tiling.decode_streamed_block_sizes``).
     num_splits : int
         Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
         flash-attn's ``num_splits``); 0 (default) chooses from the grid and the GPU (``decode_splits``).
@@ -510,22 +510,18 @@ class _CachePlan(_Plan):
         # flash-decoding: with few query tiles, blocks (and the warps of a block) share each tile's keys, and a
         # merge combines the blocks' results.
         stages, self.key_warps = check_decode_layout(call, kv_stages, key_warps)
-        block_m, block_n = call.block_sizes
-        key_tiles = cdiv(call.n_k, block_n)
-        self.splits = (min(num_splits, cdiv(key_tiles, self.key_warps)) if num_splits else
-                       decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles,
-                                     device_limits().multiprocessors, self.key_warps))
-        if block_sizes is None and self.splits == 1 and streamed(call) and not device_limits().simulated:
-            # Blocks that fill the GPU alone stream the keys in wider tiles (tiling.DECODE_STREAMED_KEYS: faster
-            # there, slower with splits), where the buffers of the layout chosen above still fit.
+        if block_sizes is None and streamed(call) and not device_limits().simulated:
+            # Key warps stream the keys in wider tiles (tiling.DECODE_STREAMED_KEYS), where the buffers of the
+            # layout chosen above still fit; one-warp blocks too where they fill the GPU without splits.
             wide = replace(call, block_sizes=decode_streamed_block_sizes(call.block_sizes, call.head_dim,
                                                                          call.precision))
             try:
                 fits = check_decode_layout(wide, kv_stages, key_warps) == (stages, self.key_warps)
             except ValueError:   # the kv_stages / key_warps asked for fit the library's narrower tile only
                 fits = False
-            if fits:
+            if fits and (self.key_warps > 1 or self._splits(wide, num_splits) == 1):
                 call = self.call = wide
+        self.splits = self._splits(call, num_splits)
         self.launch = forward_launch(call, self.splits, stages, self.key_warps)
         self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
@@ -537,6 +533,16 @@ class _CachePlan(_Plan):
                                                operand_strides(new_name, new, "flash2"), self.call.dtype)
                                  for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
                                                                     ("v_cache", v_cache, "v_new", v_new)))
+
+    def _splits(self, call, num_splits):
+        """Blocks per query tile sharing its keys: ``num_splits`` (capped so that every warp of every split has a
+        key tile), or the library's choice (``decode_splits``)."""
+        block_m, block_n = call.block_sizes
+        key_tiles = cdiv(call.n_k, block_n)
+        if num_splits:
+            return min(num_splits, cdiv(key_tiles, self.key_warps))
+        return decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles, device_limits().multiprocessors,
+                             self.key_warps)
 
     def __call__(self, arrays, cache_seqlens, lengths, return_lse):
         """The call; ``lengths``: the checked keys per entry after the append, or None for lengths that stay on

@@ -12,6 +12,7 @@ import reference
 from strategies import SIZES, VARLEN_DTYPES, arrays, block_sizes, dtype_name, head_dims
 from tolerances import assert_close_to_reference
 
+from numba_flash.kernels.fast.cache import decode_splits
 from numba_flash.runtime.device import device_limits
 from numba_flash.tiling import DECODE_STREAMED_KEYS, PRECISION, cdiv, decode_default_block_sizes
 
@@ -185,12 +186,13 @@ def test_key_warps_keep_swizzled_rows_at_head_dims_of_64(causal):
 
 
 @pytest.mark.parametrize("n_max", [100, 8])
-def test_blocks_that_fill_the_gpu_alone_stream_wider_key_tiles(monkeypatch, n_max):
-    # On a GPU whose blocks need no split (here a GPU of one multiprocessor), the library's tiles for one
-    # warp's rows widen to tiling.DECODE_STREAMED_KEYS keys (16-bit, d <= 128); float32 (tiles through
-    # registers) and calls that split the keys keep theirs (a split asked of a one-tile cache does not
-    # happen).  The widened kernel runs (in the simulator) and matches the reference, also with a cache
-    # shorter than one tile.  d = 128: the narrow tile is 16 keys on the GPU too.
+def test_key_warps_and_unsplit_blocks_stream_wider_key_tiles(monkeypatch, n_max):
+    # On a GPU (here one of one multiprocessor, whose blocks need no split unless asked), the library's tiles
+    # for one warp's rows widen to tiling.DECODE_STREAMED_KEYS keys (16-bit, d <= 128) where the block's warps
+    # take turns along the keys, split or not, and where one-warp blocks need no split; float32 (tiles through
+    # registers) keeps its own.  A split asked of a cache of at most one turn of tiles does not happen.  The
+    # widened kernel runs (in the simulator) and matches the reference, also with a cache shorter than one
+    # tile.  d = 128: the narrow tile is 16 keys on the GPU too.
     d = 128
     one_multiprocessor = replace(device_limits(), simulated=False, multiprocessors=1)
     monkeypatch.setattr(numba_flash.api, "device_limits", lambda: one_multiprocessor)
@@ -205,14 +207,26 @@ def test_blocks_that_fill_the_gpu_alone_stream_wider_key_tiles(monkeypatch, n_ma
                                                        return_lse=True)
         plan = list(plans.values())[-1]
         narrow = decode_default_block_sizes(4, d, PRECISION[np.dtype(dtype).name])
-        # Two splits where the key warps have more than one turn of narrow tiles (8 keys: one tile, no split).
-        assert plan.splits == (2 if splits and cdiv(n_max, narrow[1]) > plan.key_warps else 1)
-        wide = plan.splits == 1 and dtype != np.float32
-        assert plan.call.block_sizes == (narrow[0], DECODE_STREAMED_KEYS if wide else narrow[1])
+        wide = dtype != np.float32 and (plan.key_warps > 1 or plan.splits == 1)
+        block_n = DECODE_STREAMED_KEYS if wide else narrow[1]
+        assert plan.call.block_sizes == (narrow[0], block_n)
+        # Two splits where the key warps have more than one turn of tiles (8 keys: one tile, no split).
+        assert plan.splits == (2 if splits and cdiv(n_max, block_n) > plan.key_warps else 1)
         for b, length in enumerate(seqlens):
             k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
             ref_out, ref_lse = reference.attention(q[b], k, v)
             assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, d ** -0.5, dtype)
+
+
+def test_the_default_split_fills_one_wave():
+    # Blocks of key warps: one per multiprocessor (132 on an H200: (B, H_kv) = (1, 8) gets 16 splits, (16, 8)
+    # none); one-warp blocks: six per multiprocessor; never more splits than leave each warp a tile, nor 32.
+    assert decode_splits(8, 512, 132, key_warps=4) == 16
+    assert decode_splits(32, 2048, 132, key_warps=4) == 4
+    assert decode_splits(128, 512, 132, key_warps=4) == decode_splits(200, 512, 132, key_warps=4) == 1
+    assert decode_splits(8, 40, 132, key_warps=4) == 10
+    assert decode_splits(128, 512, 132) == 6
+    assert decode_splits(8, 512, 132) == 32
 
 
 @pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)

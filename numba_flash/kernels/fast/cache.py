@@ -12,7 +12,7 @@
   splits each query tile's keys between ``splits`` thread blocks
   (``forward.py``, SPLIT), each leaving its O_s (normalised by its own l_s)
   and lse_s.  Then lse = log sum_s exp(lse_s) and O = sum_s exp(lse_s - lse)
-  O_s: one thread block per output row, its threads along d.  A split that
+  O_s: one thread block per output row, its threads along d (``make_merge``).  A split that
   saw no key has lse_s = -inf and weighs nothing; a row that saw none at all
   gets O = 0, lse = -inf, as everywhere; NaN (an overflowing entry's) stays NaN.
 """
@@ -26,6 +26,7 @@ from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
 from .common import NEG_INF, entry_fits, operand_extent
 from .fragments import sixteen_bit_ops
+from .primitives import load_word, shfl_xor
 
 #: Threads per block of the append kernel (along d; d <= 256).
 APPEND_THREADS = 64
@@ -79,48 +80,92 @@ def output_element(PRECISION):
 
 
 #: Threads per block of the merge kernel (along d).
-MERGE_THREADS = 64
+MERGE_THREADS = 128
+#: Splits whose partial O a thread of the merge has in flight at once (read one per loop step, each load was
+#: waited for before the next: 24 L2 latencies per row at (B, H_q, H_kv) = (1, 32, 8), 24 splits).
+MERGE_GROUP = 16
 
 
 @lru_cache(maxsize=None)
 def make_merge(PRECISION):
-    """The merge kernel writing O in ``PRECISION``'s type (float32 words, or 16-bit words for f16 / bf16)."""
+    """The merge kernel writing O in ``PRECISION``'s type (float32 words, or 16-bit words for f16 / bf16).
+
+    One block per row.  Warp 0 reads the splits' lse (lane s: splits s, s + 32, ...), reduces the max by
+    shuffles, and leaves each split's weight exp(lse_s - m) in shared memory, then their sum; after the block
+    barrier every thread sums its columns of O over the splits, MERGE_GROUP splits' loads at a time.  A NaN
+    lse (an overflowing entry's, or a split that met a NaN) makes its weight NaN whatever the max made of it,
+    and so the row's sum, O and lse."""
     as_output, element = output_element(PRECISION)
+
+    @inlined_device_function
+    def warp_max(value):
+        for lane_mask in (16, 8, 4, 2, 1):
+            value = max(value, shfl_xor(value, lane_mask))
+        return value
+
+    @inlined_device_function
+    def warp_sum(value):
+        for lane_mask in (16, 8, 4, 2, 1):
+            value += shfl_xor(value, lane_mask)
+        return value
 
     def kernel(PARTIAL_O, PARTIAL_LSE, O, LSE, splits, rows, d_pad, head_dim):
         row = cuda.blockIdx.x
-        m = float32(NEG_INF)
-        for split in range(splits):
-            m = max(m, PARTIAL_LSE[split * rows + row])
-        shift = m if m != float32(NEG_INF) else float32(0)   # no key anywhere: every weight exp(-inf) = 0
-        total = float32(0)
-        for split in range(splits):
-            total += math.exp(PARTIAL_LSE[split * rows + row] - shift)
+        tid = cuda.threadIdx.x
+        # Each split's weight, 0 up to a whole number of groups (``padded``), then their sum and m.
+        padded = (splits + MERGE_GROUP - 1) // MERGE_GROUP * MERGE_GROUP
+        weights = cuda.shared.array(0, float32)
+        if tid < 32:
+            m = float32(NEG_INF)
+            for split in range(tid, splits, 32):
+                m = max(m, PARTIAL_LSE[split * rows + row])
+            m = warp_max(m)
+            shift = m if m != float32(NEG_INF) else float32(0)   # no key anywhere: every weight exp(-inf) = 0
+            total = float32(0)
+            for split in range(tid, padded, 32):
+                weight = math.exp(PARTIAL_LSE[split * rows + row] - shift) if split < splits else float32(0)
+                weights[split] = weight
+                total += weight
+            total = warp_sum(total)
+            if tid == 0:
+                weights[padded] = total
+                weights[padded + 1] = shift
+        cuda.syncthreads()
+        total = weights[padded]
         inverse = float32(1) / total if total != float32(0) else float32(0)
-        for x in range(cuda.threadIdx.x, head_dim, MERGE_THREADS):
+        values = cuda.local.array(MERGE_GROUP, float32)   # constant indices only: registers
+        split_words = rows * d_pad                          # from one split's partial O to the next's
+        for x in range(tid, head_dim, MERGE_THREADS):
             acc = float32(0)
-            for split in range(splits):
-                weight = math.exp(PARTIAL_LSE[split * rows + row] - shift)
-                if weight != float32(0):   # an empty split's O is 0, but 0 * NaN must not reach the row
-                    acc += weight * PARTIAL_O[(split * rows + row) * d_pad + x]
+            for first in range(0, splits, MERGE_GROUP):
+                for i in range(MERGE_GROUP):   # the group's loads first, with no branch: in flight together
+                    split = min(first + i, splits - 1)   # past the last split: its value again, weighed 0
+                    values[i] = load_word(PARTIAL_O, split * split_words + row * d_pad + x)
+                for i in range(MERGE_GROUP):
+                    weight = weights[first + i]
+                    # an empty split's O is 0, but 0 * NaN must not reach the row
+                    acc += weight * values[i] if weight != float32(0) else float32(0)
             O[row * head_dim + x] = as_output(acc * inverse)
-        if cuda.threadIdx.x == 0:
-            LSE[row] = shift + math.log(total) if total != float32(0) else float32(NEG_INF)
+        if tid == 0:
+            LSE[row] = weights[padded + 1] + math.log(total) if total != float32(0) else float32(NEG_INF)
 
+    # The launch bound lets ptxas spend registers on a group's loads: left alone (it aims at full occupancy,
+    # 36 registers) it issued each load after the last one's product, one L2 latency per split in turn.
     return Kernel(kernel, f"merge_splits_{PRECISION}",
-                  arrays=dict(PARTIAL_O=np.float32, PARTIAL_LSE=np.float32, O=element, LSE=np.float32))
+                  arrays=dict(PARTIAL_O=np.float32, PARTIAL_LSE=np.float32, O=element, LSE=np.float32),
+                  launch_bounds=(MERGE_THREADS, 4))
 
 
 def merge_launch(rows, splits, d_pad, head_dim, precision):
     """A ``Launch`` of the merge kernel; per call: (PARTIAL_O, PARTIAL_LSE, O, LSE), O and LSE C-contiguous
     (rows, head_dim) and (rows,)."""
-    return Launch(make_merge(precision), rows, MERGE_THREADS, 0,
+    return Launch(make_merge(precision), rows, MERGE_THREADS, 4 * (cdiv(splits, MERGE_GROUP) * MERGE_GROUP + 2),
                   dict(splits=splits, rows=rows, d_pad=d_pad, head_dim=head_dim),
                   ("PARTIAL_O", "PARTIAL_LSE", "O", "LSE"),
                   dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
 
 
-#: Warps per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at
+#: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at
 #: (B, H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``results/decode_h200.md``), one-warp blocks of
 #: (16, 16) tiles: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and more
 #: 0.165-0.174; the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30,
@@ -129,10 +174,18 @@ SPLIT_WARPS_PER_MULTIPROCESSOR = 6
 
 
 def decode_splits(blocks, key_tiles, multiprocessors, key_warps=1, most=32):
-    """How many blocks should share a query tile's keys: as many as fill one wave of
-    ``SPLIT_WARPS_PER_MULTIPROCESSOR`` warps per multiprocessor (blocks of ``key_warps`` warps) without starting
-    a second, no more than leave every warp a key tile, at most ``most``."""
-    fitting = SPLIT_WARPS_PER_MULTIPROCESSOR * multiprocessors // (max(1, blocks) * key_warps)
+    """How many blocks should share a query tile's keys: as many as fill one wave without starting a second,
+    no more than leave every warp a key tile, at most ``most``.  A wave: one block per multiprocessor where the
+    blocks' warps take turns along the keys (``key_warps`` > 1: a block's buffers hold most of a
+    multiprocessor's shared memory, and unsplit calls run so), else ``SPLIT_WARPS_PER_MULTIPROCESSOR`` one-warp
+    blocks.  On the H200 (float16, d = 128, (16, 32) tiles, lengths on the GPU, 2026-12-03,
+    ``results/decode_breakdown_h200.md``), one block per multiprocessor against the six warps per multiprocessor
+    that key-warp blocks once shared with one-warp blocks (and their (16, 16) tiles): (B, H_q, H_kv, N) =
+    (1, 32, 8, 8192) 16 splits 0.0189 ms against 24 splits' 0.0197 (cuDNN 0.0187), (4, 32, 8, 32768) 4 splits
+    0.1277 against 6 splits' 0.1402 (cuDNN 0.1271), (2, 32, 8, 4096) 8 splits 0.0186 against 12 splits' 0.0196
+    (cuDNN 0.0180)."""
+    per_wave = multiprocessors if key_warps > 1 else SPLIT_WARPS_PER_MULTIPROCESSOR * multiprocessors
+    fitting = per_wave // max(1, blocks)
     return max(1, min(most, cdiv(key_tiles, key_warps), fitting))
 
 
