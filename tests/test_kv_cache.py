@@ -218,6 +218,35 @@ def test_key_warps_and_unsplit_blocks_stream_wider_key_tiles(monkeypatch, n_max)
             assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, d ** -0.5, dtype)
 
 
+@cache_dtypes
+def test_the_merge_combines_more_splits_than_one_group_of_loads(dtype):
+    # 19 splits of 16-key tiles (num_splits 20, capped by the 300-key cache's 19 tiles): the merge reads them in
+    # groups of cache.MERGE_GROUP (16), the second group padded with weights of 0.  Entry 1 holds 40 keys, so
+    # that its splits 3-18 saw nothing (lse -inf, weight 0); then a NaN key in entry 0 reaches its rows whole
+    # (the split that saw it has a NaN lse, so a NaN weight) and no other entry's.
+    rng = np.random.default_rng(19)
+    q = rng.standard_normal((2, 2, 1, 16)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((2, 1, 300, 16)).astype(dtype) for _ in range(2))
+    seqlens = np.array([300, 40], np.int32)
+
+    def decode(k):
+        return numba_flash.attention_with_kv_cache(q, k, v_cache, seqlens, block_sizes=(16, 16), num_splits=20,
+                                                   key_warps=1, return_lse=True)
+
+    out, lse = decode(k_cache)
+    assert list(numba_flash.api._PLANS.values())[-1].splits == 19
+    for b, length in enumerate(seqlens):
+        k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
+        ref_out, ref_lse = reference.attention(q[b], k, v)
+        assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, dtype)
+    poisoned = k_cache.copy()
+    poisoned[0, 0, 250, 3] = np.nan
+    nan_out, nan_lse = decode(poisoned)
+    assert np.isnan(nan_out[0].astype(np.float32)).all() and np.isnan(nan_lse[0]).all()
+    np.testing.assert_array_equal(nan_out[1], out[1])
+    np.testing.assert_array_equal(nan_lse[1], lse[1])
+
+
 def test_the_default_split_fills_one_wave():
     # Blocks of key warps: one per multiprocessor (132 on an H200: (B, H_kv) = (1, 8) gets 16 splits, (16, 8)
     # none); one-warp blocks: six per multiprocessor; never more splits than leave each warp a tile, nor 32.
