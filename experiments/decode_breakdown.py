@@ -69,11 +69,11 @@ def steps(package, b, n):
 
 def forward_alone(package, sets, b, n):
     """A call of the plan's forward launch alone on set x (its key bounds, o and lse made beforehand), or None
-    where the plan has a merge (then the kernels' share is not one launch)."""
+    where the plan splits the keys (then the launch needs partial results and a merge)."""
     api = package.api
     package.attention_with_kv_cache(sets[0]["q"], sets[0]["k"], sets[0]["v"], np.full(b, n, np.int32))
     plan = next(p for p in reversed(list(api._PLANS.values())) if type(p).__name__ == "_CachePlan")
-    if plan.merge is not None:
+    if plan.splits > 1:
         return None
     o = torch.empty_like(sets[0]["q"])
     lse = torch.empty(sets[0]["q"].shape[:-1], dtype=torch.float32, device="cuda")

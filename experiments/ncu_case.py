@@ -11,8 +11,8 @@ the Hopper forward (``algorithm="wgmma"``; kernel names start with ``wgmma``), w
 itself on a Hopper GPU in its scope.
 
 ``--decode``: one decoding step instead (``attention_with_kv_cache``, one query per head against a full
-cache; the shape is then (B, H_q, N_cache, D) with ``--kv-heads`` key/value heads), whose kernels are the
-forward, and the merge when the keys are split (smaller grids): with ``--kernel-name regex:flash2
+cache; the shape is then (B, H_q, N_cache, D) with ``--kv-heads`` key/value heads), one kernel: the
+forward (whose last blocks merge split keys, with smaller grids): with ``--kernel-name regex:flash2
 --launch-skip 1 --launch-count 1`` ncu profiles the second call's forward.  ``decode_breakdown.py --profile``
 profiles a step of torch's backends beside ours (``results/decode_breakdown_h200.md``).
 """

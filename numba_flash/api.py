@@ -22,7 +22,7 @@ from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_a
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
-from .kernels.fast.cache import append_launch, decode_splits, merge_launch
+from .kernels.fast.cache import append_launch, decode_splits
 from .kernels.fast.forward import forward_launch
 from .kernels.hopper import forward as hopper
 from .kernels.literal.flash1_backward import flash1_backward
@@ -525,8 +525,9 @@ class _CachePlan(_Plan):
         self.launch = forward_launch(call, self.splits, stages, self.key_warps)
         self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
-        self.merge = (merge_launch(self.rows, self.splits, self.d_pad, call.head_dim, call.precision)
-                      if self.splits > 1 else None)
+        # With splits, each query tile's blocks count their arrivals (the last merges): counts per stream, so
+        # that calls queued on different streams never share them (``cache.last_to_arrive``).
+        self.arrivals = {}
         self.appends = None
         if k_new is not None and self.call.on_device:
             self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
@@ -543,6 +544,19 @@ class _CachePlan(_Plan):
             return min(num_splits, cdiv(key_tiles, self.key_warps))
         return decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles, device_limits().multiprocessors,
                              self.key_warps)
+
+    def arrival_counts(self, stream):
+        """The split blocks' arrival counts for calls on ``stream`` (int32, which the kernel reads as uint32):
+        zeros made once, which every call leaves at zero.  While torch captures a CUDA graph, new zeros each
+        call (the graph zeroes them on every replay), so that graphs replayed side by side on different streams
+        share no counts."""
+        if self.call.kind == "torch" and _arrays.capturing():
+            return _arrays.zeros("torch", self.launch.extents["ARRIVALS"], "int32", stream, self.device)
+        counts = self.arrivals.get(stream)
+        if counts is None:
+            counts = self.arrivals[stream] = _arrays.zeros(self.result_kind, self.launch.extents["ARRIVALS"], "int32",
+                                                           stream, self.device)
+        return counts
 
     def __call__(self, arrays, cache_seqlens, lengths, return_lse):
         """The call; ``lengths``: the checked keys per entry after the append, or None for lengths that stay on
@@ -565,13 +579,13 @@ class _CachePlan(_Plan):
                 append(stream, cache, fresh, seqlens)
         o = self.empty(self.user_shape, call.dtype, stream)     # the kernels' q view has q's C order
         lse = self.empty(self.user_shape[:-1], "float32", stream)
-        if self.merge is None:
+        if self.splits == 1:
             self.launch(stream, q, k_cache, v_cache, o, lse, seqlens, 0, 0)
         else:
             partial_o = self.empty((self.splits, self.rows, self.d_pad), "float32", stream)
             partial_lse = self.empty((self.splits, self.rows), "float32", stream)
-            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, seqlens, 0, 0)
-            self.merge(stream, partial_o, partial_lse, o, lse)
+            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, seqlens, o, lse,
+                        self.arrival_counts(stream), 0, 0)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o
 

@@ -190,8 +190,8 @@ def merge_by_lse(out, lse, partial_out, partial_lse):
     -inf saw no key and weighs nothing; both -inf leaves O = 0, lse = -inf.
     NaN in an lse makes its row NaN.
 
-    The rule of flash-decoding's merge kernel (``kernels/fast/cache.py``,
-    ``make_merge``), written again in torch because that kernel takes every
+    The rule of flash-decoding's merge (``kernels/fast/cache.py``,
+    ``tile_merger``), written again in torch because that merge reads every
     split stacked in one (splits, rows, d) float32 buffer: the ring would
     copy both sides into one at every step, and the zigzag steps merge every
     other half of each head's rows.  One difference: the kernel leaves out a

@@ -36,7 +36,7 @@ dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability
 # Sizes that depend on the device's limits (flash2's K/V buffers) take the H200's.
 numba_flash.tiling.device_limits = lambda: numba_flash.runtime.device.SIMULATED_DEVICE
 from numba_flash.kernels.fast.backward import make_dkdv, make_dq, make_preprocess  # noqa: E402
-from numba_flash.kernels.fast.cache import make_append, make_merge  # noqa: E402
+from numba_flash.kernels.fast.cache import make_append  # noqa: E402
 from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
@@ -98,7 +98,8 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
 
 def decode(precision, head_dim):
     """Decoding from a KV cache at its default tiles (one query, and 40): the forward over per-entry lengths,
-    its split-keys form (with the NaN of entries whose lengths, left on the GPU, do not fit), the merge."""
+    its split-keys form (with the NaN of entries whose lengths, left on the GPU, do not fit, and the merge by the
+    last split of each tile)."""
     for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
         fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
                           False, "cache", split))
@@ -106,7 +107,6 @@ def decode(precision, head_dim):
         for causal, split in itertools.product((False, True), (False, True)):
             tiles = decode_streamed_block_sizes(decode_block_sizes(1, head_dim, precision), head_dim, precision)
             fast(make_forward(*tiles, head_dim, precision, True, causal, False, False, "cache", split, KEY_WARPS=4))
-    fast(make_merge(precision))
 
 
 def main(argv):

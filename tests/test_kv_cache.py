@@ -220,13 +220,16 @@ def test_key_warps_and_unsplit_blocks_stream_wider_key_tiles(monkeypatch, n_max)
 
 @cache_dtypes
 def test_the_merge_combines_more_splits_than_one_group_of_loads(dtype):
-    # 19 splits of 16-key tiles (num_splits 20, capped by the 300-key cache's 19 tiles): the merge reads them in
-    # groups of cache.MERGE_GROUP (16), the second group padded with weights of 0.  Entry 1 holds 40 keys, so
-    # that its splits 3-18 saw nothing (lse -inf, weight 0); then a NaN key in entry 0 reaches its rows whole
-    # (the split that saw it has a NaN lse, so a NaN weight) and no other entry's.
+    # 19 splits of 16-key tiles (num_splits 20, capped by the 300-key cache's 19 tiles; split s sees tile s):
+    # the merge reads them in groups of cache.MERGE_GROUP (16), the second group padded with weights of 0.
+    # Key 290 of entry 0 (split 18's) points along both query heads: its split's lse is the largest, so the
+    # second group rescales what the first one summed.  Entry 1 holds 40 keys, so that its splits 3-18 saw
+    # nothing (lse -inf, weight 0); then a NaN key in entry 0 reaches its rows whole (the split that saw it
+    # has a NaN lse, so a NaN weight) and no other entry's.
     rng = np.random.default_rng(19)
     q = rng.standard_normal((2, 2, 1, 16)).astype(dtype)
     k_cache, v_cache = (rng.standard_normal((2, 1, 300, 16)).astype(dtype) for _ in range(2))
+    k_cache[0, 0, 290] = (2 * (q[0, 0, 0].astype(np.float32) + q[0, 1, 0].astype(np.float32))).astype(dtype)
     seqlens = np.array([300, 40], np.int32)
 
     def decode(k):
@@ -404,3 +407,44 @@ def test_lengths_on_the_gpu_of_another_kind_than_q_are_rejected(no_launch):
     q, cache = (torch.zeros(shape, device="cuda") for shape in ((2, 4, 1, 8), (2, 2, 10, 8)))
     with pytest.raises(TypeError, match="cache_seqlens on the GPU must be a torch array like q"):
         numba_flash.attention_with_kv_cache(q, cache, cache, cuda.to_device(np.array([3, 4], np.int32)))
+
+
+@pytest.mark.gpu_only
+def test_split_decoding_on_two_streams_at_once_and_in_a_cuda_graph():
+    # The last split of each query tile merges (cache.last_to_arrive): its arrival counts are per stream, and
+    # new zeros in a captured graph.  Steps queued on two streams at once, and a graph replayed between eager
+    # steps of the same plan, give the eager step's bits (the splits are summed in their order, whichever
+    # finished last).
+    import torch
+
+    torch.manual_seed(5)
+    q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 4096, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([4000], dtype=torch.int32, device="cuda")
+
+    def step(x):
+        return numba_flash.attention_with_kv_cache(x, k, v, lengths, num_splits=8)
+
+    want = step(q)
+    assert list(numba_flash.api._PLANS.values())[-1].splits == 8
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    for i in range(40):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(step(q))
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    for out in outs:
+        assert torch.equal(out, want)
+
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step(static_q)
+    for _ in range(3):
+        graph.replay()
+        eager = step(q)
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, want) and torch.equal(eager, want)

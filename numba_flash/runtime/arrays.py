@@ -424,6 +424,22 @@ def empty(kind, shape, dtype, stream, device=0):
     return _POOL.empty(shape, np_dtype, stream)
 
 
+def zeros(kind, shape, dtype, stream, device=0):
+    """``empty``'s result, zeroed in order on ``stream`` (torch's: its current stream, the one torch calls
+    launch on)."""
+    if kind == "torch":
+        return _torch.zeros(shape, dtype=_TORCH_BY_NAME[str(dtype)], device=_torch_device(device))
+    host = np.zeros(shape, np.dtype(dtype))
+    if in_simulator():
+        return cuda.to_device(host)
+    return cuda.to_device(host, stream=numba_stream(stream) or cuda.default_stream())
+
+
+def capturing():
+    """Whether torch is capturing a CUDA graph on its current stream."""
+    return _torch is not None and _torch.cuda.is_current_stream_capturing()
+
+
 @functools.lru_cache(maxsize=None)
 def _torch_device(index):
     return _torch.device("cuda", index)

@@ -12,9 +12,15 @@
   splits each query tile's keys between ``splits`` thread blocks
   (``forward.py``, SPLIT), each leaving its O_s (normalised by its own l_s)
   and lse_s.  Then lse = log sum_s exp(lse_s) and O = sum_s exp(lse_s - lse)
-  O_s: one thread block per output row, its threads along d (``make_merge``).  A split that
-  saw no key has lse_s = -inf and weighs nothing; a row that saw none at all
-  gets O = 0, lse = -inf, as everywhere; NaN (an overflowing entry's) stays NaN.
+  O_s, computed by the last of the tile's blocks to finish
+  (``last_to_arrive``, ``tile_merger``), in the same launch: a merge kernel
+  of its own took 2.8-3.1 us of GPU time a step on the H200, and a step is
+  1.3-1.6 us shorter without it (1.07-1.12x at batches of 1 and 2;
+  ``results/decode_breakdown_h200.md``, session 25).
+  A split that saw no key has lse_s = -inf and weighs nothing; a row that saw
+  none at all gets O = 0, lse = -inf, as everywhere; NaN (an overflowing
+  entry's) stays NaN.  The splits are summed in their order, whichever
+  finished last: the same bits every call.
 """
 import math
 from functools import lru_cache
@@ -26,7 +32,7 @@ from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
 from .common import NEG_INF, entry_fits, operand_extent
 from .fragments import sixteen_bit_ops
-from .primitives import load_word, shfl_xor
+from .primitives import load_vec4_l2, load_word_l2
 
 #: Threads per block of the append kernel (along d; d <= 256).
 APPEND_THREADS = 64
@@ -79,90 +85,89 @@ def output_element(PRECISION):
     return as_output, (np.uint16 if SIXTEEN else np.float32)
 
 
-#: Threads per block of the merge kernel (along d).
-MERGE_THREADS = 128
-#: Splits whose partial O a thread of the merge has in flight at once (read one per loop step, each load was
-#: waited for before the next: 24 L2 latencies per row at (B, H_q, H_kv) = (1, 32, 8), 24 splits).
+#: Splits whose lse and partial O a merging thread loads at once (loaded one after another, each waited for
+#: before the next, a merge took one L2 latency per split: 24 at (B, H_q, H_kv) = (1, 32, 8), 24 splits).
 MERGE_GROUP = 16
 
 
-@lru_cache(maxsize=None)
-def make_merge(PRECISION):
-    """The merge kernel writing O in ``PRECISION``'s type (float32 words, or 16-bit words for f16 / bf16).
+@inlined_device_function
+def last_to_arrive(ARRIVALS, tile, splits, tid):
+    """Whether this block is the last of the ``splits`` blocks sharing query tile ``tile`` to get here, every
+    one of them having written its partial results; called by all the block's threads.
 
-    One block per row.  Warp 0 reads the splits' lse (lane s: splits s, s + 32, ...), reduces the max by
-    shuffles, and leaves each split's weight exp(lse_s - m) in shared memory, then their sum; after the block
-    barrier every thread sums its columns of O over the splits, MERGE_GROUP splits' loads at a time.  A NaN
-    lse (an overflowing entry's, or a split that met a NaN) makes its weight NaN whatever the max made of it,
-    and so the row's sum, O and lse."""
-    as_output, element = output_element(PRECISION)
+    ARRIVALS[tile] counts the arrivals modulo ``splits``: ``atomic.inc`` wraps it to 0 on the last one, so
+    it is ready for the next call without a reset (a buffer per stream: ``api._CachePlan``).  The fences make
+    every block's partial results visible to the last one: each thread's before its block arrives, and the
+    last block's loads after it has seen the count (the threadFenceReduction pattern of CUDA's samples)."""
+    cuda.threadfence()
+    cuda.syncthreads()          # every thread's fence done before thread 0 arrives for the block
+    last = 0
+    if tid == 0:
+        last = 1 if cuda.atomic.inc(ARRIVALS, tile, uint32(splits - 1)) == uint32(splits - 1) else 0
+        cuda.threadfence()
+    return cuda.syncthreads_or(last) != 0
+
+
+def tile_merger(PRECISION, D_PAD, THREADS):
+    """merge_tile(PARTIAL_O, PARTIAL_LSE, O, LSE, first_row, n_rows, splits, rows, head_dim, tid): rows
+    first_row .. first_row + n_rows - 1 of O (C-contiguous (rows, head_dim), ``PRECISION``'s type) and LSE
+    from the splits' partial results, by the ``THREADS`` threads of the last split's block.
+
+    Each thread takes four columns of a row at a time and reads MERGE_GROUP splits' lse and partial O at
+    once (``load_word_l2``, ``load_vec4_l2``: other blocks wrote them), branch-free: past the last split it
+    reads that split again and weighs it 0.  Within a group the max of the lse gives the shift m; a later
+    group with a larger max rescales what came before by exp(m_old - m_new), as the online softmax does (one
+    group, MERGE_GROUP splits or fewer, is the usual case and reads memory once).  A NaN lse gives its split
+    a NaN weight whatever the max made of it, and so the row's O and lse; a split that saw no key has lse
+    -inf and weighs 0 (its O is never multiplied: 0 * NaN must not reach the row); a row no split saw a key
+    of gets O = 0, lse = -inf."""
+    as_output, _ = output_element(PRECISION)
+    QUADS = D_PAD // 4          # four-column chunks per partial row
 
     @inlined_device_function
-    def warp_max(value):
-        for lane_mask in (16, 8, 4, 2, 1):
-            value = max(value, shfl_xor(value, lane_mask))
-        return value
-
-    @inlined_device_function
-    def warp_sum(value):
-        for lane_mask in (16, 8, 4, 2, 1):
-            value += shfl_xor(value, lane_mask)
-        return value
-
-    def kernel(PARTIAL_O, PARTIAL_LSE, O, LSE, splits, rows, d_pad, head_dim):
-        row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        # Each split's weight, 0 up to a whole number of groups (``padded``), then their sum and m.
-        padded = (splits + MERGE_GROUP - 1) // MERGE_GROUP * MERGE_GROUP
-        weights = cuda.shared.array(0, float32)
-        if tid < 32:
+    def merge_tile(PARTIAL_O, PARTIAL_LSE, O, LSE, first_row, n_rows, splits, rows, head_dim, tid):
+        lse_of = cuda.local.array(MERGE_GROUP, float32)    # constant indices only: registers
+        o_of = cuda.local.array((MERGE_GROUP, 4), float32)
+        acc = cuda.local.array(4, float32)
+        for chunk in range(tid, n_rows * QUADS, THREADS):
+            row = first_row + chunk // QUADS
+            x = chunk % QUADS * 4
+            if x >= head_dim:
+                continue
             m = float32(NEG_INF)
-            for split in range(tid, splits, 32):
-                m = max(m, PARTIAL_LSE[split * rows + row])
-            m = warp_max(m)
-            shift = m if m != float32(NEG_INF) else float32(0)   # no key anywhere: every weight exp(-inf) = 0
             total = float32(0)
-            for split in range(tid, padded, 32):
-                weight = math.exp(PARTIAL_LSE[split * rows + row] - shift) if split < splits else float32(0)
-                weights[split] = weight
-                total += weight
-            total = warp_sum(total)
-            if tid == 0:
-                weights[padded] = total
-                weights[padded + 1] = shift
-        cuda.syncthreads()
-        total = weights[padded]
-        inverse = float32(1) / total if total != float32(0) else float32(0)
-        values = cuda.local.array(MERGE_GROUP, float32)   # constant indices only: registers
-        split_words = rows * d_pad                          # from one split's partial O to the next's
-        for x in range(tid, head_dim, MERGE_THREADS):
-            acc = float32(0)
+            for e in range(4):
+                acc[e] = float32(0)
             for first in range(0, splits, MERGE_GROUP):
                 for i in range(MERGE_GROUP):   # the group's loads first, with no branch: in flight together
-                    split = min(first + i, splits - 1)   # past the last split: its value again, weighed 0
-                    values[i] = load_word(PARTIAL_O, split * split_words + row * d_pad + x)
+                    split = min(first + i, splits - 1)
+                    lse_of[i] = load_word_l2(PARTIAL_LSE, split * rows + row)
+                    o_of[i, 0], o_of[i, 1], o_of[i, 2], o_of[i, 3] = load_vec4_l2(PARTIAL_O,
+                                                                                  (split * rows + row) * D_PAD + x)
+                m_new = m
                 for i in range(MERGE_GROUP):
-                    weight = weights[first + i]
-                    # an empty split's O is 0, but 0 * NaN must not reach the row
-                    acc += weight * values[i] if weight != float32(0) else float32(0)
-            O[row * head_dim + x] = as_output(acc * inverse)
-        if tid == 0:
-            LSE[row] = weights[padded + 1] + math.log(total) if total != float32(0) else float32(NEG_INF)
+                    if first + i < splits:
+                        m_new = max(m_new, lse_of[i])
+                shift = m_new if m_new != float32(NEG_INF) else float32(0)   # no key yet: every weight 0
+                rescale = math.exp(m - shift)    # m = -inf: 0 (nothing before, or only empty splits)
+                total *= rescale
+                for e in range(4):
+                    acc[e] *= rescale
+                for i in range(MERGE_GROUP):
+                    weight = math.exp(lse_of[i] - shift) if first + i < splits else float32(0)
+                    total += weight
+                    if weight != float32(0):
+                        for e in range(4):
+                            acc[e] += weight * o_of[i, e]
+                m = m_new
+            inverse = float32(1) / total if total != float32(0) else float32(0)
+            for e in range(4):
+                if x + e < head_dim:
+                    O[row * head_dim + x + e] = as_output(acc[e] * inverse)
+            if x == 0:
+                LSE[row] = m + math.log(total) if total != float32(0) else float32(NEG_INF)
 
-    # The launch bound lets ptxas spend registers on a group's loads: left alone (it aims at full occupancy,
-    # 36 registers) it issued each load after the last one's product, one L2 latency per split in turn.
-    return Kernel(kernel, f"merge_splits_{PRECISION}",
-                  arrays=dict(PARTIAL_O=np.float32, PARTIAL_LSE=np.float32, O=element, LSE=np.float32),
-                  launch_bounds=(MERGE_THREADS, 4))
-
-
-def merge_launch(rows, splits, d_pad, head_dim, precision):
-    """A ``Launch`` of the merge kernel; per call: (PARTIAL_O, PARTIAL_LSE, O, LSE), O and LSE C-contiguous
-    (rows, head_dim) and (rows,)."""
-    return Launch(make_merge(precision), rows, MERGE_THREADS, 4 * (cdiv(splits, MERGE_GROUP) * MERGE_GROUP + 2),
-                  dict(splits=splits, rows=rows, d_pad=d_pad, head_dim=head_dim),
-                  ("PARTIAL_O", "PARTIAL_LSE", "O", "LSE"),
-                  dict(PARTIAL_O=splits * rows * d_pad, PARTIAL_LSE=splits * rows, O=rows * head_dim, LSE=rows))
+    return merge_tile
 
 
 #: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at
@@ -189,4 +194,4 @@ def decode_splits(blocks, key_tiles, multiprocessors, key_warps=1, most=32):
     return max(1, min(most, cdiv(key_tiles, key_warps), fitting))
 
 
-__all__ = ["append_launch", "decode_splits", "make_append", "make_merge", "merge_launch"]
+__all__ = ["MERGE_GROUP", "append_launch", "decode_splits", "last_to_arrive", "make_append", "tile_merger"]

@@ -100,11 +100,12 @@ from functools import lru_cache, partial
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ...runtime.arrays import Strides
+from ...runtime.arrays import Strides, placeholder
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
+from .cache import last_to_arrive, output_element, tile_merger
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
                      sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
@@ -127,8 +128,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     (``common.sequence_bounds``: True for bounds arrays, "cache" for a KV cache's lengths, its overflowing
     entries' rows written as NaN).  SPLIT (flash-decoding, for few queries and many keys): ``splits`` blocks
     share a query tile's keys (every splits-th key tile each), each writing its partial O (float32,
-    normalised by its own l) and lse at ``split * o_split`` and ``split * lse_split``; ``cache.py`` merges
-    them by their lse.  POSITIVE_SCALE:
+    normalised by its own l) and lse at ``split * o_split`` and ``split * lse_split``; the last of them to
+    finish merges them by their lse into MERGED_O and MERGED_LSE (``cache.py``).  POSITIVE_SCALE:
     the scale goes into the exponent's FMA (see ``online_softmax``); a scale <= 0 gets a kernel that
     scales the scores first.  WARP_ROWS: the query rows a warp owns, 16 or 32 (two fragments that share
     every K and V fragment loaded, as FlashAttention-2's warps do; ``tiling.flash2_forward_warp_rows``).
@@ -153,6 +154,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     tiles, for (B, H_kv) = (16, 8)).
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
+    assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
     SIXTEEN = PRECISION != "tf32x3"
     ROW_THREADS = flash2_threads(BLOCK_M, WARP_ROWS)   # the threads that own the tile's rows
     assert KEY_WARPS == 1 or (ROW_THREADS == 32 and WARP_ROWS == ROWS_PER_WARP and not HAS_MASK
@@ -198,6 +200,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     # Partial results of a split are float32 (they are merged before rounding to the output type).
     OUTPUT = ("tf32x3", False) if SPLIT else (PRECISION, VEC)
     store_fragment_row, store_pair = fragment_row_store(D_PAD, *OUTPUT), pair_store(*OUTPUT)
+    merge_tile = tile_merger(PRECISION, D_PAD, THREADS) if SPLIT else None
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
     KV_CACHE = VARLEN == "cache"
@@ -484,21 +487,24 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
                mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys,
-               lse_sb, lse_sh, splits, o_split, lse_split, keep_threshold, keep_scale, seed0, seed1):
+               lse_sb, lse_sh, splits, o_split, lse_split, MERGED_O, MERGED_LSE, ARRIVALS, keep_threshold,
+               keep_scale, seed0, seed1):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
         # ...] (``listed_tile``), and block i runs tile tile_order[i] (bh q_tiles + qt: the longest lists first);
         # M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
         # VARLEN: q_bounds, k_bounds bound each batch entry's rows (``sequence_bounds``).
+        # SPLIT: O, LSE take this split's partial results; the tile's last split writes MERGED_O, MERGED_LSE.
         if HAS_MASK:
             tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
         else:
             tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL,
                                               KV_CACHE)
-        split = tile // q_tiles if SPLIT else 0
-        if SPLIT:
-            tile %= q_tiles
+        # (Decoding divides in 32 bits, as ``tile_coordinates(narrow)``: the (16, 32) split kernel's first copy
+        # came after 299 SASS instructions, with a call of a 64-bit division among them; now after 225.)
+        split = (int64(uint32(tile) // uint32(q_tiles)) if KV_CACHE else tile // q_tiles) if SPLIT else 0
+        tile -= split * q_tiles
         lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
         # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
         # rank 0 starts first (``tile_coordinates``).  A block mask's order already says which tile.
@@ -638,6 +644,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                 head_dim, overflowing)
         else:
             write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim, overflowing)
+        # Flash-decoding: the last of the query tile's splits to get here merges them all (``cache.py``).
+        if SPLIT and last_to_arrive(ARRIVALS, bh * q_tiles + tile, splits, tid):
+            merge_tile(O, LSE, MERGED_O, MERGED_LSE, lse_first - split * lse_split + q0, min(BLOCK_M, n_q - q0),
+                       splits, lse_split, head_dim, tid)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_forward", (BLOCK_M, BLOCK_N), D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK,
@@ -648,6 +658,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + (f"_stages{STAGES}" if STAGES > 2 else "")
                   + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
+                              MERGED_O=output_element(PRECISION)[1], MERGED_LSE=np.float32, ARRIVALS=np.uint32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
                               q_bounds=np.int32, k_bounds=np.int32),
                   floats=("scale_log2", "keep_scale"),
@@ -676,7 +687,10 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds,
     then the dropout seed's two words.  With ``splits`` > 1 (flash-decoding) o
     and lse are the splits' partial results instead: float32 (splits, rows,
-    d_pad) and (splits, rows), rows = batch * heads * N_q, for ``cache.py`` to merge.
+    d_pad) and (splits, rows), rows = batch * heads * N_q; after the bounds come
+    the merged o and lse (C-contiguous (rows, d) and (rows,)) and the arrival
+    counts, one uint32 per query tile, zero before the first call
+    (``cache.last_to_arrive``).
     """
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
@@ -695,14 +709,18 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     words = word_extent(call)
     q_shape, kv_shape = call.kernel_shapes
     rows = (call.heads if call.varlen and call.varlen.packed else call.batch_heads) * call.n_q
+    merged = ("MERGED_O", "MERGED_LSE", "ARRIVALS")
     if splits > 1:   # partial results, one (rows, d_pad) float32 slab per split
         os_ = Strides(call.heads * call.n_q * d_pad, call.n_q * d_pad, d_pad)
         split_layout = dict(splits=splits, o_split=rows * d_pad, lse_split=rows)
-        extents = dict(O=splits * rows * d_pad, LSE=splits * rows)
+        extents = dict(O=splits * rows * d_pad, LSE=splits * rows, MERGED_O=rows * call.head_dim, MERGED_LSE=rows,
+                       ARRIVALS=q_tiles * call.batch_heads)
     else:
         os_ = call.result_strides("q")
-        split_layout = dict(splits=1, o_split=0, lse_split=0)
+        split_layout = dict(splits=1, o_split=0, lse_split=0, **{name: placeholder(kernel.arrays[name])
+                                                                 for name in merged})
         extents = dict(O=words(q_shape, os_), LSE=rows)
+        merged = ()
     fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, head_dim=call.head_dim,
@@ -712,7 +730,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
     # Per-batch bounds come per call: a cache's lengths alone (its queries' bounds are the call's own).
     bounds = {False: (), True: ("q_bounds", "k_bounds"), "cache": ("k_bounds",)}[mode]
-    per_call = ("Q", "K", "V", "O", "LSE") + bounds + ("seed0", "seed1")
+    per_call = ("Q", "K", "V", "O", "LSE") + bounds + merged + ("seed0", "seed1")
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
     return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows) * key_warps,

@@ -77,6 +77,8 @@ __all__ = [
     "store_word",
     "load_vec4",
     "store_vec4",
+    "load_vec4_l2",
+    "load_word_l2",
     "ldmatrix_x2",
     "ldmatrix_x4",
     "ldmatrix_x2_trans",
@@ -291,6 +293,39 @@ if not config.ENABLE_CUDASIM:
             return context.get_dummy_value()
 
         return types.void(arr, index, a, b, c, d), codegen
+
+    @intrinsic
+    def load_vec4_l2(typingctx, arr, index):
+        """``load_vec4`` of float32 words that other blocks of this grid wrote: one 16-byte ``ld.global.cg``,
+        served by L2, where their fenced stores are, and not by this multiprocessor's L1, which does not see
+        other multiprocessors' stores (a line it read earlier in the grid could be stale).  Volatile asm:
+        kept after the fence that orders it."""
+        if not (_flat_words(arr, index, 32) and arr.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            address = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I64]),
+                               "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", side_effect=True)
+            words = builder.call(asm, [address])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(words, i) for i in range(4)])
+
+        return types.UniTuple(types.float32, 4)(arr, index), codegen
+
+    @intrinsic
+    def load_word_l2(typingctx, arr, index):
+        """``load_word`` of a float32 that another block of this grid wrote (``ld.global.cg``: ``load_vec4_l2``
+        says why)."""
+        if not (_flat_words(arr, index, 32) and arr.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            address = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(_F32, [_I64]), "ld.global.cg.f32 $0, [$1];", "=f,l",
+                               side_effect=True)
+            return builder.call(asm, [address])
+
+        return types.float32(arr, index), codegen
 
     def _ldmatrix_intrinsic(count, trans=False):
         @intrinsic
@@ -529,6 +564,10 @@ else:
         """``arr[index:index + 4]`` as one 16-byte load (index a multiple of 4, data 16-byte aligned)."""
         _check_index("load_vec4", index, 4)
         return arr[index], arr[index + 1], arr[index + 2], arr[index + 3]
+
+    #: The simulator's threads share one memory: nothing to bypass.
+    load_vec4_l2 = load_vec4
+    load_word_l2 = load_word
 
     def store_vec4(arr, index, a, b, c, d):
         """``arr[index:index + 4] = a, b, c, d`` as one 16-byte store (index a multiple of 4, aligned)."""
