@@ -637,7 +637,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             copy_async_wait_all()             # copies landed before the block ends, or its warps' results
             cuda.syncthreads()                # overwrite the buffers (``share_results``)
         o_row = split * o_split + b * o_sb + h * o_sh + q_first * o_sn   # row 0 of this head's O (and lse)
-        lse_first = split * lse_split + lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)
+        head_row = lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)   # row 0 of this head's (merged) results
+        lse_first = split * lse_split + head_row
         if KEY_WARPS > 1:
             share_results(smem, acc, m_i, l_i, key_warp, tid % 32)
             write_merged_output(O, LSE, smem, key_warp, tid % 32, q0, row0, t, o_row, o_sn, lse_first, n_q,
@@ -646,7 +647,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             write_output(O, LSE, acc, m_i, l_i, q0, row0, t, o_row, o_sn, lse_first, n_q, head_dim, overflowing)
         # Flash-decoding: the last of the query tile's splits to get here merges them all (``cache.py``).
         if SPLIT and last_to_arrive(ARRIVALS, bh * q_tiles + tile, splits, tid):
-            merge_tile(O, LSE, MERGED_O, MERGED_LSE, lse_first - split * lse_split + q0, min(BLOCK_M, n_q - q0),
+            merge_tile(O, LSE, MERGED_O, MERGED_LSE, head_row + q0, min(BLOCK_M, n_q - q0),
                        splits, lse_split, head_dim, tid)
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)

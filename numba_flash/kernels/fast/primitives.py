@@ -294,38 +294,35 @@ if not config.ENABLE_CUDASIM:
 
         return types.void(arr, index, a, b, c, d), codegen
 
-    @intrinsic
-    def load_vec4_l2(typingctx, arr, index):
-        """``load_vec4`` of float32 words that other blocks of this grid wrote: one 16-byte ``ld.global.cg``,
-        served by L2, where their fenced stores are, and not by this multiprocessor's L1, which does not see
-        other multiprocessors' stores (a line it read earlier in the grid could be stale).  Volatile asm:
-        kept after the fence that orders it."""
-        if not (_flat_words(arr, index, 32) and arr.dtype == types.float32):
-            return None
+    def _l2_load_intrinsic(count):
+        """A load of ``count`` (1 or 4) float32 words that other blocks of this grid wrote: one ``ld.global.cg``
+        (16 bytes for four), served by L2, where their fenced stores are, and not by this multiprocessor's L1,
+        which does not see other multiprocessors' stores (a line it read earlier in the grid could be stale).
+        Volatile asm: kept after the fence that orders it."""
+        vector, operands = (".v4", "{$0, $1, $2, $3}") if count == 4 else ("", "$0")
 
-        def codegen(context, builder, sig, args):
-            address = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I64]),
-                               "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", side_effect=True)
-            words = builder.call(asm, [address])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(words, i) for i in range(4)])
+        @intrinsic
+        def load(typingctx, arr, index):
+            if not (_flat_words(arr, index, 32) and arr.dtype == types.float32):
+                return None
 
-        return types.UniTuple(types.float32, 4)(arr, index), codegen
+            def codegen(context, builder, sig, args):
+                address = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                result = ir.LiteralStructType([_F32] * 4) if count == 4 else _F32
+                asm = ir.InlineAsm(ir.FunctionType(result, [_I64]), f"ld.global.cg{vector}.f32 {operands}, [${count}];",
+                                   ",".join(["=f"] * count + ["l"]), side_effect=True)
+                words = builder.call(asm, [address])
+                if count == 1:
+                    return words
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(words, i) for i in range(4)])
 
-    @intrinsic
-    def load_word_l2(typingctx, arr, index):
-        """``load_word`` of a float32 that another block of this grid wrote (``ld.global.cg``: ``load_vec4_l2``
-        says why)."""
-        if not (_flat_words(arr, index, 32) and arr.dtype == types.float32):
-            return None
+            return (types.UniTuple(types.float32, 4) if count == 4 else types.float32)(arr, index), codegen
 
-        def codegen(context, builder, sig, args):
-            address = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(_F32, [_I64]), "ld.global.cg.f32 $0, [$1];", "=f,l",
-                               side_effect=True)
-            return builder.call(asm, [address])
+        return load
 
-        return types.float32(arr, index), codegen
+    #: ``load_vec4`` / ``load_word`` of float32 words another block of the grid wrote (``_l2_load_intrinsic``).
+    load_vec4_l2 = _l2_load_intrinsic(4)
+    load_word_l2 = _l2_load_intrinsic(1)
 
     def _ldmatrix_intrinsic(count, trans=False):
         @intrinsic
