@@ -159,8 +159,8 @@ def main(argv=None):
             for splits in SWEEP_STAGE_SPLITS if not simulator else (0,):
                 def tried(tiles=tiles, stages=stages, splits=splits):
                     x = now(halves)
-                    numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], full_held, block_sizes=tiles,
-                                                        num_splits=splits, kv_stages=stages)
+                    numba_flash.attention_with_kv_cache(x["q"], x["k_cache"], x["v_cache"], full_held,
+                                                        block_sizes=tiles, num_splits=splits, kv_stages=stages)
                 try:
                     ms = gpu_ms(tried)
                 except ValueError as error:   # more buffers than shared memory holds

@@ -171,7 +171,8 @@ def test_decoding_experiment_runs_quick(tmp_path):
     assert decode.main(["--quick", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "decode_quick.csv") as f:
         rows = {row["implementation"]: row for row in csv.DictReader(f)}
-    assert float(rows["numba-flash"]["ms"]) > 0 and float(rows["numba-flash, appending the token"]["ms"]) > 0
+    for name in ("numba-flash", "numba-flash, lengths on the host", "numba-flash, appending the token"):
+        assert float(rows[name]["ms"]) > 0, name
 
 
 def test_causal_schedule_model_puts_rank_major_near_the_ideal(tmp_path):
