@@ -429,10 +429,7 @@ def zeros(kind, shape, dtype, stream, device=0):
     launch on)."""
     if kind == "torch":
         return _torch.zeros(shape, dtype=_TORCH_BY_NAME[str(dtype)], device=_torch_device(device))
-    host = np.zeros(shape, np.dtype(dtype))
-    if in_simulator():
-        return cuda.to_device(host)
-    return cuda.to_device(host, stream=numba_stream(stream) or cuda.default_stream())
+    return _upload(np.zeros(shape, np.dtype(dtype)), stream)
 
 
 def capturing():
@@ -486,9 +483,15 @@ def int32_on_device(x, host, kind, device=0, stream=None):
         return _torch.from_numpy(host.astype(np.int32)).to(_torch_device(device), non_blocking=stream is not None)
     if kind == "cuda" and is_numba_device_array(x) and x.dtype == np.int32 and x.ndim == 1 and x.is_c_contiguous():
         return x
+    return _upload(host.astype(np.int32), stream)
+
+
+def _upload(host, stream):
+    """A NumPy array copied to the GPU in order on ``stream`` (a raw handle), the host not waiting; with
+    ``stream`` None a synchronous copy."""
     if stream is None or in_simulator():
-        return cuda.to_device(host.astype(np.int32))
-    return cuda.to_device(host.astype(np.int32), stream=numba_stream(stream) or cuda.default_stream())
+        return cuda.to_device(host)
+    return cuda.to_device(host, stream=numba_stream(stream) or cuda.default_stream())
 
 
 @functools.lru_cache(maxsize=None)

@@ -501,9 +501,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         else:
             tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles * splits if SPLIT else q_tiles, heads, CAUSAL,
                                               KV_CACHE)
-        # (Decoding divides in 32 bits, as ``tile_coordinates(narrow)``: the (16, 32) split kernel's first copy
-        # came after 299 SASS instructions, with a call of a 64-bit division among them; now after 225.)
-        split = (int64(uint32(tile) // uint32(q_tiles)) if KV_CACHE else tile // q_tiles) if SPLIT else 0
+        # Splits serve decoding only, which divides in 32 bits as ``tile_coordinates(narrow)``: the (16, 32)
+        # split kernel's first copy came after 299 SASS instructions, a call of a 64-bit division among them;
+        # now after 225.
+        split = int64(uint32(tile) // uint32(q_tiles)) if SPLIT else 0
         tile -= split * q_tiles
         lse_rows = n_q                           # of lse per (batch, head), or per head when VARLEN
         # Causal query tiles further down have more keys to visit: rank 0 is the last one, and every head's
