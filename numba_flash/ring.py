@@ -97,11 +97,11 @@ Departures from ring-flash-attention
 """
 import math
 
-import torch
-import torch.distributed as dist
-
+from ._torch_calls import backward, check_tensors, forward, torch  # first: names the extra if torch is missing
 from ._validation import check_attention_args
 from .runtime.arrays import describe
+
+import torch.distributed as dist  # noqa: E402,I001
 
 __all__ = ["LAYOUTS", "Neighbours", "RingAttentionFunction", "merge_by_lse", "ring_attention", "ring_positions",
            "ring_shard", "ring_unshard"]
@@ -244,17 +244,6 @@ class Neighbours:
         return arrival
 
 
-def _numba_flash_torch():
-    """numba_flash.torch, whose forward and backward entry points every step calls.
-
-    Imported on first use: numba_flash.torch re-exports ``ring_attention``
-    from this module, so importing it at the top would be circular.
-    """
-    from . import torch as numba_flash_torch
-
-    return numba_flash_torch
-
-
 def _options(causal, scale):
     """numba_flash.torch's options for one part: flash2, no dropout, no block mask."""
     return dict(causal=causal, scale=scale, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
@@ -274,7 +263,7 @@ def _ring_forward(q, k, v, neighbours, causal, scale, layout):
         part = _visible_part(rank, (rank - step) % world, q.shape[-2], causal, layout)
         if part is not None:
             rows, keys, part_causal = part
-            partial_out, partial_lse = _numba_flash_torch()._forward(
+            partial_out, partial_lse = forward(
                 q[..., rows, :], held[0][..., keys, :], held[1][..., keys, :], _options(part_causal, scale))
             merge_by_lse(out[..., rows, :], lse[..., rows], partial_out, partial_lse)
         if not last:
@@ -296,7 +285,7 @@ def _ring_backward(q, k, v, out, lse, grad_out, neighbours, causal, scale, layou
         part = _visible_part(rank, (rank - step) % world, q.shape[-2], causal, layout)
         if part is not None:
             rows, keys, part_causal = part
-            partial_dq, partial_dk, partial_dv = _numba_flash_torch()._backward(
+            partial_dq, partial_dk, partial_dv = backward(
                 q[..., rows, :], held[0][..., keys, :], held[1][..., keys, :], out[..., rows, :],
                 lse[..., rows].contiguous(), grad_out[..., rows, :], _options(part_causal, scale))
         # The held shard's dK, dV so far: nothing at its home rank (step 0), else what the previous rank added.
@@ -321,7 +310,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
     ``apply(q, k, v, neighbours, causal, scale, layout)``; ``neighbours`` has
     ``rank``, ``world`` and ``pass_on(tensors, tag) -> arrival`` (``Neighbours``
-    over a process group; ``experiments/ring_scaling.py`` passes stand-ins
+    over a process group; ``experiments/tuning/ring_scaling.py`` passes stand-ins
     that do not communicate, to time the computation alone).
     """
 
@@ -344,7 +333,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
 def _check_arguments(q, k, v, causal, scale, layout):
     """Every check that needs no communication: the library's own on the local call, and the ring's."""
-    _numba_flash_torch()._check_tensors((("q", q), ("k", k), ("v", v)))
+    check_tensors((("q", q), ("k", k), ("v", v)))
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(causal, bool):

@@ -26,66 +26,23 @@ grouped-query heads as SDPA's ``enable_gqa=True``).  On a GPU:
   compiles a model that calls it.  Eager calls skip the operator's dispatch
   and call the same autograd function directly.
 
-In Numba's CUDA simulator (no GPU) the same function takes CPU tensors and
-runs the kernels in the simulator, through NumPy: slow, not zero-copy, but
-the same code path for tests.
+CPU tensors are welcome too: on a GPU they are copied to the current CUDA
+device, computed there, and O and the gradients come back to the CPU in
+the inputs' dtype (a copy each way: for convenience, not speed).  In Numba's
+CUDA simulator (no GPU) CPU tensors run the kernels in the simulator,
+through NumPy: slow, but the same code path for tests.
 
-torch is an optional dependency: ``pip install torch``.
+torch is an optional dependency: ``pip install 'numba-flash[torch]'``.
 """
-import numpy as np
-import torch
-
-from . import api
+from ._torch_calls import backward as _backward
+from ._torch_calls import check_tensors as _check_tensors
+from ._torch_calls import forward as _forward
+from ._torch_calls import torch
 from .ring import ring_attention  # noqa: F401  (one sequence over many GPUs: numba_flash/ring.py)
 from .runtime.device import in_simulator
 from .sparsity.block_mask import BlockMask
 
 __all__ = ["attention", "attention_varlen", "FlashAttentionFunction"]
-
-_OPTIONS = ("causal", "scale", "block_mask", "dropout_p", "seed", "algorithm", "block_sizes")
-
-
-def _run(fn, tensors, **options):
-    """``fn`` (api.attention or api.attention_backward) on torch tensors, torch tensors back.
-
-    On a GPU the API takes and returns torch tensors itself; in the simulator
-    CPU tensors go through NumPy (bfloat16 as its bits).
-    """
-    if not in_simulator():
-        return fn(*tensors, **options)
-    results = fn(*(_to_numpy(x) for x in tensors), **options)
-    return tuple(_from_numpy(x) for x in (results if isinstance(results, tuple) else (results,)))
-
-
-def _to_numpy(x):
-    x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return x.numpy()
-
-
-def _from_numpy(x):
-    if x.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(x))
-
-
-#: (forward, backward) of the API, for dense calls and for packed variable-length ones.
-_API = {False: (api.attention, api.attention_backward), True: (api.attention_varlen, api.attention_varlen_backward)}
-
-
-def _forward(q, k, v, options, sequences=()):
-    return _run(_API[bool(sequences)][0], (q, k, v) + tuple(sequences), return_lse=True, **options)
-
-
-def _backward(q, k, v, out, lse, grad_out, options, sequences=()):
-    options = dict(options, block_sizes=None)  # the backward's own tiles
-    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): every stride 0
-        grad_out = grad_out.contiguous()
-    return _run(_API[bool(sequences)][1], (q, k, v, out, lse, grad_out) + tuple(sequences), **options)
-
 
 class FlashAttentionFunction(torch.autograd.Function):
     """O = softmax(scale q k^T) v with numba-flash's forward and backward kernels.
@@ -238,24 +195,13 @@ _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varle
 
 # ---------------------------------------------------------------- the public function
 
-def _check_tensors(named):
-    """Torch tensors on the device numba-flash computes on (CPU ones in the simulator)."""
-    wanted = "cpu" if in_simulator() else "cuda"
-    for name, x in named:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type != wanted:
-            raise TypeError(f"{name} must be a {wanted.upper()} tensor"
-                            + (" (numba-flash is running in the CUDA simulator)" if in_simulator() else "")
-                            + f", got one on {x.device}")
-
-
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
               block_sizes=None):
     """Differentiable ``numba_flash.attention`` on torch tensors (see the module docstring).
 
-    q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d), all CUDA tensors
-    (CPU tensors in the simulator) of one dtype: float32, float16 or
+    q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d), torch tensors on
+    one device (CUDA, or CPU: computed on the GPU, results on the CPU; CPU
+    only in the simulator) of one dtype: float32, float16 or
     bfloat16 (16-bit ones need algorithm="flash2").  Arguments as for
     ``numba_flash.attention``; ``block_sizes`` applies to the forward (the
     backward uses its own defaults).  flash2 reads strided inputs in place;
@@ -288,6 +234,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     without padding, q (total_q, H_q, d), k and v (total_k, H_kv, d), sequence b in rows cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1] - 1 (and cu_seqlens_k for keys), as flash-attn's ``flash_attn_varlen_func``.
 
+    q, k, v: CUDA or CPU tensors, as for ``attention``.
     cu_seqlens_q, cu_seqlens_k: int32 tensors of batch + 1 entries on q's device; they are read on the host
     to be checked (one small copy per call).  ``causal=True`` aligns each sequence's mask bottom-right, as
     flash-attn does.  Returns O shaped like q; ``O.backward()`` gives q, k and v their gradients.

@@ -135,14 +135,44 @@ def test_bad_tensors_are_rejected_before_any_launch():
     good = torch.zeros(1, 4, 8, device=DEVICE)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         nft.attention(np.zeros((1, 4, 8), np.float32), good, good)
-    other = "cuda" if numba_flash.in_simulator() else "cpu"
-    if other == "cpu":
-        with pytest.raises(TypeError, match="k must be a CUDA tensor"):
+    if not numba_flash.in_simulator():  # CPU tensors are welcome on a GPU, but not mixed with CUDA ones
+        with pytest.raises(ValueError, match="q, k, v must be on one device, got q on cuda:0, k on cpu"):
             nft.attention(good, torch.zeros(1, 4, 8), good)
+    with pytest.raises(TypeError, match="k must be a (CUDA or )?CPU tensor.*got one on meta"):
+        nft.attention(good, torch.zeros(1, 4, 8, device="meta"), good)
     with pytest.raises(ValueError, match="algorithm"):
         nft.attention(good, good, good, algorithm="standard")
     with pytest.raises(TypeError, match="dtype"):
         nft.attention(good.double(), good.double(), good.double())
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cpu_tensors_on_a_gpu_are_computed_there_and_come_back(dtype):
+    # CPU tensors in, CPU tensors out (O and every gradient, in the inputs' dtype), with the bits of the same
+    # call on CUDA tensors: eagerly, under torch.compile, and for packed sequences (cu_seqlens on the CPU too).
+    torch.manual_seed(5)
+    q = torch.randn(2, 4, 77, 64, dtype=dtype)
+    k, v = torch.randn(2, 2, 77, 64, dtype=dtype), torch.randn(2, 2, 77, 64, dtype=dtype)   # grouped heads
+    cu = torch.tensor([0, 30, 77], dtype=torch.int32)
+
+    def dense(q, k, v):
+        return nft.attention(q, k, v, causal=True)
+
+    def packed(q, k, v):   # the batch's two heads of q as two packed sequences of 77 rows
+        pack = [x[0].transpose(0, 1) for x in (q, k, v)]
+        return nft.attention_varlen(*pack, cu.to(q.device), cu.to(q.device), causal=True)
+
+    for fn in (dense, torch.compile(dense, fullgraph=True, backend="aot_eager"), packed):
+        results = {}
+        for device in ("cpu", "cuda"):
+            leaves = [x.to(device).requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            out.backward(torch.ones_like(out))
+            results[device] = [out] + [x.grad for x in leaves]
+        for got, want in zip(results["cpu"], results["cuda"]):
+            assert got.device.type == "cpu" and got.dtype == dtype
+            assert torch.equal(got, want.cpu())
 
 
 @pytest.mark.gpu_only

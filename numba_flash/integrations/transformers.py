@@ -26,7 +26,9 @@ Arguments numba-flash does not implement (``sliding_window``, ``softcap``,
 attention sinks, position biases, ``output_attentions``) raise a ValueError
 naming them.
 """
-import torch
+from .._optional import require
+
+torch = require("torch", "transformers", "numba_flash.integrations.transformers")
 
 from .. import torch as numba_flash_torch
 from ..sparsity.block_mask import BlockMask
@@ -75,8 +77,9 @@ def _is_bottom_right_causal(mask, n_q, n_k):
 
 def register():
     """Add ``NAME`` to transformers' attention and mask registries (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface = require("transformers", "transformers", "register").AttentionInterface
+    masking_utils = require("transformers.masking_utils", "transformers", "register")
+    AttentionMaskInterface, sdpa_mask = masking_utils.AttentionMaskInterface, masking_utils.sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
