@@ -71,24 +71,54 @@ def masks(args):
     return 0
 
 
-#: Experiments the command runs: experiments/<name>.py in a source checkout.
-EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice", "tune_flash2",
-               "mask_gallery", "mma_throughput")
+#: The two rooms of experiments/ in a source checkout: the paper's figures and claims, and the kernel probes.
+EXPERIMENT_ROOMS = ("paper", "tuning")
+#: Experiments the command runs: experiments/<room>/<name>.py (every script with a main(); ncu_case.py runs
+#: under ncu by itself).
+EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice", "mask_gallery",
+               "float32_accuracy", "train_gpt",
+               "tune_flash2", "mma_throughput", "mma_accumulation", "host_profile", "causal_schedule",
+               "decode_bandwidth", "decode_key_warps", "decode_splits", "decode_breakdown", "cp_async_stream",
+               "ring_scaling", "wgmma_layouts", "wgmma_probe", "sass_counts")
+#: Those with a --quick mode (a tiny version the simulator can run).
+QUICK_EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice",
+                     "mask_gallery", "train_gpt", "tune_flash2", "decode_bandwidth", "decode_key_warps",
+                     "ring_scaling")
+
+
+def experiment_path(name):
+    """experiments/<room>/<name>.py of the source checkout, whichever room holds it (None if neither)."""
+    import pathlib
+
+    experiments = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+    return next((experiments / room / f"{name}.py" for room in EXPERIMENT_ROOMS
+                 if (experiments / room / f"{name}.py").exists()), None)
 
 
 def experiment(args):
     import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / f"{args.name}.py"
-    if not path.exists():
-        print(f"{path} not found: the experiments live in the source checkout of numba-flash")
+    path = experiment_path(args.name)
+    if path is None:
+        print(f"experiments/{{{','.join(EXPERIMENT_ROOMS)}}}/{args.name}.py not found: the experiments live in the "
+              "source checkout of numba-flash")
         return 2
-    spec = importlib.util.spec_from_file_location(f"experiments.{args.name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     argv = (["--quick"] if args.quick else []) + args.options
-    return module.main(argv) if argv else module.main()
+    if "--quick" in argv and args.name not in QUICK_EXPERIMENTS:
+        print(f"{args.name} has no --quick mode (those with one: {', '.join(QUICK_EXPERIMENTS)})")
+        return 2
+    # As if run from its folder: some import their neighbours (decode_key_warps from decode_breakdown), and
+    # some parse sys.argv themselves (main() without arguments).
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path)] + argv
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(f"experiments.{path.parent.name}.{args.name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main(argv) if module.main.__code__.co_argcount else module.main()
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
 
 
 def main(argv=None):
@@ -139,9 +169,17 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="also save the layout as a PNG here (needs matplotlib)")
     p.set_defaults(run=masks)
 
-    p = commands.add_parser("experiment", help="run one of the experiments (writes to experiments/results/)")
-    p.add_argument("name", choices=EXPERIMENTS)
-    p.add_argument("--quick", action="store_true", help="a tiny version (runs in the simulator; checks the pipeline)")
+    p = commands.add_parser("experiment", help="run one of the experiments, from experiments/paper/ (the paper's "
+                            "figures and claims) or experiments/tuning/ (kernel probes and sweeps); each writes to "
+                            "its room's results/",
+                            description="Run experiments/paper/NAME.py (the paper's figures and claims, the "
+                            "training run) or experiments/tuning/NAME.py (kernel probes and sweeps) from a source "
+                            "checkout; results go to experiments/paper/results/ or experiments/tuning/results/.")
+    p.add_argument("name", choices=EXPERIMENTS, metavar="NAME",
+                   help="the script's name, from either room: " + ", ".join(EXPERIMENTS))
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny version (runs in the simulator; checks the pipeline): "
+                        + ", ".join(QUICK_EXPERIMENTS))
     p.add_argument("options", nargs=argparse.REMAINDER, help="further options for the experiment's own parser")
     p.set_defaults(run=experiment)
     args = parser.parse_args(argv)

@@ -172,7 +172,7 @@ def swizzled_rows(d_pad, precision, key_warps):
     logical chunk still hit 8 different chunk positions, so no bank is read twice.  With padded rows
     (16 bytes more each) ncu counted 1.5 times the ideal L2 sectors for the K/V reads of decoding (34% of
     them L2 hits, 80.7% of DRAM bandwidth; cuDNN's kernel 0.6% and 91%; H200, 2026-12-03,
-    ``results/decode_breakdown_h200.md``)."""
+    ``experiments/tuning/results/decode_breakdown_h200.md``)."""
     return key_warps > 1 and precision != "tf32x3" and d_pad % (SWIZZLE_CHUNKS * 8) == 0
 
 
@@ -289,8 +289,8 @@ def flash2_backward_shared_bytes(block_rows, block_cols, d_pad, precision):
 # ---------------------------------------------------------------- flash2's default tiles
 
 #: Default forward (BLOCK_M, BLOCK_N) per precision, for head dims up to each bound.
-#: Measured with experiments/tune_flash2.py on the H200, (B,H,N,d) =
-#: (4,16,4096,d), non-causal (experiments/results/tune_flash2.md), TFLOP/s:
+#: Measured with experiments/tuning/tune_flash2.py on the H200, (B,H,N,d) =
+#: (4,16,4096,d), non-causal (experiments/tuning/results/tune_flash2.md), TFLOP/s:
 #:   float32 d=64:  (64,32) 39.0  (128,32) 48.0  (128,64) 45.4  (256,32) 49.9
 #:   float32 d=128: (64,32) 33.9  (128,32) 47.8  ((128,64) does not fit)
 #:   float16 d=64:  (64,64) 110  (128,32) 130  (128,64) 147  (128,128) 45  (256,64) 137
@@ -304,7 +304,7 @@ FORWARD_BLOCK_SIZES = {
 #: Query rows a warp of flash2's forward owns, per precision, for head dims up to each bound: 16 (one
 #: mma fragment of rows) or 32 (two, which share every K_j and V_j fragment the warp loads from shared
 #: memory: half the shared-memory reads per product, as FlashAttention-2's warps have, for twice the
-#: accumulator registers).  Timed on the H200 in one process (experiments/results/bench_warp_rows_h200.md,
+#: accumulator registers).  Timed on the H200 in one process (experiments/tuning/results/bench_warp_rows_h200.md,
 #: 16-bit forward at (128, 64) tiles): 32 rows take 0.84-0.88x the time of 16 dense and 0.93-0.95x
 #: causal, at d = 64 and d = 128.  Past d = 128 a warp's 32 x d accumulator does not fit its registers
 #: (ptxas at d = 256, (64, 32): a 1536-byte stack frame), and float32's 3xTF32 operands double the
@@ -324,8 +324,8 @@ def flash2_forward_warp_rows(block_m, d_pad, precision, *, plain=True):
 
 
 #: Default backward (B_r, B_c) per (precision, causal), for head dims up to each bound.  Chosen on
-#: the H200 by ``experiments/tune_flash2.py --backward`` ((B,H,N,d) = (4,16,4096,d), non-causal;
-#: experiments/results/tune_flash2_backward.md) and checked by interleaved timings of the
+#: the H200 by ``experiments/tuning/tune_flash2.py --backward`` ((B,H,N,d) = (4,16,4096,d), non-causal;
+#: experiments/tuning/results/tune_flash2_backward.md) and checked by interleaved timings of the
 #: candidates, five rounds each (ms, medians):
 #:   float32 d=64:            (64,32) 25.9  (128,32) 25.6  (128,64) 24.6
 #:   float32 d=64 causal:     (64,32) 13.1  (128,64) 12.7
@@ -376,20 +376,20 @@ def flash2_default_block_sizes(head_dim, precision, *, backward=False, causal=Fa
 
 #: The most 16-byte chunks a thread of a decoding block keeps in flight per K or V tile (more spills).
 DECODE_CHUNKS_PER_THREAD = 8
-#: K/V buffers of a decoding block (``attention_with_kv_cache``'s ``kv_stages`` = 0), so that this many
-#: tiles less one are in flight while one is computed on.  For one-warp blocks (GPU time on the H200,
-#: 2026-12-02, results/decode_h200.md, (16, 32, 8, 1, 8192, 128) float16) 3, 4 or 6 buffers took 0.151-0.154 ms
-#: against 0.151-0.152 for two; for blocks of four key warps, whose rounds copy 64 keys at (16, 16) tiles,
-#: three buffers took 0.1374 ms against 0.1760 for two and 0.1387 for four (2026-12-03,
-#: results/decode_key_warps_h200.md).
+#: K/V buffers of a decoding block (``attention_with_kv_cache``'s ``kv_stages`` = 0), so that this many tiles less one
+#: are in flight while one is computed on.  For one-warp blocks (GPU time on the H200, 2026-12-02,
+#: experiments/tuning/results/decode_h200.md, (16, 32, 8, 1, 8192, 128) float16) 3, 4 or 6 buffers took 0.151-0.154 ms
+#: against 0.151-0.152 for two; for blocks of four key warps, whose rounds copy 64 keys at (16, 16) tiles, three buffers
+#: took 0.1374 ms against 0.1760 for two and 0.1387 for four (2026-12-03,
+#: experiments/tuning/results/decode_key_warps_h200.md).
 DECODE_KV_STAGES = 3
-#: Warps of a decoding block that share its query rows and take turns along the keys (forward.py's KEY_WARPS),
-#: where the tile is one warp's rows and travels by cp.async (fewer where their buffers do not fit);
-#: ``attention_with_kv_cache``'s ``key_warps`` asks for others.  cuDNN's decoding kernel runs four such warps per
-#: block (ncu on the H200, 2026-12-02).  On the H200 (GPU time, 2026-12-03, results/decode_key_warps_h200.md)
-#: four warps, whose block copies each round of their tiles together, at (16, 16) tiles and three buffers:
-#: 0.1374 ms against 0.1457 for one-warp blocks (the default until then) in the same run; with their K/V rows
-#: swizzled (``swizzled_rows``) 0.1320 against 0.1466 (results/decode_breakdown_h200.md).
+#: Warps of a decoding block that share its query rows and take turns along the keys (forward.py's KEY_WARPS), where the
+#: tile is one warp's rows and travels by cp.async (fewer where their buffers do not fit); ``attention_with_kv_cache``'s
+#: ``key_warps`` asks for others.  cuDNN's decoding kernel runs four such warps per block (ncu on the H200, 2026-12-02).
+#: On the H200 (GPU time, 2026-12-03, experiments/tuning/results/decode_key_warps_h200.md) four warps, whose block
+#: copies each round of their tiles together, at (16, 16) tiles and three buffers: 0.1374 ms against 0.1457 for one-warp
+#: blocks (the default until then) in the same run; with their K/V rows swizzled (``swizzled_rows``) 0.1320 against
+#: 0.1466 (experiments/tuning/results/decode_breakdown_h200.md).
 DECODE_KEY_WARPS = 4
 
 
@@ -397,7 +397,7 @@ def decode_block_sizes(n_q, head_dim, precision):
     """Tiles for few queries against many keys (``attention_with_kv_cache``): the query rows the call
     needs (16 per warp, so often one warp), and the widest key tile (at most 64) whose register
     prefetch stays within ``DECODE_CHUNKS_PER_THREAD`` chunks per thread.  On the H200 at d = 128,
-    float16 (experiments/results/decode_h200.md, best split each): (16, 16) 0.25 ms, (32, 32) 0.29 ms,
+    float16 (experiments/tuning/results/decode_h200.md, best split each): (16, 16) 0.25 ms, (32, 32) 0.29 ms,
     (16, 32) 0.63 ms, (16, 64) 1.49 ms: wider key tiles spill (ptxas: 3.4 KB at (16, 64)).  Those
     numbers predate cp.async: aligned 16-bit tiles now travel without registers, and ptxas fits
     (16, 32) at d = 128 in 251 registers and (16, 64) in 255 with 20 bytes of spills (to be re-timed).
@@ -410,15 +410,16 @@ def decode_block_sizes(n_q, head_dim, precision):
     return rows, max(step, min(64, fitting // step * step))
 
 
-#: The key tile of decoding's key warps where the library picks the tiles (``decode_streamed_block_sizes``).  On
-#: the H200 (GPU time, four warps, three buffers, swizzled rows, float16; results/decode_key_warps_h200.md): at
-#: (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128), one split, (16, 32) took 0.1301, 0.1301, 0.1270, 0.1290
-#: and 0.1268 ms against (16, 16)'s 0.1320, 0.1320, 0.1283, 0.1308 and 0.1285 in five runs (1.01-1.02x); ncu: the
-#: wider tile's warps wait on memory where (16, 16)'s wait on their own instructions.  With splits it once lost
-#: ((1, 32, 8, 1, 8192): 0.0390 against 0.0334 ms at 24 splits, each block a few rounds of the wider tile); since
-#: the default split fills one block per multiprocessor (``decode_splits``), it is as fast or faster there too
-#: (2026-12-03, results/decode_breakdown_h200.md: (4, 32, 8, 1, 32768) 0.1277 against 0.1291 at 4 splits,
-#: (1, 32, 8, 1, 2048) 0.0120 against 0.0121 at 16).  ptxas: 255 registers at d = 128.
+#: The key tile of decoding's key warps where the library picks the tiles (``decode_streamed_block_sizes``).  On the
+#: H200 (GPU time, four warps, three buffers, swizzled rows, float16;
+#: experiments/tuning/results/decode_key_warps_h200.md): at (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128), one
+#: split, (16, 32) took 0.1301, 0.1301, 0.1270, 0.1290 and 0.1268 ms against (16, 16)'s 0.1320, 0.1320, 0.1283, 0.1308
+#: and 0.1285 in five runs (1.01-1.02x); ncu: the wider tile's warps wait on memory where (16, 16)'s wait on their own
+#: instructions.  With splits it once lost ((1, 32, 8, 1, 8192): 0.0390 against 0.0334 ms at 24 splits, each block a few
+#: rounds of the wider tile); since the default split fills one block per multiprocessor (``decode_splits``), it is as
+#: fast or faster there too (2026-12-03, experiments/tuning/results/decode_breakdown_h200.md: (4, 32, 8, 1, 32768)
+#: 0.1277 against 0.1291 at 4 splits, (1, 32, 8, 1, 2048) 0.0120 against 0.0121 at 16).  ptxas: 255 registers at d =
+#: 128.
 DECODE_STREAMED_KEYS = 32
 
 

@@ -10,10 +10,18 @@ import numba_flash
 from tolerances import MODEL_LOSS_RTOL
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+ROOMS = ("paper", "tuning")
+
+
+def script_path(name):
+    """experiments/paper/<name>.py or experiments/tuning/<name>.py, whichever exists."""
+    paths = [EXPERIMENTS / room / f"{name}.py" for room in ROOMS if (EXPERIMENTS / room / f"{name}.py").exists()]
+    assert len(paths) == 1, (name, paths)
+    return paths[0]
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, script_path(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +48,7 @@ def test_every_part_writes_csv_and_markdown(io_traffic, results):
     for part in io_traffic.PARTS:
         assert rows(results, part), part
         markdown = (results / f"io_{part}_quick.md").read_text()
-        assert "Command: `python3 experiments/io_traffic.py --quick`" in markdown
+        assert "Command: `python3 experiments/paper/io_traffic.py --quick`" in markdown
         assert "Device:" in markdown and "Date:" in markdown
         # Model-only parts say no kernel ran; timed parts say what timed them.
         timer = "simulator" if numba_flash.in_simulator() else "CUDA events"
@@ -54,7 +62,7 @@ def test_every_part_draws_a_plot(io_traffic, results):
 
 
 def test_fig2_left_finds_the_ncu_measurement_of_its_setting(io_traffic):
-    # The committed results/io_dram.csv (dram_traffic.py on the H200) must join every kernel of Fig. 2 left.
+    # The committed experiments/paper/results/io_dram.csv (dram_traffic.py on the H200) must join every kernel of Fig. 2 left.
     measured = io_traffic.measured_dram_gb(io_traffic.GPT2)
     kernels = {f"{algorithm} {np.dtype(dtype).name}" for _, algorithm, dtype, _ in io_traffic.variants(io_traffic.GPT2, False)}
     assert set(measured) == kernels and all(gb > 0 for gb in measured.values())

@@ -231,7 +231,7 @@ def test_a_warp_of_32_rows_gives_the_bits_of_two_warps_of_16(algorithm, dtype, d
     16-bit only: those are the precisions the library runs at 32 rows.  float32 never does
     (``FORWARD_WARP_ROWS``: its 3xTF32 fragments spill at 32 rows), and a float32 kernel forced to 32
     rows at d = 128 is other machine code: on the H200 one lse in 11 came out 1 ulp from the 16-row
-    kernel's (2026-12-01, results/gpu_tests_h200.md, session 11)."""
+    kernel's (2026-12-01, experiments/tuning/results/gpu_tests_h200.md, session 11)."""
     p = data.draw(problems(algorithm=algorithm, dtype=dtype))
     n_q, n_k, d = p.q.shape[-2], p.k.shape[-2], p.q.shape[-1]
     tiles = data.draw(block_sizes(algorithm, d, dtype).filter(lambda pair: pair[0] % 32 == 0))

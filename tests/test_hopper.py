@@ -1,6 +1,7 @@
 """The Hopper path (``kernels/hopper``).  Host-side facts that need no GPU: the swizzle, the descriptor's bits,
 the accumulator layout.  Whatever issues ``wgmma`` runs only on a Hopper GPU (the simulator has no warpgroup
-instructions): the forward against the float64 reference here, the layouts in ``experiments/wgmma_layouts.py``."""
+instructions): the forward against the float64 reference here, the layouts in
+``experiments/tuning/wgmma_layouts.py``."""
 import numpy as np
 import pytest
 from hypothesis import given

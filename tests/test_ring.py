@@ -198,7 +198,7 @@ def test_scaling_experiment_runs_quick(ring_run):
         longest = list(csv.DictReader(f))
     assert {row["GPUs"] for row in longest if row["result"] == "ran"} == {"1", str(WORLD)}
     markdown = (out_dir / "ring_scaling_quick.md").read_text()
-    assert "Command: `python3 experiments/ring_scaling.py --quick`" in markdown and "Date:" in markdown
+    assert "Command: `python3 experiments/tuning/ring_scaling.py --quick`" in markdown and "Date:" in markdown
 
 
 # ---------------------------------------------------------------- the plan, the layout and the merge

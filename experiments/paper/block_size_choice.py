@@ -6,7 +6,7 @@ line-1 pair (for M = 48 KiB, the static shared-memory limit) and with every
 pair on a grid of B_r x B_c whose tiles fit in that budget, and report how
 far line 1 is from the best.
 
-    PYTHONPATH=$PWD python3 experiments/block_size_choice.py [--quick] [--out DIR]
+    PYTHONPATH=$PWD python3 experiments/paper/block_size_choice.py [--quick] [--out DIR]
 """
 import argparse
 import datetime
@@ -69,7 +69,8 @@ def write(rows, out_dir, quick, shape):
                             line1_vs_best=round(line1["ms"] / best["ms"], 3)))
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("Line 1's block sizes against the fastest (flash1, float32)",
-                                "python3 experiments/block_size_choice.py" + (" --quick" if quick else ""), device,
+                                "python3 experiments/paper/block_size_choice.py" + (" --quick" if quick else ""),
+                                device,
                                 timer_note(1 if quick else REPEATS))
                 + f"(B,H,N) = {shape}, M = 48 KiB (float32 elements: 12288), every (B_r, B_c) from "
                 f"{CANDIDATES} whose tiles fit.\n\n| d | line 1 | ms | fastest | ms | line 1 / fastest |\n"

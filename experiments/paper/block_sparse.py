@@ -22,7 +22,7 @@ float16 at density 0.1 (128 x 128 blocks, N = 4096) <= 0.2 of dense, at the issu
 (B, H) = (4, 16) (``--batch 4``: at batch 1 the kernel of a 10% mask is short enough that the
 host's part of a call shows in its time).
 
-    PYTHONPATH=$PWD python3 experiments/block_sparse.py [--dtype float16] [--batch B] [--lengths N,...] [--quick] [--out DIR]
+    PYTHONPATH=$PWD python3 experiments/paper/block_sparse.py [--dtype float16] [--batch B] [--lengths N,...] [--quick] [--out DIR]
 """
 import argparse
 import datetime
@@ -139,7 +139,7 @@ def write(rows, out_dir, quick, block_sizes, dtype, batch, lengths):
     stem = os.path.join(out_dir, "block_sparse" + ("" if dtype == "float32" else f"_{dtype}")
                         + ("" if batch == 1 else f"_batch{batch}") + ("_quick" if quick else ""))
     device = numba_flash.device_limits().name
-    command = ("python3 experiments/block_sparse.py" + ("" if dtype == "float32" else f" --dtype {dtype}")
+    command = ("python3 experiments/paper/block_sparse.py" + ("" if dtype == "float32" else f" --dtype {dtype}")
                + ("" if batch == 1 else f" --batch {batch}") + ("" if quick else f" --lengths {lengths}")
                + (" --quick" if quick else ""))
     write_csv(stem + ".csv", rows)

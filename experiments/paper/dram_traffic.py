@@ -17,7 +17,7 @@ Fig. 2 left), a long-sequence one (batch 4, 16 heads, N = 4096, d = 64) and
 a wide-head one (batch 2, 16 heads, N = 4096, d = 128: flash1's tiles
 shrink to 24 x 24, flash2's K/V tiles double).
 
-    PYTHONPATH=$PWD python3 experiments/dram_traffic.py [--quick] [--out DIR]
+    PYTHONPATH=$PWD python3 experiments/paper/dram_traffic.py [--quick] [--out DIR]
 
 ``--quick`` runs no profiler: it calls each kernel once on tiny inputs (in
 the simulator) and writes the model columns, checking the pipeline only.
@@ -135,7 +135,7 @@ def write_results(rows, out_dir, quick, settings):
     stem = os.path.join(out_dir, "io_dram" + named + ("_quick" if quick else ""))
     write_csv(stem + ".csv", rows)
     device = numba_flash.device_limits().name
-    command = "python3 experiments/dram_traffic.py" + (" --quick" if quick else "") + (
+    command = "python3 experiments/paper/dram_traffic.py" + (" --quick" if quick else "") + (
         "" if quick or list(settings) == list(SETTINGS) else f" --settings {' '.join(settings)}")
     measured = "none (--quick runs no profiler)" if quick else (
         "Nsight Compute, `--clock-control none --cache-control all`, dram__bytes_read.sum + "

@@ -7,9 +7,9 @@ with standard-normal inputs; the float64 reference is torch's math attention
 in float64 on the GPU.  ``--baseline DIR`` also measures another copy of the
 package (e.g. the commit before the fix) in the same run.
 
-    PYTHONPATH=$PWD python3 experiments/float32_accuracy.py [--baseline .baseline/numba_flash_a449d24]
+    PYTHONPATH=$PWD python3 experiments/paper/float32_accuracy.py [--baseline .baseline/numba_flash_a449d24]
 
-Writes experiments/results/float32_accuracy.{csv,md}.
+Writes experiments/paper/results/float32_accuracy.{csv,md}.
 """
 import argparse
 import os
@@ -84,7 +84,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "float32_accuracy.csv"), rows)
     with open(os.path.join(args.out, "float32_accuracy.md"), "w") as f:
-        f.write(markdown_header("float32 accuracy against float64", "python3 experiments/float32_accuracy.py"
+        f.write(markdown_header("float32 accuracy against float64", "python3 experiments/paper/float32_accuracy.py"
                                 + (f" --baseline {args.baseline}" if args.baseline else ""),
                                 numba_flash.device_limits().name))
         f.write("\nRelative (Frobenius) error of each output against torch's math attention in float64; "

@@ -25,7 +25,7 @@ Four parts, each written to ``results/io_<part>{_quick}.{csv,md,png}``:
 ``--quick`` runs tiny problems, which the CUDA simulator times by the wall
 clock (flagged in every output): a pipeline check, not a measurement.
 
-    PYTHONPATH=$PWD python3 experiments/io_traffic.py [--quick] [--out DIR] [--parts gpt2 memory ...]
+    PYTHONPATH=$PWD python3 experiments/paper/io_traffic.py [--quick] [--out DIR] [--parts gpt2 memory ...]
 """
 import argparse
 import csv
@@ -164,11 +164,11 @@ def gpt2(quick):
         row["standard_over_this"] = rows[0]["total_GB"] / row["total_GB"]
         row["standard_over_this_dram"] = rows[0]["dram_GB_ncu"] / row["dram_GB_ncu"]
     measured = ("DRAM GB (ncu): Nsight Compute's dram__bytes_read.sum + dram__bytes_write.sum for the same call "
-                "(`experiments/dram_traffic.py --settings gpt2`, results/io_dram.md; caches flushed before each "
+                "(`experiments/paper/dram_traffic.py --settings gpt2`, results/io_dram.md; caches flushed before each "
                 "kernel); standard moves "
                 + ", ".join(f"{row['standard_over_this_dram']:.1f}x {row['kernel']}'s" for row in rows[1:])
                 + " DRAM bytes." if dram else
-                "DRAM GB (ncu): not measured for this setting (`experiments/dram_traffic.py` measures it).")
+                "DRAM GB (ncu): not measured for this setting (`experiments/paper/dram_traffic.py` measures it).")
     paper_ratio = PAPER_GPT2["standard"][0] / PAPER_GPT2["FlashAttention"][0]
     notes = (f"Setting: {setting}, forward only, causal off; GFLOP = 4 N^2 d x batch x heads "
              f"(the two products; the softmax's exponentials are not counted).\n\n"
@@ -397,10 +397,10 @@ def write(out_dir, part, quick, command, rows, title, notes, plot):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny problems (a simulator pipeline check)")
-    parser.add_argument("--out", default=RESULTS, help="directory for the outputs (default: experiments/results)")
+    parser.add_argument("--out", default=RESULTS, help="directory for the outputs (default: experiments/paper/results)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
     args = parser.parse_args(argv)
-    command = "python3 experiments/io_traffic.py" + (" --quick" if args.quick else "") + (
+    command = "python3 experiments/paper/io_traffic.py" + (" --quick" if args.quick else "") + (
         f" --parts {' '.join(args.parts)}" if args.parts != list(PARTS) else "")
     experiments = {"gpt2": gpt2, "block_size": block_size, "scaling": scaling, "memory": memory}
     for part in progress(args.parts, "parts"):

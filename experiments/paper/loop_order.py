@@ -14,7 +14,7 @@ so its absolute speed is far below flash2's for reasons beyond loop order;
 the experiment's point is the *shape* of each curve: flash1 grows with
 batch*heads until it reaches the SM count, flash2 is flat from far fewer.
 
-    PYTHONPATH=$PWD python3 experiments/loop_order.py [--quick]
+    PYTHONPATH=$PWD python3 experiments/paper/loop_order.py [--quick]
 """
 import argparse
 import datetime
@@ -92,7 +92,7 @@ def main(argv=None):
 def write(rows, stem, sms, quick, note="", device=None):
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     device = device or numba_flash.device_limits().name
-    command = "python3 experiments/loop_order.py" + (" --quick" if quick else "")
+    command = "python3 experiments/paper/loop_order.py" + (" --quick" if quick else "")
     write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("Loop order: flash1 (outer K/V) vs flash2 (outer Q)", command, f"{device} ({sms} SMs)")

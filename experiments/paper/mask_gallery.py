@@ -6,7 +6,7 @@ block-sparse kernel would iterate) to ``results/mask_<name>.png``, and lists
 them with what each shows in ``results/mask_gallery.md``.  Needs matplotlib,
 no GPU.
 
-    PYTHONPATH=$PWD python3 experiments/mask_gallery.py [--quick] [--out DIR]
+    PYTHONPATH=$PWD python3 experiments/paper/mask_gallery.py [--quick] [--out DIR]
 """
 import argparse
 import datetime
@@ -17,7 +17,7 @@ from numba_flash.masks import GENERATORS, save_picture
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 N = 512
 BLOCK_SIZE = (32, 32)
-COMMAND = "python3 experiments/mask_gallery.py"
+COMMAND = "python3 experiments/paper/mask_gallery.py"
 
 
 def main(argv=None):

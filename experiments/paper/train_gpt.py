@@ -7,10 +7,10 @@ The text is every machine's: the Python standard library's own sources,
 read as bytes (a vocabulary of 256).  The loss curves should lie on top of
 each other; the table gives the time per step and tokens per second.
 
-    PYTHONPATH=$PWD python3 experiments/train_gpt.py [--steps 300] [--dtype bfloat16]
-    PYTHONPATH=$PWD python3 experiments/train_gpt.py --quick     # a few steps of a tiny model (runs in the simulator)
+    PYTHONPATH=$PWD python3 experiments/paper/train_gpt.py [--steps 300] [--dtype bfloat16]
+    PYTHONPATH=$PWD python3 experiments/paper/train_gpt.py --quick     # a few steps of a tiny model (runs in the simulator)
 
-Writes experiments/results/train_gpt.{csv,md,png} (``_quick`` with --quick).
+Writes experiments/paper/results/train_gpt.{csv,md,png} (``_quick`` with --quick).
 """
 import argparse
 import math
@@ -177,7 +177,7 @@ def main(argv=None):
     device_name = "numba-cuda simulator" if simulator else numba_flash.device_limits().name
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("Training a small GPT: numba-flash against torch SDPA",
-                                "python3 experiments/train_gpt.py" + (" --quick" if args.quick else
+                                "python3 experiments/paper/train_gpt.py" + (" --quick" if args.quick else
                                                                       f" --steps {steps} --dtype {dtype}"),
                                 device_name, timer="wall clock per step, synchronised"))
         f.write(f"\n{shape.layers} layers, width {shape.width}, {shape.heads} query heads sharing {shape.kv_heads} "

@@ -14,7 +14,7 @@ The model: greedy list scheduling of the blocks, in index order, onto the slots;
 key tiles it visits plus ``--overhead`` tiles (its Q load and O store).  It ignores L2: rank-major
 runs more heads at once (their K and V compete for L2), which only a GPU run can weigh.
 
-    python3 experiments/causal_schedule.py [--slots 264] [--overhead 0.5] [--out DIR]
+    python3 experiments/tuning/causal_schedule.py [--slots 264] [--overhead 0.5] [--out DIR]
 """
 import argparse
 import heapq
@@ -65,7 +65,7 @@ def main(argv=None):
     write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("Causal grids: dispatch order against the ideal (model)",
-                                f"python3 experiments/causal_schedule.py --slots {args.slots} "
+                                f"python3 experiments/tuning/causal_schedule.py --slots {args.slots} "
                                 f"--overhead {args.overhead}", "none (a list-scheduling model)")
                 + f"\nTiles of {CASES[0][3]} query rows, {args.slots} block slots; head_major and rank_major: "
                 "the modelled time over the ideal (total work / slots, or the longest block).\n\n"

@@ -24,7 +24,7 @@ timed twice: over one buffer again and again, and over ROTATE buffers in turn, s
 last pass cannot serve the next one (the way a model's layers each read their own cache).  Needs a GPU and
 torch.
 
-    PYTHONPATH=$PWD python3 experiments/cp_async_stream.py [--out experiments/results]
+    PYTHONPATH=$PWD python3 experiments/tuning/cp_async_stream.py [--out experiments/tuning/results]
 """
 import argparse
 import os
@@ -269,7 +269,7 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cp_async_stream_h200.md"), "w") as f:
             f.write("# Streaming device memory through cp.async and the bulk copy engine\n\n"
-                    "Command: `python3 experiments/cp_async_stream.py`  \n"
+                    "Command: `python3 experiments/tuning/cp_async_stream.py`  \n"
                     f"Device: {device_limits().name}  \nCUDA events, median of 20; times scaled to the whole "
                     f"537 MB where a variant reads whole tiles only (at most a tile per block short).\n\n{table}\n")
 

@@ -18,10 +18,10 @@ model's layers each read their own cache, so that what the 50 MB L2 kept of
 one call cannot serve the next; a column gives the time over one set read
 again and again, as the runs before 2026-12-02 (session 16) timed it.
 
-    PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py            # (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128)
-    PYTHONPATH=$PWD python3 experiments/decode_bandwidth.py --quick    # a small case (runs in the simulator, times nothing)
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_bandwidth.py            # (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128)
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_bandwidth.py --quick    # a small case (runs in the simulator, times nothing)
 
-Writes experiments/results/decode_h200.{csv,md} (``decode_quick`` with --quick), with a second table
+Writes experiments/tuning/results/decode_h200.{csv,md} (``decode_quick`` with --quick), with a second table
 that times the tile shapes and split counts around the defaults (the evidence for them), and a
 third that times the K/V buffers (``kv_stages``) at a few of them.
 Target (issue 16): >= 70% of the copy bandwidth, and >= 1.0x the fastest SDPA backend.
@@ -179,7 +179,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     write_csv(stem + ".csv", rows)
     with open(stem + ".md", "w") as f:
-        f.write(markdown_header("Decoding from a KV cache", "python3 experiments/decode_bandwidth.py"
+        f.write(markdown_header("Decoding from a KV cache", "python3 experiments/tuning/decode_bandwidth.py"
                                 + (" --quick" if args.quick else f" --dtype {args.dtype}"),
                                 "numba-cuda simulator" if simulator else numba_flash.device_limits().name,
                                 timer=timer_note(repeats)))

@@ -2,9 +2,9 @@
 forward kernel alone, beside torch's cuDNN and flash backends (GPU time, four sets of q and caches read in turn,
 all in one process).
 
-    PYTHONPATH=$PWD python3 experiments/decode_breakdown.py [--case B,H_q,H_kv,N] [--baseline DIR] [--out FILE]
-    PYTHONPATH=$PWD python3 experiments/decode_breakdown.py --lengths 2048,8192,32768 [--baseline DIR]
-    ncu --clock-control none --profile-from-start off ... python3 experiments/decode_breakdown.py --profile
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_breakdown.py [--case B,H_q,H_kv,N] [--baseline DIR] [--out FILE]
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_breakdown.py --lengths 2048,8192,32768 [--baseline DIR]
+    ncu --clock-control none --profile-from-start off ... python3 experiments/tuning/decode_breakdown.py --profile
 
 The call with lengths on the host copies them to the GPU (a host-to-device copy in the timed region); with
 lengths on the GPU (a torch int32 tensor, as a generation loop keeps them) the call launches no copy.  "forward

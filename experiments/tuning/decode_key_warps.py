@@ -3,7 +3,7 @@ with torch's cuDNN and flash backends beside them (GPU time, four sets of q and 
 cannot serve one step from the last).  With ``--baseline DIR`` (another copy of the package, e.g. an earlier
 commit's) the same rows of that copy are timed in the same process.
 
-    PYTHONPATH=$PWD python3 experiments/decode_key_warps.py [--case B,H_q,H_kv,N ...] [--quick] [--baseline DIR]
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_key_warps.py [--case B,H_q,H_kv,N ...] [--quick] [--baseline DIR]
                                                             [--out FILE]
 
 Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.  ``--quick``: QUICK_CONFIGS on the first case, the

@@ -2,7 +2,7 @@
 backends beside them (GPU time, four sets of q and caches read in turn, all in one process), and with
 ``--kernels`` each kernel's GPU time in one step of ours and of cuDNN's (torch.profiler).
 
-    PYTHONPATH=$PWD python3 experiments/decode_splits.py [--case B,H_q,H_kv,N:S,S,... ...] [--kernels] [--out FILE]
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_splits.py [--case B,H_q,H_kv,N:S,S,... ...] [--kernels] [--out FILE]
 
 A case's split counts S are timed at (16, 16) and (16, 32) tiles, beside the library's choice ("default").
 Default cases: those of results/decode_breakdown_h200.md (session 24), d = 128, float16, one query.

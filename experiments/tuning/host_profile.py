@@ -14,7 +14,7 @@ training step's pieces: autograd's own floor (an identity Function),
 torch's flash step and ours, with and without accumulation into .grad.  Needs a GPU
 and torch; prints only.
 
-    PYTHONPATH=$PWD python3 experiments/host_profile.py
+    PYTHONPATH=$PWD python3 experiments/tuning/host_profile.py
 """
 import cProfile
 import pstats

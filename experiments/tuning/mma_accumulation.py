@@ -17,7 +17,7 @@ The exact sums come from float64 on the host.  float16 (m16n8k16) is
 measured the same way.  Prints, per L, the relative error and its mean sign
 (negative: the results are too small, as truncation makes positive sums).
 
-    PYTHONPATH=$PWD python3 experiments/mma_accumulation.py [--out experiments/results]
+    PYTHONPATH=$PWD python3 experiments/tuning/mma_accumulation.py [--out experiments/tuning/results]
 
 Needs a GPU (the simulator's twin adds in float64 and rounds once).
 """
@@ -143,7 +143,7 @@ def main(argv=None):
         path = os.path.join(args.out, "mma_accumulation.md")
         with open(path, "w") as f:
             f.write(markdown_header("Rounding of the tensor cores' float32 accumulator",
-                                    "python3 experiments/mma_accumulation.py --out experiments/results",
+                                    "python3 experiments/tuning/mma_accumulation.py --out experiments/tuning/results",
                                     numba_flash.device_limits().name))
             f.write("\n" + "\n".join(lines) + "\n")
         print("wrote", path)

@@ -7,7 +7,7 @@ matrix instructions flash2 uses: divide the tf32 rate by three for 3xTF32
 (float32-accurate) products.  An FMA loop (eight dependent chains per
 thread) is timed alongside for scale.
 
-    PYTHONPATH=$PWD python3 experiments/mma_throughput.py
+    PYTHONPATH=$PWD python3 experiments/tuning/mma_throughput.py
 
 Measured on the H200 (2026-11-30): tf32 m16n8k8 194 TFLOP/s, float16
 m16n8k16 399 TFLOP/s, the FMA loop 30 TFLOP/s (latency-bound by design:

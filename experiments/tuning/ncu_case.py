@@ -2,7 +2,7 @@
 
     ncu --clock-control none --kernel-name regex:flash2 --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python3 experiments/ncu_case.py B H N D [--dtype float16] [--causal] [--package DIR] [--wgmma]
+        python3 experiments/tuning/ncu_case.py B H N D [--dtype float16] [--causal] [--package DIR] [--wgmma]
 
 The first call compiles (and is skipped by --launch-skip 1); ncu profiles the second.  ``--package``
 profiles another copy of numba-flash instead (a package folder, as ``numba-flash bench --baseline``

@@ -17,11 +17,11 @@ For (B, H, N, d) = (1, 16, 131072, 128) float16 with a causal mask, zigzag layou
   time grows as N^2: a size predicted, from the last one, to overrun the
   budget is not run; its memory, linear in N, is extrapolated and marked so).
 
-    torchrun --nproc-per-node 2 experiments/ring_scaling.py     # 1 GPU and 2 GPUs
-    PYTHONPATH=$PWD python3 experiments/ring_scaling.py         # 1 GPU only
-    PYTHONPATH=$PWD python3 experiments/ring_scaling.py --quick # a tiny case (runs in the simulator, times nothing)
+    torchrun --nproc-per-node 2 experiments/tuning/ring_scaling.py     # 1 GPU and 2 GPUs
+    PYTHONPATH=$PWD python3 experiments/tuning/ring_scaling.py         # 1 GPU only
+    PYTHONPATH=$PWD python3 experiments/tuning/ring_scaling.py --quick # a tiny case (runs in the simulator, times nothing)
 
-Writes experiments/results/ring_scaling.{md,csv} and ring_scaling_longest.csv
+Writes experiments/tuning/results/ring_scaling.{md,csv} and ring_scaling_longest.csv
 (``ring_scaling_quick`` with --quick), from rank 0.  Prints tables, asserts
 nothing about speed.
 """
@@ -258,9 +258,9 @@ def main(argv=None):
         run.say(hops)
 
     device_name = "numba-cuda simulator" if run.simulator else torch.cuda.get_device_name()
-    command = ("python3 experiments/ring_scaling.py --quick" if args.quick else
-               f"torchrun --nproc-per-node {world} experiments/ring_scaling.py" if world > 1 else
-               "python3 experiments/ring_scaling.py")
+    command = ("python3 experiments/tuning/ring_scaling.py --quick" if args.quick else
+               f"torchrun --nproc-per-node {world} experiments/tuning/ring_scaling.py" if world > 1 else
+               "python3 experiments/tuning/ring_scaling.py")
     stem = os.path.join(args.out, "ring_scaling_quick" if args.quick else "ring_scaling")
     batch, heads, n, d = run.shape
 

@@ -13,7 +13,7 @@ LDS against ldmatrix's LDSM, the HMMA products, barriers), to set beside timings
 taken on a GPU.
 
     NUMBA_ENABLE_CUDASIM=0 PATH=<CUDA 13 bin with ptxas, cuobjdump, nvdisasm>:$PATH \\
-        python3 experiments/sass_counts.py [--hopper] [--out FILE.md]
+        python3 experiments/tuning/sass_counts.py [--hopper] [--out FILE.md]
 
 ptxas, cuobjdump and nvdisasm come with the CUDA toolkit (on the GPU machine), or
 from pip: nvidia-cuda-nvcc, nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm (13.x).

@@ -12,7 +12,7 @@ BLOCK_M = the tile a thread block owns, BLOCK_N = the tile it streams) for
 an odd head dim) with their candidate tiles in interleaved rounds, so that slow
 drift of the clock or the card's temperature cannot favour one tile.
 
-    PYTHONPATH=$PWD python3 experiments/tune_flash2.py [--quick] [--backward [--confirm]]
+    PYTHONPATH=$PWD python3 experiments/tuning/tune_flash2.py [--quick] [--backward [--confirm]]
 """
 import argparse
 import os
@@ -149,7 +149,7 @@ def confirm(out, quick, dtypes=None, causal_only=False):
     cases = list(dict.fromkeys((r["dtype"], r["shape"], r["causal"]) for r in rows))
     fastest = {case: min(float(r["median_ms"]) for r in rows if (r["dtype"], r["shape"], r["causal"]) == case)
                for case in cases}
-    command = ("python3 experiments/tune_flash2.py --backward --confirm" + (" --quick" if quick else "")
+    command = ("python3 experiments/tuning/tune_flash2.py --backward --confirm" + (" --quick" if quick else "")
                + (f" --dtypes {','.join(dtypes)}" if dtypes else "") + (" --causal-only" if causal_only else ""))
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("flash2 backward: candidate tiles in interleaved rounds", command,
@@ -200,7 +200,7 @@ def main(argv=None):
         confirm(args.out, args.quick, args.dtypes.split(","), args.causal_only)
         return
     direction = "backward" if args.backward else "forward"
-    command = "python3 experiments/tune_flash2.py" + (" --backward" if args.backward else "")
+    command = "python3 experiments/tuning/tune_flash2.py" + (" --backward" if args.backward else "")
     suffix = "_backward" if args.backward else ""
     if args.from_log:
         write(rows_from_log(args.from_log), args.out, command, "(4,16,4096,d)", suffix, direction, device=args.device,

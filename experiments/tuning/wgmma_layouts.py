@@ -20,7 +20,7 @@ Cases (64 query rows, 64 keys):
 * ``PV d=128``: the same with N = 128: V in two 64-column tiles, whose distance is a candidate.
 * ``PV d=64 SS``: P from shared memory (K-major) instead, to tell P's register layout from V's.
 
-    PYTHONPATH=$PWD python3 experiments/wgmma_layouts.py      # on an H100/H200; writes results/wgmma_layouts.md
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_layouts.py      # on an H100/H200; writes results/wgmma_layouts.md
 """
 import argparse
 import itertools
@@ -185,7 +185,7 @@ def main(argv=None):
     device = cuda.get_current_device().name
     with open(os.path.join(args.out, "wgmma_layouts.md"), "w") as f:
         f.write(markdown_header("wgmma: layouts and descriptors checked against NumPy",
-                                "python3 experiments/wgmma_layouts.py",
+                                "python3 experiments/tuning/wgmma_layouts.py",
                                 device.decode() if isinstance(device, bytes) else device)
                 + f"\nEvery case has a right candidate: {settled}.  (leading, stride): the descriptor's byte "
                 "offsets; 128-byte swizzle throughout.\n\n" + markdown_table(rows))

@@ -33,7 +33,7 @@ element must equal 16 times that count; the script checks it.  (The layout of
 a real kernel's operands needs the descriptors right; the attention kernel's
 own tests will check those against float64.)
 
-    PYTHONPATH=$PWD python3 experiments/wgmma_probe.py     # on an H100/H200; writes results/wgmma_probe.md
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_probe.py     # on an H100/H200; writes results/wgmma_probe.md
 """
 import argparse
 import os
@@ -126,7 +126,7 @@ def main(argv=None):
     print(text, "\nresults exact:", exact)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "wgmma_probe.md"), "w") as f:
-        f.write(markdown_header("wgmma from Numba: throughput probe", "python3 experiments/wgmma_probe.py",
+        f.write(markdown_header("wgmma from Numba: throughput probe", "python3 experiments/tuning/wgmma_probe.py",
                                 cuda.get_current_device().name.decode() if isinstance(cuda.get_current_device().name, bytes)
                                 else cuda.get_current_device().name, timer="CUDA events, median of 10"))
         f.write(f"\nEvery accumulator element equal to 16 x the products issued (all-ones operands): {exact}.\n\n"

@@ -75,7 +75,7 @@ def libcuda():
 
     For the few calls made on every attention call (the launch, the current context): cuda-python's
     binding checks and wraps each argument on every call, which a profile of a small call showed as
-    its largest host cost (experiments/host_profile.py).
+    its largest host cost (experiments/tuning/host_profile.py).
     """
     try:
         library = ctypes.PyDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")

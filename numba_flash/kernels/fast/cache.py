@@ -16,7 +16,7 @@
   (``last_to_arrive``, ``tile_merger``), in the same launch: a merge kernel
   of its own took 2.8-3.1 us of GPU time a step on the H200, and a step is
   1.3-1.6 us shorter without it (1.07-1.12x at batches of 1 and 2;
-  ``results/decode_breakdown_h200.md``, session 25).
+  ``experiments/tuning/results/decode_breakdown_h200.md``, 2026-12-04).
   A split that saw no key has lse_s = -inf and weighs nothing; a row that saw
   none at all gets O = 0, lse = -inf, as everywhere; NaN (an overflowing
   entry's) stays NaN.  The splits are summed in their order, whichever
@@ -170,25 +170,24 @@ def tile_merger(PRECISION, D_PAD, THREADS):
     return merge_tile
 
 
-#: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at
-#: (B, H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``results/decode_h200.md``), one-warp blocks of
-#: (16, 16) tiles: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and more
-#: 0.165-0.174; the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30,
-#: when a decoding block held 255 registers: 8 splits 0.25 ms, 9, a second wave, 0.33.)
+#: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at (B,
+#: H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``experiments/tuning/results/decode_h200.md``), one-warp
+#: blocks of (16, 16) tiles: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and
+#: more 0.165-0.174; the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30, when
+#: a decoding block held 255 registers: 8 splits 0.25 ms, 9, a second wave, 0.33.)
 SPLIT_WARPS_PER_MULTIPROCESSOR = 6
 
 
 def decode_splits(blocks, key_tiles, multiprocessors, key_warps=1, most=32):
     """How many blocks should share a query tile's keys: as many as fill one wave without starting a second,
-    no more than leave every warp a key tile, at most ``most``.  A wave: one block per multiprocessor where the
-    blocks' warps take turns along the keys (``key_warps`` > 1: a block's buffers hold most of a
-    multiprocessor's shared memory, and unsplit calls run so), else ``SPLIT_WARPS_PER_MULTIPROCESSOR`` one-warp
-    blocks.  On the H200 (float16, d = 128, (16, 32) tiles, lengths on the GPU, 2026-12-03,
-    ``results/decode_breakdown_h200.md``), one block per multiprocessor against the six warps per multiprocessor
-    that key-warp blocks once shared with one-warp blocks (and their (16, 16) tiles): (B, H_q, H_kv, N) =
-    (1, 32, 8, 8192) 16 splits 0.0189 ms against 24 splits' 0.0197 (cuDNN 0.0187), (4, 32, 8, 32768) 4 splits
-    0.1277 against 6 splits' 0.1402 (cuDNN 0.1271), (2, 32, 8, 4096) 8 splits 0.0186 against 12 splits' 0.0196
-    (cuDNN 0.0180)."""
+    no more than leave every warp a key tile, at most ``most``.  A wave: one block per multiprocessor where the blocks'
+    warps take turns along the keys (``key_warps`` > 1: a block's buffers hold most of a multiprocessor's shared memory,
+    and unsplit calls run so), else ``SPLIT_WARPS_PER_MULTIPROCESSOR`` one-warp blocks.  On the H200 (float16, d = 128,
+    (16, 32) tiles, lengths on the GPU, 2026-12-03, ``experiments/tuning/results/decode_breakdown_h200.md``), one block
+    per multiprocessor against the six warps per multiprocessor that key-warp blocks once shared with one-warp blocks
+    (and their (16, 16) tiles): (B, H_q, H_kv, N) = (1, 32, 8, 8192) 16 splits 0.0189 ms against 24 splits' 0.0197
+    (cuDNN 0.0187), (4, 32, 8, 32768) 4 splits 0.1277 against 6 splits' 0.1402 (cuDNN 0.1271), (2, 32, 8, 4096) 8 splits
+    0.0186 against 12 splits' 0.0196 (cuDNN 0.0180)."""
     per_wave = multiprocessors if key_warps > 1 else SPLIT_WARPS_PER_MULTIPROCESSOR * multiprocessors
     fitting = per_wave // max(1, blocks)
     return max(1, min(most, cdiv(key_tiles, key_warps), fitting))

@@ -153,15 +153,15 @@ def tile_coordinates(block_id, tiles, heads, rank_major=False, narrow=False):
     fill the tail: longest-processing-time-first scheduling.  One head's tiles
     together leave the last heads' longest tiles to start when most of the
     work is done (a list-scheduling model of 264 block slots puts the cost
-    at 12-15% of a causal forward: experiments/results/causal_schedule.md).
+    at 12-15% of a causal forward: experiments/tuning/results/causal_schedule.md).
     The grid is limited only by gridDim.x (2^31 - 1), not by gridDim.y's 65535.
 
-    ``narrow`` (decoding): in unsigned 32-bit arithmetic, where Python's floor division of int64 costs a branch,
-    a call for wide operands and sign fixes per division, and decoding's one block per multiprocessor waits for
-    them before its first copy.  With the kv head's division narrowed too (``forward.py``), a decoding block's
-    first copy comes after 192 SASS instructions instead of 460, and a call's fixed cost fell from 7.92 to
-    7.50 us on the H200 (results/decode_breakdown_h200.md, session 24).  Not everywhere: NVVM 13 fails to
-    compile seven block-sparse and varlen kernels with it (ERROR_COMPILATION).
+    ``narrow`` (decoding): in unsigned 32-bit arithmetic, where Python's floor division of int64 costs a branch, a call
+    for wide operands and sign fixes per division, and decoding's one block per multiprocessor waits for them before its
+    first copy.  With the kv head's division narrowed too (``forward.py``), a decoding block's first copy comes after
+    192 SASS instructions instead of 460, and a call's fixed cost fell from 7.92 to 7.50 us on the H200
+    (experiments/tuning/results/decode_breakdown_h200.md, 2026-12-03).  Not everywhere: NVVM 13 fails to compile seven
+    block-sparse and varlen kernels with it (ERROR_COMPILATION).
     """
     if narrow:
         block, tiles, heads = uint32(block_id), uint32(tiles), uint32(heads)
@@ -485,13 +485,12 @@ def tile_copier(ROWS, D_PAD, THREADS, BUFFER_ROWS=None, BUFFER_WORDS=0, SWIZZLED
     buffers of BUFFER_ROWS rows each, BUFFER_WORDS apart: row R to row R % BUFFER_ROWS of buffer
     R // BUFFER_ROWS.  SWIZZLED: rows unpadded and swizzled (``tiling.swizzled_rows``).
 
-    A thread keeps one column of chunks and walks down the rows, ``ROWS_PER_PASS`` at a time, so that
-    each copy costs one address increment.  A tile whose rows are all inside (every one but a
-    sequence's last) takes a path without the bounds tests, whose 64-bit compares and selects cost some
-    ten instructions per copy (ptxas 13, sm_90, decoding's round of four (16, 16) tiles: 409 instructions
-    instead of 618 with the 32-bit buffer index of ``forward.py``; no faster on the H200, whose decoding
-    waits on memory: ``results/decode_breakdown_h200.md``).  When the chunks of a row do not divide the
-    threads (d = 80: 10 chunks), the last few threads copy nothing.
+    A thread keeps one column of chunks and walks down the rows, ``ROWS_PER_PASS`` at a time, so that each copy costs
+    one address increment.  A tile whose rows are all inside (every one but a sequence's last) takes a path without the
+    bounds tests, whose 64-bit compares and selects cost some ten instructions per copy (ptxas 13, sm_90, decoding's
+    round of four (16, 16) tiles: 409 instructions instead of 618 with the 32-bit buffer index of ``forward.py``; no
+    faster on the H200, whose decoding waits on memory: ``experiments/tuning/results/decode_breakdown_h200.md``).  When
+    the chunks of a row do not divide the threads (d = 80: 10 chunks), the last few threads copy nothing.
     """
     RS = row_stride(D_PAD, True, SWIZZLED)
     ROW_CHUNKS = words_per_chunk_row(D_PAD, True)   # at most 32 (d <= 256): never more than the threads

@@ -36,8 +36,8 @@ How it is fast, and what each trick costs in clarity:
   (255, and 4 warps per block).  SASS of the key-tile loop at (128, 64),
   d = 64: 623 instructions for 64 mma per warp of 16 rows, 1000 for 128 per
   warp of 32 (4000 against 4984 per block and tile;
-  experiments/results/warp_rows_sass.md); on the H200 0.84-0.88x the time
-  dense, 0.93-0.95x causal (experiments/results/bench_warp_rows_h200.md).
+  experiments/tuning/results/warp_rows_sass.md); on the H200 0.84-0.88x the time
+  dense, 0.93-0.95x causal (experiments/tuning/results/bench_warp_rows_h200.md).
 * **float32 stays float32 (3xTF32).**  A tensor-core product of float32
   inputs rounds them to tf32 (10 mantissa bits, ~3e-4 relative error).  We
   split every operand x = hi + lo with hi = tf32(x), lo = tf32(x - hi) and
@@ -45,7 +45,7 @@ How it is fast, and what each trick costs in clarity:
   accuracy for three mma per tile (the trick CUTLASS calls "3xTF32").  The
   split happens once, when a tile enters shared memory.
 * **... at any length.**  The tensor cores' float32 accumulator truncates
-  (``experiments/mma_accumulation.py``), so each key tile's P V goes into a
+  (``experiments/tuning/mma_accumulation.py``), so each key tile's P V goes into a
   fresh fragment and is added into O with one FMA that also rescales:
   O = alpha O + tile (``fragments.accumulate_product``).
 * **16-bit operands** (float16, bfloat16) use ``mma.m16n8k16`` with float32
@@ -78,7 +78,7 @@ How it is fast, and what each trick costs in clarity:
   matrices, Q's and K's for S = Q K^T directly, V's for P V transposed on
   the way (``ldmatrix.trans``): K_j and V_j sit in shared memory row-major,
   as they arrive.  One instruction where a lane issued two or four 32-bit
-  loads (``experiments/results/ldmatrix_sass.md``: 1.01-1.17x on the H200).
+  loads (``experiments/tuning/results/ldmatrix_sass.md``: 1.01-1.17x on the H200).
 * **No bank conflicts**: shared rows are padded so that the 32 lanes of a
   fragment load (or ldmatrix's 8 rows) hit different banks
   (``tiling.row_stride``).
@@ -138,20 +138,19 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     and leaves the kernel the loops of a dense one (32-row warps included).  KV_STAGES: the most shared
     buffers for K_j, V_j when they travel by cp.async (``tiling.flash2_stages``: as many as fit).
 
-    KEY_WARPS (decoding, a tile of one warp's rows whose K/V tiles travel by cp.async): that many warps
-    share the block's query rows and take turns along its keys, as the splits do across blocks: warp w of
-    split s visits tiles s KEY_WARPS + w, then every (splits KEY_WARPS)-th.  The block moves in rounds:
-    round x is every warp's x-th tile, KEY_WARPS x BLOCK_N neighbouring keys, copied by all the block's
-    threads together into the warps' own buffers and handed over by one block barrier, so that the block
-    reads its head's cache as one stream of wide tiles, as cuDNN's decoding kernel does (on the H200, four warps
-    of (16, 16) tiles, four buffers: 0.1387 ms against 0.1455 when each warp streamed its own tiles under
-    ``sync_warp`` alone; no difference at (16, 32); ``results/decode_key_warps_h200.md``).  Their K/V rows are
-    unpadded and swizzled (``tiling.swizzled_rows``: padded, L2 served 1.5 times the sectors needed).  At the
-    end the warps leave their m, l and O in shared memory (``share_results``) and each combines and writes
-    a share of the result's columns (``write_merged_output``).  So one block per multiprocessor streams a
-    head's cache with several tiles in flight, and a grid of one block per query tile needs no merge kernel:
-    cuDNN's decoding kernel is laid out so on the H200 (ncu, 2026-12-02: 128 blocks of four warps, 16 x 128
-    tiles, for (B, H_kv) = (16, 8)).
+    KEY_WARPS (decoding, a tile of one warp's rows whose K/V tiles travel by cp.async): that many warps share the
+    block's query rows and take turns along its keys, as the splits do across blocks: warp w of split s visits tiles s
+    KEY_WARPS + w, then every (splits KEY_WARPS)-th.  The block moves in rounds: round x is every warp's x-th tile,
+    KEY_WARPS x BLOCK_N neighbouring keys, copied by all the block's threads together into the warps' own buffers and
+    handed over by one block barrier, so that the block reads its head's cache as one stream of wide tiles, as cuDNN's
+    decoding kernel does (on the H200, four warps of (16, 16) tiles, four buffers: 0.1387 ms against 0.1455 when each
+    warp streamed its own tiles under ``sync_warp`` alone; no difference at (16, 32);
+    ``experiments/tuning/results/decode_key_warps_h200.md``).  Their K/V rows are unpadded and swizzled
+    (``tiling.swizzled_rows``: padded, L2 served 1.5 times the sectors needed).  At the end the warps leave their m, l
+    and O in shared memory (``share_results``) and each combines and writes a share of the result's columns
+    (``write_merged_output``).  So one block per multiprocessor streams a head's cache with several tiles in flight, and
+    a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so on the H200 (ncu,
+    2026-12-02: 128 blocks of four warps, 16 x 128 tiles, for (B, H_kv) = (16, 8)).
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
@@ -452,10 +451,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         (``combined``).  A warp that saw no key of a row (m_w = -inf, l_w = 0) weighs 0 there, one that saw
         only NaN scores (m_w = -inf, l_w = NaN) NaN.
 
-        Every warp combines m and l, then the O columns of its own WARP_D_TILES tiles, and writes them; warp 0
-        writes lse.  (Warp 0 alone combining and writing every column took 7% of the kernel's warp samples
-        after its loop, against cuDNN's 1%: ncu, H200, 2026-12-03, ``results/decode_breakdown_h200.md``.)
-        Rows past the queries (decoding's rows g + 8 for up to 8 queries) are neither combined nor written."""
+        Every warp combines m and l, then the O columns of its own WARP_D_TILES tiles, and writes them; warp 0 writes
+        lse.  (Warp 0 alone combining and writing every column took 7% of the kernel's warp samples after its loop,
+        against cuDNN's 1%: ncu, H200, 2026-12-03, ``experiments/tuning/results/decode_breakdown_h200.md``.) Rows past
+        the queries (decoding's rows g + 8 for up to 8 queries) are neither combined nor written."""
         weights = cuda.local.array(KEY_WARPS, float32)
         for r in range(2):
             if q0 + 8 * r >= n_q:   # no lane's row g + 8 r is a query (the whole warp skips: no shuffle waits)
@@ -527,13 +526,13 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         k_regs = cuda.local.array((K_ITERS, 4), WORD)
         v_regs = cuda.local.array((K_ITERS, 4), WORD)
 
-        # ---- the order of the key tiles (first, tile_step), and for decoding the first copies ----
-        # The splits of a query tile take turns along its keys, so that the blocks streaming one head's cache
-        # read neighbouring tiles at any moment: 1.04x faster decoding than each split reading one contiguous run
-        # (H200, 2026-12-02, ``results/decode_split_order_h200.md``; ``cp_async_stream.py`` shows the same on
-        # copies alone).  Key warps take turns in the same way within the block: warp w of split s visits
-        # every turns-th tile from tile ``first`` = s KEY_WARPS + w (a block mask lists its tiles instead).
-        # (Unsplit, turns is a constant: a shift where a run-time count cost two 64-bit divisions.)
+        # ---- the order of the key tiles (first, tile_step), and for decoding the first copies ---- The splits of a
+        # query tile take turns along its keys, so that the blocks streaming one head's cache read neighbouring tiles at
+        # any moment: 1.04x faster decoding than each split reading one contiguous run (H200, 2026-12-02,
+        # ``experiments/tuning/results/decode_split_order_h200.md``; ``cp_async_stream.py`` shows the same on copies
+        # alone).  Key warps take turns in the same way within the block: warp w of split s visits every turns-th tile
+        # from tile ``first`` = s KEY_WARPS + w (a block mask lists its tiles instead). (Unsplit, turns is a constant: a
+        # shift where a run-time count cost two 64-bit divisions.)
         turns = (splits if SPLIT else 1) * KEY_WARPS
         first = split * KEY_WARPS + key_warp
         tile_step = BLOCK_N * turns               # keys from one visited tile to the next, unmasked

@@ -8,7 +8,7 @@ dense or causal (top-left or bottom-right), grouped heads, any strides with cont
 a positive scale, NaN propagated as on the other path; no block mask, dropout or packed sequences
 yet.  ``tests/test_hopper.py`` checks it against the float64 reference in the simulator (through
 ``wgmma.py``'s twins, which read operands by its layout table) and on a Hopper GPU, where
-``experiments/wgmma_layouts.py`` confirmed the table (2026-12-01).
+``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01).
 
 One thread block is one warpgroup (128 threads) and owns 64 query rows, or two warpgroups that own
 64 each and share every K/V tile (``make_wgmma_forward``'s WARPGROUPS); each warp owns 16 rows, and
@@ -28,24 +28,24 @@ At d = 128 the K/V tiles go round a ring of three buffers instead (``uses_ring``
 into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a second one, once S_j is done
 (each tile its own commit group, so each barrier waits for the tile it needs alone).  A block then needs 66 KB
 of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two: 1.10-1.19x faster
-(H200, ``results/bench_ring_h200.md``).
+(H200, ``experiments/tuning/results/bench_ring_h200.md``).
 
 Each product group is waited for before its accumulator is read (``wgmma_wait(0)``).  A second loop
-(``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``) issues S_{j+1} = Q K_{j+1}^T before
-the softmax of S_j, so the tensor cores work while the warpgroup's other units do: half of step 3 of the
-plan.  On the H200 it took 1.19-1.34x the plain loop's time at d = 64 (its registers leave two blocks per
-multiprocessor instead of the plain loop's three or four: ``results/bench_wgmma_overlap_h200.md``), so it
-stays off.  The other half of step 3 starts with the blocks of two warpgroups (``WARPGROUPS=2``: on the
-H200 0.95-1.03x one warpgroup's time at d = 64 and 1.08-1.15x at d = 128, 2026-12-02 before the issue-slot
-work below, ``results/bench_wgmma_warpgroups{1,2}_h200.md``; so not the default); making them take
-turns, one's softmax under the other's products, is still to come.  The loop's steps are the same named
-device functions in every variant.
+(``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``) issues S_{j+1} = Q K_{j+1}^T before the softmax of
+S_j, so the tensor cores work while the warpgroup's other units do: half of step 3 of the plan.  On the H200 it took
+1.19-1.34x the plain loop's time at d = 64 (its registers leave two blocks per multiprocessor instead of the plain
+loop's three or four: ``experiments/tuning/results/bench_wgmma_overlap_h200.md``), so it stays off.  The other half of
+step 3 starts with the blocks of two warpgroups (``WARPGROUPS=2``: on the H200 0.95-1.03x one warpgroup's time at d = 64
+and 1.08-1.15x at d = 128, 2026-12-02 before the issue-slot work below,
+``experiments/tuning/results/bench_wgmma_warpgroups{1,2}_h200.md``; so not the default); making them take turns, one's
+softmax under the other's products, is still to come.  The loop's steps are the same named device functions in every
+variant.
 
 What a key tile costs the issue slots matters as much as the products: at d = 64 a warpgroup's tile is 256
 tensor-core cycles of work, and every warp of it issues the whole loop.  So the descriptors are built once
 and advanced by constants (``tile_descriptors``, ``staged``, ``wgmma.advanced``), whole tiles are copied
 without row tests (``start_tile``), and the stage is a bit: a full tile's path is 336 instructions at d = 64
-and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``results/sass_counts_wgmma.md``).
+and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``experiments/tuning/results/sass_counts_wgmma.md``).
 
 Barriers and fences, each where it sits:
 
@@ -92,7 +92,7 @@ WARPGROUP_COUNTS = (1, 2)  # warpgroups per block, sharing each K/V tile
 HEAD_DIMS = (64, 128)
 #: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
 #: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
-#: 8-row groups along the keys.  Both as wgmma.py's table has them, pending experiments/wgmma_layouts.py.
+#: 8-row groups along the keys.  Both as wgmma.py's table has them, pending experiments/tuning/wgmma_layouts.py.
 K_MAJOR_OFFSETS = (16, 1024)
 V_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
 
@@ -104,11 +104,11 @@ def tile_bytes(head_dim):
 
 def uses_ring(head_dim, overlap):
     """Whether the K/V tiles go round a ring of three buffers (K_0, V_0, K_1, V_1, ... into buffers 0, 1, 2, 0,
-    ...), or sit in two stages of K and two of V.  The ring: at d = 128, where its 16 KB less a block makes room
-    for a third block on a multiprocessor (``blocks_per_multiprocessor``), 1.10-1.19x faster dense and causal
-    at (2, 16, 8192, 128) in float16 and bfloat16; at d = 64, where registers allow four blocks either way, its second barrier a
-    tile made it 0.94-0.96x (H200, 2026-12-03, ``results/bench_ring_h200.md``).  Not for the overlapped loop,
-    whose K_{j+1} is read while V_j waits."""
+    ...), or sit in two stages of K and two of V.  The ring: at d = 128, where its 16 KB less a block makes room for a
+    third block on a multiprocessor (``blocks_per_multiprocessor``), 1.10-1.19x faster dense and causal at (2, 16, 8192,
+    128) in float16 and bfloat16; at d = 64, where registers allow four blocks either way, its second barrier a tile
+    made it 0.94-0.96x (H200, 2026-12-03, ``experiments/tuning/results/bench_ring_h200.md``).  Not for the overlapped
+    loop, whose K_{j+1} is read while V_j waits."""
     return head_dim == 128 and not overlap
 
 
@@ -173,7 +173,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     # is a multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks
     # land at one swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address
     # increment (the general chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at
-    # d = 128, a rolled loop: experiments/results/sass_counts_wgmma.md).
+    # d = 128, a rolled loop: experiments/tuning/results/sass_counts_wgmma.md).
     ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128 (one warpgroup; two: 32, 16)
     PASSES = BLOCK_N // ROWS_PER_PASS
     PASS_WORDS = ROWS_PER_PASS * ROW_BYTES // 4
@@ -492,14 +492,13 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
     """The blocks per multiprocessor the kernel's registers must allow (``launch_bounds``' second number), or 1
     where ptxas is best left alone.
 
-    At d = 64 the registers decide it: shared memory (42 KB a block of one warpgroup, 50 KB of two) leaves
-    room for five and four, and 65536 registers give four blocks of 128 threads at 128 registers each, three at
-    129-170.  Left alone, ptxas gives the dense kernel 128 (four blocks) and the causal one 136 (its mask and
-    NaN steps): three.  Asked for four, the causal kernel fits in 126 with no spills (ptxas 13.0, sm_90a), and
-    ran 1.12-1.23x faster on the H200; the dense one, already at four, took 1.05x longer at (4, 16, 4096, 64)
-    under the cap (126 registers, 23 more instructions a tile; 2026-12-02,
-    ``results/bench_blocks4_h200.md``), so it keeps its own allocation.  Two warpgroups: two blocks (128
-    registers), the same 16 warps.
+    At d = 64 the registers decide it: shared memory (42 KB a block of one warpgroup, 50 KB of two) leaves room for five
+    and four, and 65536 registers give four blocks of 128 threads at 128 registers each, three at 129-170.  Left alone,
+    ptxas gives the dense kernel 128 (four blocks) and the causal one 136 (its mask and NaN steps): three.  Asked for
+    four, the causal kernel fits in 126 with no spills (ptxas 13.0, sm_90a), and ran 1.12-1.23x faster on the H200; the
+    dense one, already at four, took 1.05x longer at (4, 16, 4096, 64) under the cap (126 registers, 23 more
+    instructions a tile; 2026-12-02, ``experiments/tuning/results/bench_blocks4_h200.md``), so it keeps its own
+    allocation.  Two warpgroups: two blocks (128 registers), the same 16 warps.
 
     At d = 128 a block of one warpgroup takes 66 KB of shared memory with the ring of three K/V buffers (83 KB
     with four), room for three blocks; left alone ptxas takes 180-184 registers, which allow two, so the cap
@@ -514,19 +513,21 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
 
 #: ``NUMBA_FLASH_WGMMA=0`` keeps ``algorithm="flash2"`` on the mma.sync kernel on Hopper GPUs too.
 AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
-#: ``NUMBA_FLASH_WGMMA_OVERLAP=1`` runs the kernel whose products overlap the softmax (``make_wgmma_forward``,
-#: OVERLAP).  Off by default: 1.04-1.34x the plain loop's time on the H200 (results/bench_wgmma_overlap_h200.md).
+#: ``NUMBA_FLASH_WGMMA_OVERLAP=1`` runs the kernel whose products overlap the softmax (``make_wgmma_forward``, OVERLAP).
+#: Off by default: 1.04-1.34x the plain loop's time on the H200
+#: (experiments/tuning/results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=2`` runs blocks of two warpgroups sharing each K/V tile (``make_wgmma_forward``,
 #: WARPGROUPS).  1 by default: two took 0.95-1.03x the time at d = 64 and 1.08-1.15x at d = 128 on the H200
 #: (2026-12-02).
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
-#: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync
-#: kernel on the H200, float16 and bfloat16 alike.  d = 64: dense 1.06-1.13x (2026-12-01,
-#: ``results/bench_wgmma_h200.md``), causal 1.03-1.06x once only the diagonal tiles were masked
-#: (``results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x before).  d = 128: 0.56-0.59x while the tile copies cost
-#: ~95 instructions per 16 bytes, then 1.50x dense and 1.42x causal with each thread walking one column of chunks
-#: (2026-12-02, GPU time, ``results/bench_wgmma_warpgroups1_h200.md``; ``results/sass_counts_wgmma.md``).
+#: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync kernel on
+#: the H200, float16 and bfloat16 alike.  d = 64: dense 1.06-1.13x (2026-12-01,
+#: ``experiments/tuning/results/bench_wgmma_h200.md``), causal 1.03-1.06x once only the diagonal tiles were masked
+#: (``experiments/tuning/results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x before).  d = 128: 0.56-0.59x while the tile
+#: copies cost ~95 instructions per 16 bytes, then 1.50x dense and 1.42x causal with each thread walking one column of
+#: chunks (2026-12-02, GPU time, ``experiments/tuning/results/bench_wgmma_warpgroups1_h200.md``;
+#: ``experiments/tuning/results/sass_counts_wgmma.md``).
 AUTOMATIC_SCOPE = {(64, False), (64, True), (128, False), (128, True)}
 
 

@@ -20,7 +20,7 @@ Multiply-Accumulate".  How the pieces fit:
   "async proxy's") view only after ``fence_proxy_async`` in each writing thread,
   before the barrier that publishes it.
 
-Layouts (the 128-byte swizzle; ``experiments/wgmma_layouts.py`` checks each row
+Layouts (the 128-byte swizzle; ``experiments/tuning/wgmma_layouts.py`` checks each row
 of this table against NumPy on a GPU, candidates side by side):
 
 =========================  =====================================================================
@@ -42,7 +42,7 @@ each name here is bound to a twin that reads the operands the way this table
 says the tensor cores do (see the twins below), so a kernel written against
 this module runs in the simulator and its staging, descriptors and fragment
 handling are checked there against the table.  Whether the table is the
-hardware's only a GPU can say (``experiments/wgmma_layouts.py``).
+hardware's only a GPU can say (``experiments/tuning/wgmma_layouts.py``).
 """
 from functools import lru_cache
 
@@ -213,7 +213,7 @@ else:
     # the table above says the tensor cores do (the 128-byte swizzle applied to
     # each element's address), so a kernel that stages a tile in another
     # layout than it describes fails here as on the GPU.  Whether the table is
-    # the hardware's is for experiments/wgmma_layouts.py to say.  A thread
+    # the hardware's is for experiments/tuning/wgmma_layouts.py to say.  A thread
     # computes its own accumulator entries; P from registers is gathered from
     # the warpgroup's 128 threads through ``primitives.collective``.
     # ------------------------------------------------------------------
