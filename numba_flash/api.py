@@ -29,7 +29,7 @@ from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
-from .runtime.device import device_limits
+from .runtime.device import current_context, device_limits
 from .sparsity.block_mask import BlockMask
 from .tiling import cdiv, decode_streamed_block_sizes, padded_head_dim
 from .sparsity.tile_lists import device_layout
@@ -338,6 +338,10 @@ class _Plan:
     def stream(self, arrays):
         """The stream to launch on: torch's current one, or the one the inputs name (ordered after the others)."""
         if self.call.kind == "torch":
+            # torch binds its CUDA context to a thread at the thread's first runtime call.  On autograd's
+            # device thread a backward whose memory all comes from torch's cache has made none yet, and a
+            # launch there would fail with CUDA_ERROR_INVALID_CONTEXT: bind the primary context if needed.
+            current_context()
             return _arrays.current_torch_stream(self.device)
         if self.call.kind == "host":
             return 0

@@ -354,7 +354,7 @@ def test_save_picture_writes_pngs_of_blocks_and_elements(tmp_path):
 def test_save_picture_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=re.escape("pip install numba-flash[plot]")):
+    with pytest.raises(ImportError, match=re.escape("pip install 'numba-flash[plot]'")):
         masks.save_picture(masks.causal(4, 4, (2, 2)), tmp_path / "causal.png")
 
 

@@ -3,6 +3,10 @@
 Runs in both modes: CPU tensors through the simulator, CUDA tensors on a GPU
 (zero-copy, on torch's current stream).
 """
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -170,9 +174,29 @@ def test_cpu_tensors_on_a_gpu_are_computed_there_and_come_back(dtype):
             out = fn(*leaves)
             out.backward(torch.ones_like(out))
             results[device] = [out] + [x.grad for x in leaves]
-        for got, want in zip(results["cpu"], results["cuda"]):
-            assert got.device.type == "cpu" and got.dtype == dtype
-            assert torch.equal(got, want.cpu())
+        for name, got, want in zip(("out", "dq", "dk", "dv"), results["cpu"], results["cuda"]):
+            assert got.device.type == "cpu" and got.dtype == dtype, (name, got.device, got.dtype)
+            assert torch.equal(got, want.cpu()), (name, float((got.float() - want.cpu().float()).abs().max()))
+
+
+@pytest.mark.gpu_only
+def test_a_backward_on_autograds_thread_with_memory_from_torchs_cache():
+    # torch binds its CUDA context to a thread at the thread's first runtime call.  A fresh process: a backward
+    # of CPU tensors (run on the GPU from this thread) leaves its memory in torch's cache; the backward of CUDA
+    # tensors then runs on autograd's device thread, whose every allocation comes from that cache, so our
+    # launches are that thread's first CUDA work (CUDA_ERROR_INVALID_CONTEXT before the plan bound a context).
+    code = textwrap.dedent("""
+        import torch
+        import numba_flash.torch as nft
+        inputs = [torch.randn(2, 4, 77, 64) for _ in range(3)]
+        for device in ("cpu", "cuda"):
+            leaves = [x.to(device).requires_grad_() for x in inputs]
+            out = nft.attention(*leaves, causal=True)
+            out.backward(torch.ones_like(out))
+            print(device, "ok", float(leaves[0].grad.abs().sum()) > 0)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "cuda ok True" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
 @pytest.mark.gpu_only
