@@ -170,7 +170,7 @@ def test_cpu_tensors_on_a_gpu_are_computed_there_and_come_back(dtype):
     for fn in (dense, torch.compile(dense, fullgraph=True, backend="aot_eager"), packed):
         results = {}
         for device in ("cpu", "cuda"):
-            leaves = [x.to(device).requires_grad_() for x in (q, k, v)]
+            leaves = [x.to(device).detach().requires_grad_() for x in (q, k, v)]   # leaves of their own
             out = fn(*leaves)
             out.backward(torch.ones_like(out))
             results[device] = [out] + [x.grad for x in leaves]
@@ -190,7 +190,7 @@ def test_a_backward_on_autograds_thread_with_memory_from_torchs_cache():
         import numba_flash.torch as nft
         inputs = [torch.randn(2, 4, 77, 64) for _ in range(3)]
         for device in ("cpu", "cuda"):
-            leaves = [x.to(device).requires_grad_() for x in inputs]
+            leaves = [x.to(device).detach().requires_grad_() for x in inputs]   # leaves of their own
             out = nft.attention(*leaves, causal=True)
             out.backward(torch.ones_like(out))
             print(device, "ok", float(leaves[0].grad.abs().sum()) > 0)
