@@ -183,7 +183,13 @@ def main(argv=None):
     p.add_argument("options", nargs=argparse.REMAINDER, help="further options for the experiment's own parser")
     p.set_defaults(run=experiment)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except ImportError as error:   # an optional package missing: say which extra brings it (_optional.require)
+        if "numba-flash[" not in str(error):
+            raise
+        print(f"numba-flash {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ blocks than coarsening the intersection would (two patterns may each touch a
 block without sharing an element).
 
 ``GENERATORS`` maps a short name to an example ``(n, block_size) ->
-BlockMask`` (used by ``numba-flash masks`` and ``experiments/mask_gallery.py``),
+BlockMask`` (used by ``numba-flash masks`` and ``experiments/paper/mask_gallery.py``),
 and ``save_picture`` draws a mask to a PNG.
 """
 import numbers
@@ -50,6 +50,7 @@ import numbers
 import numpy as np
 
 from ._checks import boolean_grid, positive_int_pair
+from ._optional import require
 from .sparsity.block_mask import BlockMask
 from .tiling import cdiv
 
@@ -172,14 +173,14 @@ def _local_rule(window, causal):
 
 
 def local_elements(n_q, n_k, window, causal=False):
-    """Dense sliding window: |i - j| <= window, or i - window <= j <= i if causal."""
+    """Dense sliding window: ``|i - j| <= window``, or i - window <= j <= i if causal."""
     return _elements(_local_rule(window, causal), n_q, n_k)
 
 
 def local(n_q, n_k, block_size, window, causal=False):
     """Sliding window of ``window`` tokens on each side (both ends inclusive).
 
-    Two-sided, query i sees key j iff |i - j| <= window (2 * window + 1 keys
+    Two-sided, query i sees key j iff ``|i - j| <= window`` (2 * window + 1 keys
     away from the edges); causal, iff i - window <= j <= i (window + 1 keys).
     ``window = 0`` is the diagonal.
 
@@ -249,13 +250,15 @@ def fixed(n, block_size, stride, c):
     in {stride - c, ..., stride - 1} (the last c tokens of every chunk act as
     summaries); 1 <= c <= stride.
 
-    >>> fixed_elements(6, 3, 1).astype(int)
-    array([[1, 0, 0, 0, 0, 0],
-           [1, 1, 0, 0, 0, 0],
-           [1, 1, 1, 0, 0, 0],
-           [0, 0, 1, 1, 0, 0],
-           [0, 0, 1, 1, 1, 0],
-           [0, 0, 1, 1, 1, 1]])
+    >>> fixed_elements(8, 4, 1).astype(int)
+    array([[1, 0, 0, 0, 0, 0, 0, 0],
+           [1, 1, 0, 0, 0, 0, 0, 0],
+           [1, 1, 1, 0, 0, 0, 0, 0],
+           [1, 1, 1, 1, 0, 0, 0, 0],
+           [0, 0, 0, 1, 1, 0, 0, 0],
+           [0, 0, 0, 1, 1, 1, 0, 0],
+           [0, 0, 0, 1, 1, 1, 1, 0],
+           [0, 0, 0, 1, 1, 1, 1, 1]])
     """
     n = _check_int("n", n, 1)
     return _coarsen(_fixed_rule(stride, c), n, n, block_size)
@@ -284,7 +287,7 @@ def longformer_elements(n_q, n_k, window, global_tokens):
 def longformer(n_q, n_k, block_size, window, global_tokens):
     """Longformer (Beltagy et al. 2020): a sliding window plus global tokens.
 
-    Query i sees key j iff |i - j| <= window, or i is in ``global_tokens``
+    Query i sees key j iff ``|i - j| <= window``, or i is in ``global_tokens``
     (a global token attends to every key: row i all ones), or j is (every
     query attends to it: column j all ones, for j < n_k).
 
@@ -346,7 +349,7 @@ def butterfly(n_q, n_k, block_size, n_factors, global_blocks=0):
 def bigbird(n_q, n_k, block_size, window, global_blocks, random_blocks, seed):
     """BigBird (Zaheer et al. 2020) on the block grid: window + global + random blocks.
 
-    Block (i, j) is kept if |i - j| <= window (``window`` blocks each side),
+    Block (i, j) is kept if ``|i - j| <= window`` (``window`` blocks each side),
     or i < global_blocks or j < global_blocks (global block rows and
     columns).  Then each block row, in order, gets ``random_blocks`` more
     blocks drawn without replacement from its blocks not yet kept, with
@@ -400,10 +403,7 @@ def save_picture(block_mask, path, *, n_q=None, n_k=None, title=None):
     leading dims is drawn at its first leading index.  The title gets a
     caption with the grid, the block size and the density.
     """
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-    except ImportError as error:
-        raise ImportError("save_picture needs matplotlib: pip install numba-flash[plot]") from error
+    Figure = require("matplotlib.figure", "plot", "save_picture").Figure  # no pyplot: no global backend state
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
     if (n_q is None) != (n_k is None):

@@ -69,3 +69,13 @@ def test_saving_a_mask_picture_names_the_plot_extra(tmp_path):
     """)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pip install 'numba-flash[plot]'" in result.stdout, result.stdout
+
+
+def test_the_command_line_names_the_extra_it_misses(tmp_path):
+    result = run_hidden(f"""
+        from numba_flash import cli
+        print("rc", cli.main(["masks", "--show", "causal", "--n", "64", "--block", "16",
+                              "--out", {str(tmp_path / 'm.png')!r}]))
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rc 2" in result.stdout and "pip install 'numba-flash[plot]'" in result.stderr, result.stderr
