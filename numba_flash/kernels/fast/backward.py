@@ -59,8 +59,8 @@ from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
                        padded_head_dim)
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
-                     lane_flags, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates, tile_copier,
-                     tile_movers, warp_lane, word_extent)
+                     lane_flags, log2_lse, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates,
+                     tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
 from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
@@ -93,12 +93,6 @@ def _zero(acc):
     for i in range(acc.shape[0]):
         for e in range(4):
             acc[i, e] = float32(0)
-
-
-@inlined_device_function
-def log2_lse(lse):
-    """lse in log2 units; +inf for a row that attended to nothing, so that exp2(s - it) = 0."""
-    return lse * float32(LOG2_E) if lse != float32(-math.inf) else float32(math.inf)
 
 
 def _tile_offsets(tiles, name, sixteen):
@@ -516,20 +510,9 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     dq_s, dkv_s = call.result_strides("q"), call.result_strides("kv")
     q_shape, kv_shape = call.kernel_shapes
     words = word_extent(call)
-    elements = dict(O=operand_extent(q_shape, o_strides), dO=operand_extent(q_shape, do_strides))
-    # lse and D: one row per query and head; a packed call has them per head over all its sequences.
-    lse_slabs = call.heads if varlen and call.varlen.packed else call.batch_heads
-    rows = lse_slabs * call.n_q
+    rows = lse_slabs(call) * call.n_q   # of lse and D
     sizes = dict(heads=call.heads, n_q=call.n_q, head_dim=call.head_dim)
     sequences = ("q_bounds", "k_bounds") if varlen else ()
-
-    preprocess = make_preprocess(call.precision)
-    row_blocks = cdiv(call.n_q, PREPROCESS_ROWS)   # D is lse-shaped: row blocks of every slab, packed or not
-    preprocess_launch = Launch(
-        preprocess, row_blocks * lse_slabs, PREPROCESS_ROWS, 0,
-        dict(o_sb=o_strides.batch, o_sh=o_strides.head, o_sn=o_strides.row, do_sb=do_strides.batch,
-             do_sh=do_strides.head, do_sn=do_strides.row, row_blocks=row_blocks, **sizes),
-        ("O", "dO", "D"), dict(elements, D=rows))
 
     operands = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
@@ -564,4 +547,24 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
              **block_mask_arguments(call, (own, streamed), "dq")),
         ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + ("seed0", "seed1"),
         dict(extents, dQ=words(q_shape, dq_s)))
-    return preprocess_launch, dkdv_launch, dq_launch
+    return preprocess_launch(call, o_strides, do_strides), dkdv_launch, dq_launch
+
+
+def lse_slabs(call):
+    """Slabs of N_q rows of lse and D: one per (batch, head); a packed call has one per head over all its
+    sequences."""
+    return call.heads if call.varlen is not None and call.varlen.packed else call.batch_heads
+
+
+def preprocess_launch(call, o_strides, do_strides):
+    """The backward's first step for a validated call, D = rowsum(dO o O) in float32 (lse-shaped), as a ``Launch``
+    taking (O, dO, D) per call.  Every backward's (the wgmma one's too)."""
+    row_blocks = cdiv(call.n_q, PREPROCESS_ROWS)   # D is lse-shaped: row blocks of every slab, packed or not
+    q_shape = call.kernel_shapes[0]
+    return Launch(
+        make_preprocess(call.precision), row_blocks * lse_slabs(call), PREPROCESS_ROWS, 0,
+        dict(o_sb=o_strides.batch, o_sh=o_strides.head, o_sn=o_strides.row, do_sb=do_strides.batch,
+             do_sh=do_strides.head, do_sn=do_strides.row, row_blocks=row_blocks, heads=call.heads, n_q=call.n_q,
+             head_dim=call.head_dim),
+        ("O", "dO", "D"), dict(O=operand_extent(q_shape, o_strides), dO=operand_extent(q_shape, do_strides),
+                               D=lse_slabs(call) * call.n_q))

@@ -546,6 +546,12 @@ def tile_copier(ROWS, D_PAD, THREADS, BUFFER_ROWS=None, BUFFER_WORDS=0, SWIZZLED
 
 
 @inlined_device_function
+def log2_lse(lse):
+    """lse in log2 units; +inf for a row that attended to nothing, so that exp2(s - it) = 0 (the backwards)."""
+    return lse * float32(LOG2_E) if lse != float32(-math.inf) else float32(math.inf)
+
+
+@inlined_device_function
 def row_lse(m_log2, l_row):
     """A row's log-sum-exp from its running max in log2 units and its sum l: m ln 2 + log l, as one explicit FMA.
     Left to the compiler, the product was fused into the sum in the forward with 32-row warps and not in the one

@@ -73,33 +73,22 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from ...runtime.device import device_limits, in_simulator
+from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
 from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, row_lse,
                            tile_coordinates, word_extent)
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.primitives import (copy_async16, copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
+from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
-from .wgmma import (ROW_BYTES, SWIZZLE_128B, advanced_device, descriptor_device, enable_sm90a, fence_proxy_async,
-                    shared_address, staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs,
-                    wgmma_ss, wgmma_wait)
+from .common import (BLOCK_N, k_major_descriptor, k_step_bytes, mn_major_descriptor, mn_step_bytes,
+                     out_of_scope, tile_bytes, tile_copier)
+from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, staged_offset_device,
+                    swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
 
 WARPGROUP = 128          # threads of a warpgroup
 BLOCK_M = 64             # query rows per warpgroup: wgmma's M
-BLOCK_N = 64             # keys per tile: N of S = Q K^T, and four k-steps of O += P V
 WARPGROUP_COUNTS = (1, 2)  # warpgroups per block, sharing each K/V tile
-HEAD_DIMS = (64, 128)
-#: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
-#: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
-#: 8-row groups along the keys.  Both as wgmma.py's table has them, pending experiments/tuning/wgmma_layouts.py.
-K_MAJOR_OFFSETS = (16, 1024)
-V_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
-
-
-def tile_bytes(head_dim):
-    """Bytes of a 64-row tile of d 16-bit columns (as d / 64 swizzled tiles of 64 columns)."""
-    return BLOCK_N * head_dim * 2
 
 
 def uses_ring(head_dim, overlap):
@@ -169,39 +158,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     # two stages each barrier waits for every copy.
     wait_for_landing = copy_async_wait(1) if RING else copy_async_wait_all
 
-    # A thread keeps one column of 16-byte chunks and walks down the rows, ROWS_PER_PASS at a time.  That
-    # is a multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks
-    # land at one swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address
-    # increment (the general chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at
-    # d = 128, a rolled loop: experiments/tuning/results/sass_counts_wgmma.md).
-    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128 (one warpgroup; two: 32, 16)
-    PASSES = BLOCK_N // ROWS_PER_PASS
-    PASS_WORDS = ROWS_PER_PASS * ROW_BYTES // 4
-    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
-
-    @inlined_device_function
-    def own_chunk(at, tid):
-        """The word where this thread's first 16-byte chunk of the swizzled tile at word ``at`` lies (the others
-        follow PASS_WORDS apart), and the row and column of X it holds."""
-        r, c = tid // ROW_CHUNKS, (tid % ROW_CHUNKS) * 8    # the thread's first row, and its column
-        return at + swizzle_128_device(staged_offset_device(r, c, BLOCK_N)) // 4, r, c
-
-    @inlined_device_function
-    def start_tile(smem, at, X, first, row_stride, rows_valid, tid):
-        """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
-        on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid)."""
-        to, r, c = own_chunk(at, tid)
-        # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
-        chunk = (first + r * row_stride + c) >> 1
-        step = (ROWS_PER_PASS * row_stride) >> 1
-        if rows_valid >= BLOCK_N:   # every tile but a ragged last one (block-uniform): no row tests, no selects
-            for i in range(PASSES):
-                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, True)
-        else:
-            for i in range(PASSES):
-                inside = r + i * ROWS_PER_PASS < rows_valid
-                # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
-                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
+    own_chunk, start_tile, PASSES, PASS_WORDS = tile_copier(D, THREADS)   # K/V tiles' cp.async copies (tiles.py)
 
     @inlined_device_function
     def land_tiles(smem, v_tile, ask_for_nan, tid):
@@ -260,17 +217,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     # The descriptors are built once, for each tile's first k-step in buffer 0 (``tile_descriptors``); a product's
     # is that one advanced (``wgmma.advanced``): by the k-step's bytes within the tile (a constant), the buffer's.
     @inlined_device_function
-    def k_step_bytes(step):
-        """Where k-step ``step`` (16 columns) starts in a K-major tile: 32 bytes on per step, the next 64-column
-        tile of BLOCK_N rows after four."""
-        return (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32
-
-    @inlined_device_function
     def tile_descriptors(q_address, k_address, v_address):
         """The descriptors of this warpgroup's Q tile and of the buffer-0 K and V tiles (K-major, and MN-major V)."""
-        return (descriptor_device(q_address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B),
-                descriptor_device(k_address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B),
-                descriptor_device(v_address, V_OFFSETS[0], V_OFFSETS[1], SWIZZLE_128B))
+        return k_major_descriptor(q_address), k_major_descriptor(k_address), mn_major_descriptor(v_address)
 
     @inlined_device_function
     def staged(desc, buffer):
@@ -340,7 +289,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         for step in range(BLOCK_N // 16):
             weights_by_values(acc, (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2],
                                     p_words[4 * step + 3]),
-                              advanced_device(v_desc, step * 16 * ROW_BYTES))
+                              advanced_device(v_desc, mn_step_bytes(step)))
         wgmma_commit()
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
@@ -531,34 +480,17 @@ WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 AUTOMATIC_SCOPE = {(64, False), (64, True), (128, False), (128, True)}
 
 
-def out_of_scope(call):
-    """Why the wgmma forward cannot run this validated call (a sentence), or None when it can."""
-    if call.precision == "tf32x3":
-        return f"q, k, v must be float16 or bfloat16 for the wgmma forward, not {call.dtype}"
-    if call.head_dim not in HEAD_DIMS:
-        return f"the head dim must be one of {HEAD_DIMS} for the wgmma forward, not {call.head_dim}"
-    if not call.vec:
-        return "q, k and v must have rows that start on 16-byte boundaries for the wgmma forward"
-    if not np.float32(call.scale * LOG2_E) > 0:
-        return f"scale must be positive for the wgmma forward, not {call.scale}"
-    if call.block_mask is not None or call.dropout_p > 0 or call.varlen is not None:
-        return "the wgmma forward has no block masks, dropout or packed sequences yet"
-    if not in_simulator() and device_limits().compute_capability != (9, 0):
-        return "the wgmma forward needs a GPU of compute capability 9.0 (H100, H200)"
-    return None
-
-
 def chosen_for(call, block_sizes):
     """Whether ``algorithm="flash2"`` runs this call on the wgmma forward: on a Hopper GPU, for calls in its
     scope and in ``AUTOMATIC_SCOPE`` whose caller named no tile sizes (explicit ``block_sizes`` are the mma.sync
     kernel's)."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
-            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call) is None)
+            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, "forward") is None)
 
 
 def forward_launch(call):
     """The wgmma forward for a validated call in its scope, as a ``Launch`` taking q, k, v, o, lse per call."""
-    reason = out_of_scope(call)
+    reason = out_of_scope(call, "forward")
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
     warpgroups = int(WARPGROUPS) if str(WARPGROUPS).isdigit() else None

@@ -1,0 +1,122 @@
+"""What the Hopper kernels share: 64-row tiles of 16-bit rows in 128-byte-swizzled shared memory.
+
+A tile is 64 rows (query rows, or keys) of d 16-bit columns, stored as d / 64
+swizzled tiles of 64 columns (``wgmma.py``'s table), and it is read by the
+tensor cores in two ways: K-major (its rows are an operand's rows: Q and K in
+S = Q K^T) or MN-major (its rows run along the product's k: V in O += P V).
+The forward (``forward.py``) and the backward (``backward.py``) copy their
+tiles with the same cp.async copier and name them with the same descriptors.
+"""
+from functools import lru_cache
+
+import numpy as np
+
+from ...runtime.device import device_limits, in_simulator
+from ...runtime.launch import inlined_device_function
+from ..fast.common import LOG2_E
+from ..fast.primitives import copy_async16
+from .wgmma import ROW_BYTES, SWIZZLE_128B, descriptor_device, staged_offset_device, swizzle_128_device
+
+BLOCK_N = 64             # rows per tile: keys of a K/V tile, or query rows of a Q/dO tile
+HEAD_DIMS = (64, 128)    # the head dims the Hopper kernels take
+#: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
+#: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
+#: 8-row groups along the keys.  Both as wgmma.py's table has them (experiments/tuning/wgmma_layouts.py).
+K_MAJOR_OFFSETS = (16, 1024)
+MN_MAJOR_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
+
+
+def tile_bytes(head_dim):
+    """Bytes of a 64-row tile of d 16-bit columns (as d / 64 swizzled tiles of 64 columns)."""
+    return BLOCK_N * head_dim * 2
+
+
+@inlined_device_function
+def k_step_bytes(step):
+    """Where k-step ``step`` (16 columns) starts in a K-major tile: 32 bytes on per step, the next 64-column
+    tile of BLOCK_N rows after four."""
+    return (step // 4) * BLOCK_N * ROW_BYTES + (step % 4) * 32
+
+
+@inlined_device_function
+def k_major_descriptor(address):
+    """The descriptor of a K-major tile at shared ``address`` (its first k-step)."""
+    return descriptor_device(address, K_MAJOR_OFFSETS[0], K_MAJOR_OFFSETS[1], SWIZZLE_128B)
+
+
+@inlined_device_function
+def mn_major_descriptor(address):
+    """The descriptor of an MN-major tile at shared ``address`` (its first k-step of 16 rows)."""
+    return descriptor_device(address, MN_MAJOR_OFFSETS[0], MN_MAJOR_OFFSETS[1], SWIZZLE_128B)
+
+
+@inlined_device_function
+def mn_step_bytes(step):
+    """Where k-step ``step`` (16 rows) starts in an MN-major tile."""
+    return step * 16 * ROW_BYTES
+
+
+@lru_cache(maxsize=None)
+def tile_copier(D, THREADS):
+    """(own_chunk, start_tile, PASSES, PASS_WORDS): the cp.async copier of 64-row tiles of head dim D for a block of
+    THREADS threads.
+
+    A thread keeps one column of 16-byte chunks and walks down the rows, ROWS_PER_PASS at a time.  That is a
+    multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks land at one
+    swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address increment (the general
+    chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at d = 128, a rolled loop:
+    experiments/tuning/results/sass_counts_wgmma.md)."""
+    ROW_CHUNKS = D // 8
+    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128 (one warpgroup; two: 32, 16)
+    PASSES = BLOCK_N // ROWS_PER_PASS
+    PASS_WORDS = ROWS_PER_PASS * ROW_BYTES // 4
+    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
+
+    @inlined_device_function
+    def own_chunk(at, tid):
+        """The word where this thread's first 16-byte chunk of the swizzled tile at word ``at`` lies (the others
+        follow PASS_WORDS apart), and the row and column of X it holds."""
+        r, c = tid // ROW_CHUNKS, (tid % ROW_CHUNKS) * 8    # the thread's first row, and its column
+        return at + swizzle_128_device(staged_offset_device(r, c, BLOCK_N)) // 4, r, c
+
+    @inlined_device_function
+    def start_tile(smem, at, X, first, row_stride, rows_valid, tid):
+        """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
+        on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid)."""
+        to, r, c = own_chunk(at, tid)
+        # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
+        chunk = (first + r * row_stride + c) >> 1
+        step = (ROWS_PER_PASS * row_stride) >> 1
+        if rows_valid >= BLOCK_N:   # every tile but a ragged last one (block-uniform): no row tests, no selects
+            for i in range(PASSES):
+                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, True)
+        else:
+            for i in range(PASSES):
+                inside = r + i * ROWS_PER_PASS < rows_valid
+                # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
+                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
+
+    return own_chunk, start_tile, PASSES, PASS_WORDS
+
+
+def out_of_scope(call, kernel):
+    """Why the wgmma ``kernel`` ("forward" or "backward") cannot run this validated call (a sentence), or None
+    when it can."""
+    name = f"the wgmma {kernel}"
+    if call.precision == "tf32x3":
+        return f"q, k, v must be float16 or bfloat16 for {name}, not {call.dtype}"
+    if call.head_dim not in HEAD_DIMS:
+        return f"the head dim must be one of {HEAD_DIMS} for {name}, not {call.head_dim}"
+    if not call.vec:
+        return f"q, k and v must have rows that start on 16-byte boundaries for {name}"
+    if not np.float32(call.scale * LOG2_E) > 0:
+        return f"scale must be positive for {name}, not {call.scale}"
+    if call.block_mask is not None or call.dropout_p > 0 or call.varlen is not None:
+        return f"{name} has no block masks, dropout or packed sequences yet"
+    if not in_simulator() and device_limits().compute_capability != (9, 0):
+        return f"{name} needs a GPU of compute capability 9.0 (H100, H200)"
+    return None
+
+
+__all__ = ["BLOCK_N", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "k_major_descriptor", "k_step_bytes", "mn_major_descriptor",
+           "mn_step_bytes", "out_of_scope", "tile_bytes", "tile_copier"]
