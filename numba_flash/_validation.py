@@ -27,6 +27,8 @@ ALGORITHMS = ("standard", "flash1", "flash2")
 #: The forward also takes "wgmma": flash2's loop on Hopper's warpgroup instructions (kernels/hopper), forced.
 FORWARD_ALGORITHMS = ALGORITHMS + ("wgmma",)
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
+#: The backward also takes "wgmma": flash2's backward on Hopper's warpgroup instructions (kernels/hopper), asked for.
+GRADIENT_ALGORITHMS = BACKWARD_ALGORITHMS + ("wgmma",)
 #: dtypes each algorithm accepts (the fast kernel also takes the 16-bit types).
 DTYPES = {"standard": ("float32",), "flash1": ("float32",), "flash2": ("float32", "float16", "bfloat16")}
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")

@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 from numba import cuda
 
-from ._validation import (FORWARD_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
+from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
                           check_cache_args, check_cache_seqlens, check_cu_seqlens, check_decode_layout,
                           check_device_cache_seqlens, check_dropout, check_new_keys, check_varlen_args,
                           operand_strides, streamed)
@@ -24,6 +24,7 @@ from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
 from .kernels.fast.cache import append_launch, decode_splits
 from .kernels.fast.forward import forward_launch
+from .kernels.hopper import backward as hopper_backward
 from .kernels.hopper import forward as hopper
 from .kernels.literal.flash1_backward import flash1_backward
 from .kernels.literal.flash1_forward import flash1_forward
@@ -151,7 +152,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
 
     algorithm: "flash2" (the default) is the fast backward on tensor cores,
     float32 or 16-bit, bitwise deterministic (no atomics); "flash1" is
-    Algorithm 4 written literally (float32).  block_sizes: for "flash1" the
+    Algorithm 4 written literally (float32); "wgmma" is flash2's backward on
+    Hopper's warpgroup instructions (``kernels/hopper/backward.py``: 16-bit,
+    d = 64 or 128, no block mask, dropout or packed sequences; deterministic;
+    NaN not confined to the entries that may see it).  block_sizes: for "flash1" the
     (B_r, B_c) of Algorithm 4 (default: ``flash1_backward_block_sizes``);
     for "flash2" the tile a thread block owns (B_r queries in the dQ pass,
     B_r keys in the dK/dV pass) and the tile it streams (B_c), both
@@ -420,12 +424,18 @@ class _BackwardPlan(_Plan):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+        check_algorithm(algorithm, GRADIENT_ALGORITHMS)
+        if algorithm == "wgmma" and block_sizes is not None:
+            raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are "
+                             f"{hopper_backward.BLOCK_N} x {hopper_backward.BLOCK_N}), got {block_sizes!r}")
+        loop = "flash2" if algorithm == "wgmma" else algorithm
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                                 dropout_p=dropout_p, seed=0, algorithm=algorithm,
+                                                 dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes, backward=True))
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
-        self.launches = (backward_launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
-                         if algorithm == "flash2" else None)
+        launches = hopper_backward.backward_launches if algorithm == "wgmma" else backward_launches
+        self.launches = (launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
+                         if loop == "flash2" else None)
 
     def __call__(self, q, k, v, o, lse, do, seed, sequences=()):
         """The call; ``sequences``: a packed call's cu_seqlens as device arrays."""

@@ -339,9 +339,9 @@ def _check_arguments(q, k, v, causal, scale, layout):
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False (the mask over the whole sequence), got {causal!r}")
     operands = [describe(name, x.detach()) for name, x in (("q", q), ("k", k), ("v", v))]
-    for backward in (False, True):
+    for direction in (False, True):   # the forward's checks, then the backward's
         check_attention_args(*operands, causal=causal, scale=scale, block_mask=None, dropout_p=0.0, seed=0,
-                             algorithm="flash2", block_sizes=None, backward=backward)
+                             algorithm="flash2", block_sizes=None, backward=direction)
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(f"q, k and v must be this rank's shards of one sequence, of equal lengths N / world; "
                          f"got {q.shape[-2]} query and {k.shape[-2]} key positions")

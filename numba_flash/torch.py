@@ -208,13 +208,14 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     the literal algorithms get contiguous copies.  Returns O with q's shape,
     dtype and device; ``O.backward()`` computes the gradients of q, k and v
     with ``algorithm``'s backward (flash2: the fast, deterministic one;
-    flash1: Algorithm 4, float32).
+    flash1: Algorithm 4, float32; wgmma: the forward and backward on
+    Hopper's warpgroup instructions, 16-bit, d = 64 or 128).
     """
     _check_tensors((("q", q), ("k", k), ("v", v)))
-    if algorithm not in ("flash2", "flash1"):
-        raise ValueError(f"algorithm must be 'flash2' or 'flash1' (the algorithms with a backward; flash2's forward "
-                         f"runs on wgmma by itself on Hopper GPUs), got {algorithm!r}")
-    if algorithm != "flash2" or in_simulator():
+    if algorithm not in ("flash2", "flash1", "wgmma"):
+        raise ValueError(f"algorithm must be 'flash2', 'flash1' or 'wgmma' (the algorithms with a backward; flash2's "
+                         f"forward runs on wgmma by itself on Hopper GPUs), got {algorithm!r}")
+    if algorithm == "flash1" or in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.compiler.is_compiling():
         if block_mask is not None and not isinstance(block_mask, BlockMask):

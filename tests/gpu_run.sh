@@ -86,12 +86,12 @@ for s in $STEPS; do
         CUDA_VISIBLE_DEVICES=0,1 step ring_scaling ${RING_SCALING_LIMIT:-420} torchrun --nproc-per-node 2 \
             experiments/tuning/ring_scaling.py ${RING_SCALING_ARGS:-}
         tail -12 "$LOGS/ring_scaling.log" ;;
-    hopper)  # Hopper's warpgroup MMA driven from Numba: the layouts against NumPy, the forward's tests and
+    hopper)  # Hopper's warpgroup MMA driven from Numba: the layouts against NumPy, the forward's and backward's tests and
              # sanitizers, then TFLOP/s beside cuBLAS
         step wgmma_layouts 150 python3 experiments/tuning/wgmma_layouts.py
         grep -E "True|Error" "$LOGS/wgmma_layouts.log" | tail -12
-        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} step wgmma_forward_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_hopper.py
-        tail -3 "$LOGS/wgmma_forward_test.log"
+        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} step wgmma_test 300 python3 -m pytest -q -p no:cacheprovider tests/test_hopper.py
+        tail -3 "$LOGS/wgmma_test.log"
         for tool in memcheck racecheck synccheck; do
             step wgmma_$tool 150 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
                 python3 tests/gpu_sanitize.py wgmma

@@ -107,8 +107,12 @@ RUNS = [
     # Blocks of two warpgroups sharing each K/V tile (WARPGROUPS), with either loop.
     ("forward", "wgmma", np.float16, None, "warpgroups2"),
     ("forward", "wgmma", BF16, None, "gqa_overlap_warpgroups2"),
+    # The Hopper backward (kernels/hopper/backward.py): its dK/dV and dQ kernels, grouped heads, strided inputs.
+    ("backward", "wgmma", np.float16, None, "dense"),
+    ("backward", "wgmma", BF16, None, "gqa"),
+    ("backward", "wgmma", np.float16, None, "strided"),
 ]
-#: The wgmma forward's cases: d = 64 or 128 only; ragged lengths of one to five 64-row tiles (five: its ring of
+#: The wgmma kernels' cases: d = 64 or 128 only; ragged lengths of one to five 64-row tiles (five: its ring of
 #: three K/V buffers goes round more than once).
 WGMMA_CASES = [
     (1, 2, 130, 270, 128, False),

@@ -4,7 +4,7 @@ instructions): the forward against the float64 reference here, the layouts in
 ``experiments/tuning/wgmma_layouts.py``."""
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_flash.kernels.hopper.wgmma import ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, swizzle_128
@@ -57,6 +57,31 @@ def _where():
     return "hopper" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else None
 
 
+def to_gpu(x, token_major=False):
+    """A host array (16-bit, bfloat16 through ml_dtypes, or float32) as a torch CUDA tensor with the same strides:
+    (B, H, N, d), or (B, N, H, d) memory viewed as (B, H, N, d) when ``token_major``."""
+    import torch
+
+    memory = np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if token_major else x
+    if memory.dtype.itemsize == 2:
+        kind = torch.float16 if memory.dtype == np.float16 else torch.bfloat16
+        tensor = torch.from_numpy(memory.view(np.int16)).cuda().view(kind)
+    else:
+        tensor = torch.from_numpy(memory).cuda()
+    return tensor.transpose(1, 2) if token_major else tensor
+
+
+def to_host(t):
+    """A torch CUDA tensor back as NumPy (bfloat16 through ml_dtypes)."""
+    import ml_dtypes
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
@@ -68,7 +93,8 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
 
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.forward import BLOCK_M, HEAD_DIMS, WARPGROUP_COUNTS
+    from numba_flash.kernels.hopper.common import HEAD_DIMS
+    from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
     from tolerances import assert_close_to_reference
 
     where = _where()
@@ -99,18 +125,10 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
         x[data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, x.shape[1] - 1)),
           data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, d - 1))] = np.nan
     if where == "hopper":
-        import torch
-        as_torch = {np.float16: torch.float16, ml_dtypes.bfloat16: torch.bfloat16}[dtype]
-
-        def to_gpu(x):  # the same strides on the GPU
-            memory = np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if token_major else x
-            tensor = torch.from_numpy(memory.view(np.int16)).cuda().view(as_torch)
-            return tensor.transpose(1, 2) if token_major else tensor
-
         with wgmma_loop(overlap, warpgroups):
-            out, lse = numba_flash.attention(*(to_gpu(host[x]) for x in "qkv"), causal=causal, algorithm="wgmma",
-                                             return_lse=True)
-        out, lse = out.view(torch.int16).cpu().numpy().view(dtype), lse.cpu().numpy()
+            out, lse = numba_flash.attention(*(to_gpu(host[x], token_major) for x in "qkv"), causal=causal,
+                                             algorithm="wgmma", return_lse=True)
+        out, lse = to_host(out), to_host(lse)
     else:
         with wgmma_loop(overlap, warpgroups):
             out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
@@ -165,11 +183,13 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
 
     import numba_flash
     from numba_flash import api
+    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
     device = SimpleNamespace(compute_capability=(9, 0))
-    monkeypatch.setattr(hopper, "in_simulator", lambda: False)
-    monkeypatch.setattr(hopper, "device_limits", lambda: device)
+    for module in (hopper, common):
+        monkeypatch.setattr(module, "in_simulator", lambda: False)
+    monkeypatch.setattr(common, "device_limits", lambda: device)
     monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
 
     def kernel(d=64, dtype=np.float16, causal=False, scale=None, block_mask=None, dropout_p=0.0, block_sizes=None):
@@ -198,7 +218,7 @@ def test_the_overlapped_wgmma_forward_runs_every_buffer(causal, warpgroups):
     of one warpgroup and of two (70 rows: the second warpgroup's rows 64-69 and 58 rows past N_q)."""
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.forward import BLOCK_N
+    from numba_flash.kernels.hopper.common import BLOCK_N
     from tolerances import assert_close_to_reference
 
     rng = np.random.default_rng(11)
@@ -237,3 +257,81 @@ def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_i
     out = out.cpu().numpy() if hasattr(out, "cpu") else np.asarray(out)
     nan_rows = np.isnan(out.astype(np.float32)).any(-1)[0, 0]
     assert np.flatnonzero(nan_rows).tolist() == list(range(40, 70))
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
+@settings(max_examples=max(3, settings.default.max_examples // 4))   # each example: three kernels, run twice
+@given(data=st.data())
+def test_the_wgmma_backward_matches_the_float64_reference(data):
+    """dQ, dK and dV of ``attention_backward(..., algorithm="wgmma")`` against float64: random shapes (ragged,
+    several tiles each way, a key tile no query sees under bottom-right causal), grouped heads (dK and dV summed
+    over each group), both causal alignments, (B, N, H, d) strides; and bitwise equal run to run."""
+    import ml_dtypes
+
+    import numba_flash
+    import reference
+    from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS
+    from tolerances import backward_tolerance
+
+    where = _where()
+    longest = 200 if where == "hopper" else 2 * BLOCK_N + 5   # the simulator: up to three tiles each way
+    batch = data.draw(st.integers(1, 2))
+    kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
+    group = data.draw(st.sampled_from([1, 2, 3]))
+    heads = kv_heads * group
+    n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
+    d = data.draw(st.sampled_from(HEAD_DIMS))
+    dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
+    causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
+    token_major = data.draw(st.booleans())
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+
+    def operand(h, n):
+        if token_major:
+            return rng.standard_normal((batch, n, h, d)).astype(dtype).transpose(0, 2, 1, 3)
+        return rng.standard_normal((batch, h, n, d)).astype(dtype)
+
+    q, k, v, do = operand(heads, n_q), operand(kv_heads, n_k), operand(kv_heads, n_k), operand(heads, n_q)
+    out, lse = reference.attention(q, k, v, causal=causal)
+    out, lse = out.astype(dtype), lse.astype(np.float32)
+    arguments = (q, k, v, out, lse, do)
+
+    def gradients():
+        if where == "hopper":
+            on_gpu = [to_gpu(q, token_major), to_gpu(k, token_major), to_gpu(v, token_major), to_gpu(out),
+                      to_gpu(lse), to_gpu(do, token_major)]
+            return tuple(to_host(x) for x in numba_flash.attention_backward(*on_gpu, causal=causal,
+                                                                            algorithm="wgmma"))
+        return numba_flash.attention_backward(*arguments, causal=causal, algorithm="wgmma")
+
+    grads = gradients()
+    expected = reference.attention_backward(q, k, v, do, causal=causal)
+    weights = reference.softmax(reference.masked_scores(q, k, causal=causal))
+    tolerances = backward_tolerance(q, reference.repeat_kv(k, heads), reference.repeat_kv(v, heads), out, do,
+                                    1 / np.sqrt(d), weights, dtype=dtype, group=group)
+    for name, got, want, tol in zip(("dq", "dk", "dv"), grads, expected, tolerances):
+        assert got.shape == want.shape and got.dtype == dtype, (name, got.shape, got.dtype)
+        err = float(np.abs(got.astype(np.float64) - want).max())
+        assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+    for got, again in zip(grads, gradients()):
+        assert np.array_equal(got.view(np.uint16), again.view(np.uint16))
+
+
+def test_the_wgmma_backward_rejects_what_it_cannot_run():
+    from numba_flash import attention_backward
+
+    def arrays(d=64, dtype=np.float16):
+        x = np.zeros((1, 1, 8, d), dtype)
+        return x, x, x, x, np.zeros((1, 1, 8), np.float32), x
+
+    with pytest.raises(ValueError, match="algorithm='wgmma': the head dim must be one of .* for the wgmma backward"):
+        attention_backward(*arrays(d=32), algorithm="wgmma")
+    with pytest.raises(ValueError, match="algorithm='wgmma': q, k, v must be float16 or bfloat16 for the wgmma "
+                                         "backward"):
+        attention_backward(*arrays(dtype=np.float32), algorithm="wgmma")
+    with pytest.raises(ValueError, match="block_sizes must be None with algorithm='wgmma'"):
+        attention_backward(*arrays(), block_sizes=(64, 64), algorithm="wgmma")
+    with pytest.raises(ValueError, match="the wgmma backward has no block masks, dropout"):
+        attention_backward(*arrays(), dropout_p=0.1, seed=1, algorithm="wgmma")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        attention_backward(*arrays(), algorithm="standard")

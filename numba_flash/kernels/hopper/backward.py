@@ -1,0 +1,401 @@
+"""The attention backward on Hopper's warpgroup tensor cores: FlashAttention-2's backward with its products on wgmma.
+
+``numba_flash.attention_backward(..., algorithm="wgmma")`` (and ``numba_flash.torch.attention(...,
+algorithm="wgmma")``) runs it; ``algorithm="flash2"`` stays on the ``mma.sync`` backward of ``kernels/fast``,
+its reference, until this one is measured faster.  Scope: as the wgmma forward's (``common.out_of_scope``):
+float16 and bfloat16, d = 64 or 128, dense or causal (either alignment), grouped heads, strides with
+contiguous 16-byte rows.  Deterministic, as the mma.sync backward: no atomics, every sum in a fixed order.
+
+Three launches: the mma.sync backward's preprocess (D = rowsum(dO o O), ``fast/backward.preprocess_launch``),
+then two kernels of one warpgroup each (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold
+accumulators in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns).
+
+dK and dV: a warpgroup per (key tile of 64, batch, key/value head) keeps K_j and V_j in shared memory and
+streams past them the query tiles of every query head of its group that see them, in a fixed order::
+
+    K_j, V_j -> shared (swizzled, once);  Q_i, dO_i of the first step, their rows' lse and D -> stage 0
+    for each query head h of the group, for each query tile i that sees key tile j:
+        land Q_i, dO_i; start the next step's into the other stage              cp.async, one barrier
+        S^T = K_j Q_i^T,  dP^T = V_j dO_i^T      wgmma m64n64k16 x d/16 each, both operands from shared memory
+        P^T = exp2(c S^T - lse),  dS^T = P^T o (dP^T - D)          0 where the key may not be seen
+        dV += P^T dO_i,  dK += dS^T Q_i          wgmma m64n{d}k16 x 4 each, A from registers, B transposed
+    dK = scale dK;  dK, dV -> 16-bit
+
+dQ: a warpgroup per (query tile of 64, batch, query head) keeps Q_i and dO_i and streams K_j, V_j::
+
+    for each key tile j that query tile i sees:
+        land K_j, V_j; start K_{j+1}, V_{j+1}
+        S = Q_i K_j^T,  dP = dO_i V_j^T;  P = exp2(c S - lse),  dS = P o (dP - D)
+        dQ += dS K_j                             A from registers, K_j transposed
+    dQ = scale dQ -> 16-bit
+
+Every tile is the forward's (``common.py``): 64 rows in 128-byte-swizzled shared memory, read K-major by the
+score products and MN-major by the gradient products: the same bytes under two descriptors.  The transposed
+scores of the dK/dV kernel leave P^T and dS^T in exactly the registers a register-sourced A operand wants
+(as in FlashAttention-3's backward), so P never goes through shared memory.  Barriers and fences as the
+forward's: after a thread's copies land, ``fence_proxy_async`` (cp.async's writes are ordinary ones, the
+tensor cores read through the async proxy) and ``syncthreads`` (every thread's part is there, and every warp
+has waited for the products that read the stage about to be refilled); ``wgmma_fence`` before each group of
+products (the zeroed accumulators, or the packed A registers, written just before).
+
+Departures from FlashAttention-3's backward, each a step still to take (and to measure):
+
+* dQ has its own pass, as in the mma.sync backward: S and dP are computed twice, seven products where
+  FlashAttention-3 does five with dQ accumulated across key tiles by atomics (ordered by semaphores when
+  deterministic);
+* each group of products is waited for before its accumulators are read: no producer warp, no products
+  overlapping the exponentials, two stages of cp.async copies instead of bulk copies;
+* NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
+  0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
+  there, not here;
+* no block masks, dropout or packed sequences yet.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from ...runtime.device import in_simulator
+from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...tiling import cdiv
+from ..fast.backward import preprocess_launch
+from ..fast.common import LOG2_E, ceil_div, log2_lse, tile_coordinates, word_extent
+from ..fast.fragments import sixteen_bit_ops
+from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word,
+                               u32_as_f32)
+from .common import (BLOCK_N, k_major_descriptor, k_step_bytes, mn_major_descriptor, mn_step_bytes, out_of_scope,
+                     tile_bytes, tile_copier)
+from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
+                    wgmma_rs, wgmma_ss, wgmma_wait)
+
+WARPGROUP = 128          # threads of a block: one warpgroup
+TILES = 6                # 64-row tiles in shared memory: the two kept, and two stages of the two streamed
+
+
+def shared_bytes(head_dim):
+    """The six tiles, the streamed query rows' lse and D (two stages), and slack to start the tiles on a 1024-byte
+    boundary."""
+    return TILES * tile_bytes(head_dim) + 2 * 2 * BLOCK_N * 4 + 1024
+
+
+@lru_cache(maxsize=None)
+def products(HEAD_DIM, ELEMENT):
+    """(issue_scores, pack_pairs, issue_weighted) of one warpgroup for head dim HEAD_DIM: a step's two score-like
+    products, an accumulator packed as the next product's A operand, and that product."""
+    S_REGISTERS = BLOCK_N // 2
+    K_STEPS = HEAD_DIM // 16
+    scores_by_rows = wgmma_ss(BLOCK_N, ELEMENT, False)      # S = A B^T over d: both tiles K-major
+    weights_by_rows = wgmma_rs(HEAD_DIM, ELEMENT, True)     # acc += A B: A in registers, B MN-major
+    _, pack = sixteen_bit_ops(ELEMENT)
+
+    @inlined_device_function
+    def issue_scores(s, a_desc, b_desc, dp, da_desc, db_desc):
+        """s = A B^T and dp = dA dB^T over d (each zeroed first; four 64-row tiles), one commit group."""
+        for i in range(S_REGISTERS):
+            s[i] = float32(0)
+            dp[i] = float32(0)
+        wgmma_fence()   # the zeroed accumulators, before the products write them
+        for step in range(K_STEPS):
+            scores_by_rows(s, advanced_device(a_desc, k_step_bytes(step)), advanced_device(b_desc, k_step_bytes(step)))
+            scores_by_rows(dp, advanced_device(da_desc, k_step_bytes(step)),
+                           advanced_device(db_desc, k_step_bytes(step)))
+        wgmma_commit()
+
+    @inlined_device_function
+    def pack_pairs(words, s):
+        """A 64 x 64 accumulator as the A operand of the next product: 16-bit pairs, k-step x in words 4x .. 4x + 3
+        (the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8): the accumulator's 8-column blocks 2x
+        and 2x + 1)."""
+        for x in range(S_REGISTERS // 2):
+            words[x] = pack(s[2 * x], s[2 * x + 1])
+
+    @inlined_device_function
+    def issue_weighted(acc, words, b_desc):
+        """acc += A B for A packed in ``words`` (64 x 64) and B the MN-major tile of ``b_desc``: four k-steps."""
+        for step in range(BLOCK_N // 16):
+            weights_by_rows(acc, (words[4 * step], words[4 * step + 1], words[4 * step + 2], words[4 * step + 3]),
+                            advanced_device(b_desc, mn_step_bytes(step)))
+
+    return issue_scores, pack_pairs, issue_weighted
+
+
+@inlined_device_function
+def lane_entry(i, g, t, warp):
+    """(row, column) of this lane's accumulator register i in a 64 x 64 accumulator (``wgmma.py``'s table)."""
+    return 16 * warp + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
+
+
+@lru_cache(maxsize=None)
+def row_store(HEAD_DIM, ELEMENT):
+    """``store_rows(X, first, row_stride, acc, rows_valid, factor, warp, g, t)``: this lane's rows of a 64 x
+    HEAD_DIM accumulator times ``factor``, as 16-bit pairs into X (element (r, x) at first + r row_stride + x)."""
+    _, pack = sixteen_bit_ops(ELEMENT)
+
+    @inlined_device_function
+    def store_rows(X, first, row_stride, acc, rows_valid, factor, warp, g, t):
+        for r in range(2):
+            row = 16 * warp + g + 8 * r
+            if row < rows_valid:
+                for block in range(HEAD_DIM // 8):
+                    i = 4 * block + 2 * r
+                    store_word(X, (first + row * row_stride + 8 * block + 2 * t) // 2,
+                               pack(acc[i] * factor, acc[i + 1] * factor))
+
+    return store_rows
+
+
+def _kernel(fn, name, results):
+    """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32."""
+    return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
+                                        D=np.float32, **{x: np.uint32 for x in results}),
+                  floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, 1))
+
+
+@lru_cache(maxsize=None)
+def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
+    """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring."""
+    S_REGISTERS, ACC_REGISTERS = BLOCK_N // 2, HEAD_DIM // 2
+    A_WORDS = S_REGISTERS // 2                  # a 64 x 64 accumulator as 16-bit pairs
+    TILE_WORDS = tile_bytes(HEAD_DIM) // 4
+    STAGE_BYTES = 2 * tile_bytes(HEAD_DIM)      # a stage: Q_i, then dO_i
+    _, start_tile, _, _ = tile_copier(HEAD_DIM, WARPGROUP)
+    issue_scores, pack_pairs, issue_weighted = products(HEAD_DIM, ELEMENT)
+    store_rows = row_store(HEAD_DIM, ELEMENT)
+    wait_all_products = wgmma_wait(0)
+
+    @inlined_device_function
+    def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, tid):
+        """Q_i and dO_i of a step on their way into the stage at word ``at``; their rows' lse (log2 units; +inf
+        past N_q, so that P = 0) and D stored at ``scalars_at`` (plain stores: the barrier that lands the tiles
+        publishes them too)."""
+        start_tile(smem, at, Q, q_first + q0 * q_sn, q_sn, n_q - q0, tid)
+        start_tile(smem, at + TILE_WORDS, dO, do_first + q0 * do_sn, do_sn, n_q - q0, tid)
+        if tid < BLOCK_N:
+            row = q0 + tid
+            inside = row < n_q
+            store_word(smem, scalars_at + tid,
+                       f32_as_u32(log2_lse(LSE[lse_first + row]) if inside else float32(math.inf)))
+            store_word(smem, scalars_at + BLOCK_N + tid, f32_as_u32(D[lse_first + row] if inside else float32(0)))
+
+    @inlined_device_function
+    def gradient_terms(st, dpt, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
+        """st: S^T -> P^T = exp2(c S^T - lse), dpt: dP^T -> dS^T = P^T o (dP^T - D); both 0 where the key may not
+        be seen (``masked``, block-uniform: a tile the causal diagonal crosses, or the last keys' ragged one)."""
+        for i in range(S_REGISTERS):
+            key, column = lane_entry(i, g, t, warp)
+            p = exp2(cuda.fma(st[i], c_log2, -u32_as_f32(load_word(smem, scalars_at + column))))
+            if masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + column + causal_offset)):
+                p = float32(0)
+            st[i] = p
+            dpt[i] = p * (dpt[i] - u32_as_f32(load_word(smem, scalars_at + BLOCK_N + column)))
+
+    def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
+               do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
+               causal_offset, scale, scale_log2):
+        # Q, K, V, dO, dK, dV: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte
+        # aligned); LSE, D: (batch * heads, n_q) float32.  Query heads h_kv group .. h_kv group + group - 1 read
+        # key/value head h_kv.
+        tile, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
+        k0 = tile * BLOCK_N   # causal: rank 0 is key tile 0, the one the most query rows see
+        tid = cuda.threadIdx.x
+        warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+        c_log2 = float32(scale_log2)
+        smem = cuda.shared.array(0, uint32)
+        base = shared_address(smem)
+        pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
+        k_at, v_at, q_at = pad, pad + TILE_WORDS, pad + 2 * TILE_WORDS   # stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS
+        scalars_at = pad + TILES * TILE_WORDS            # stage s: lse, then D, at scalars_at + s 2 BLOCK_N
+        # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q
+        # MN-major: the same bytes.  The stage-0 descriptors, advanced by a stage's bytes.
+        k_desc, v_desc = k_major_descriptor(base + k_at * 4), k_major_descriptor(base + v_at * 4)
+        q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + (q_at + TILE_WORDS) * 4)
+        qt_desc = mn_major_descriptor(base + q_at * 4)
+        dot_desc = mn_major_descriptor(base + (q_at + TILE_WORDS) * 4)
+
+        # The steps: every query tile of every query head of the group that sees key tile j (causal: from the
+        # tile holding row k0 - causal_offset, the first that sees key k0), heads in order.
+        first_q_tile = max(0, k0 - causal_offset) // BLOCK_N if CAUSAL else 0
+        per_head = max(0, q_tiles - first_q_tile)
+        steps = group * per_head
+
+        dk_acc = cuda.local.array(ACC_REGISTERS, float32)
+        dv_acc = cuda.local.array(ACC_REGISTERS, float32)
+        st = cuda.local.array(S_REGISTERS, float32)
+        dpt = cuda.local.array(S_REGISTERS, float32)
+        p_words = cuda.local.array(A_WORDS, uint32)    # P^T, packed: the A operand of dV's product
+        ds_words = cuda.local.array(A_WORDS, uint32)   # dS^T, packed: dK's
+        for i in range(ACC_REGISTERS):
+            dk_acc[i] = float32(0)
+            dv_acc[i] = float32(0)
+
+        start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + k0 * k_sn, k_sn, n_k - k0, tid)
+        start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + k0 * v_sn, v_sn, n_k - k0, tid)
+        if steps > 0:
+            h = h_kv * group
+            q0 = first_q_tile * BLOCK_N
+            start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh, b * do_sb + h * do_sh, q_sn, do_sn,
+                       (b * kv_heads * group + h) * n_q, q0, n_q, tid)
+        copy_async_commit()
+        for step in range(steps):
+            stage = step & 1
+            q0 = (first_q_tile + step % per_head) * BLOCK_N
+            # K_j, V_j (first step) and this step's tiles landed, for the tensor cores too, and its lse and D
+            # stored; every warp done with the previous step's products, so their stage may be refilled.
+            copy_async_wait_all()
+            fence_proxy_async()
+            cuda.syncthreads()
+            if step + 1 < steps:
+                h_next = h_kv * group + (step + 1) // per_head
+                start_step(smem, q_at + (stage ^ 1) * 2 * TILE_WORDS, scalars_at + (stage ^ 1) * 2 * BLOCK_N, Q, dO,
+                           LSE, D, b * q_sb + h_next * q_sh, b * do_sb + h_next * do_sh, q_sn, do_sn,
+                           (b * kv_heads * group + h_next) * n_q, (first_q_tile + (step + 1) % per_head) * BLOCK_N,
+                           n_q, tid)
+            copy_async_commit()
+            offset = stage * STAGE_BYTES
+            issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
+            wait_all_products()
+            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
+            gradient_terms(st, dpt, smem, scalars_at + stage * 2 * BLOCK_N, k0, q0, n_k, causal_offset, c_log2,
+                           masked, warp, g, t)
+            pack_pairs(p_words, st)
+            pack_pairs(ds_words, dpt)
+            wgmma_fence()   # P^T's and dS^T's registers, before the products read them
+            issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
+            issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
+            wgmma_commit()
+            wait_all_products()
+
+        store_rows(dK, b * dk_sb + h_kv * dk_sh + k0 * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp, g, t)
+        store_rows(dV, b * dv_sb + h_kv * dv_sh + k0 * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp, g, t)
+
+    return _kernel(kernel, f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else ""),
+                   ("dK", "dV"))
+
+
+@lru_cache(maxsize=None)
+def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
+    """dQ: one warpgroup per (query tile, batch, query head); see the module docstring."""
+    S_REGISTERS, ACC_REGISTERS = BLOCK_N // 2, HEAD_DIM // 2
+    A_WORDS = S_REGISTERS // 2                  # a 64 x 64 accumulator as 16-bit pairs
+    TILE_WORDS = tile_bytes(HEAD_DIM) // 4
+    STAGE_BYTES = 2 * tile_bytes(HEAD_DIM)      # a stage: K_j, then V_j
+    _, start_tile, _, _ = tile_copier(HEAD_DIM, WARPGROUP)
+    issue_scores, pack_pairs, issue_weighted = products(HEAD_DIM, ELEMENT)
+    store_rows = row_store(HEAD_DIM, ELEMENT)
+    wait_all_products = wgmma_wait(0)
+
+    @inlined_device_function
+    def score_gradients(s, dp, lse2, d_i, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
+        """s: S -> P = exp2(c S - lse), dp: dP -> dS = P o (dP - D); both 0 where the key may not be seen."""
+        for i in range(S_REGISTERS):
+            row, key = lane_entry(i, g, t, warp)
+            r = (i % 4) // 2
+            p = exp2(cuda.fma(s[i], c_log2, -lse2[r]))
+            if masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + row + causal_offset)):
+                p = float32(0)
+            dp[i] = p * (dp[i] - d_i[r])
+
+    def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
+               dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2):
+        # As the dK/dV kernel's; key/value head h // group serves query head h.
+        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
+        q_tile = q_tiles - 1 - tile if CAUSAL else tile   # rank 0: the longest tile
+        q0 = q_tile * BLOCK_N
+        tid = cuda.threadIdx.x
+        warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+        c_log2 = float32(scale_log2)
+        smem = cuda.shared.array(0, uint32)
+        base = shared_address(smem)
+        pad = ((1024 - (base & 1023)) & 1023) // 4
+        q_at, do_at, kv_at = pad, pad + TILE_WORDS, pad + 2 * TILE_WORDS   # stage s: K_j, V_j at kv_at + s 2 TILE_WORDS
+        q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + do_at * 4)
+        k_desc, v_desc = k_major_descriptor(base + kv_at * 4), k_major_descriptor(base + (kv_at + TILE_WORDS) * 4)
+        kt_desc = mn_major_descriptor(base + kv_at * 4)   # K_j as dQ's B: the same bytes, MN-major
+
+        lse2 = cuda.local.array(2, float32)   # this lane's rows g and g + 8 (of its warp's 16): lse in log2 units
+        d_i = cuda.local.array(2, float32)
+        for r in range(2):
+            row = q0 + 16 * warp + g + 8 * r
+            lse2[r] = log2_lse(LSE[bh * n_q + row]) if row < n_q else float32(math.inf)
+            d_i[r] = D[bh * n_q + row] if row < n_q else float32(0)
+        n_tiles = ceil_div(n_k, BLOCK_N)
+        if CAUSAL:  # no key beyond the last row's diagonal
+            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_N, n_q) + causal_offset, BLOCK_N)))
+        k_first = b * k_sb + (h // group) * k_sh
+        v_first = b * v_sb + (h // group) * v_sh
+
+        dq_acc = cuda.local.array(ACC_REGISTERS, float32)
+        s = cuda.local.array(S_REGISTERS, float32)
+        dp = cuda.local.array(S_REGISTERS, float32)
+        ds_words = cuda.local.array(A_WORDS, uint32)   # dS, packed: the A operand of dQ's product
+        for i in range(ACC_REGISTERS):
+            dq_acc[i] = float32(0)
+
+        start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
+        start_tile(smem, do_at, dO, b * do_sb + h * do_sh + q0 * do_sn, do_sn, n_q - q0, tid)
+        if n_tiles > 0:
+            start_tile(smem, kv_at, K, k_first, k_sn, n_k, tid)
+            start_tile(smem, kv_at + TILE_WORDS, V, v_first, v_sn, n_k, tid)
+        copy_async_commit()
+        for j in range(n_tiles):
+            stage = j & 1
+            k0, k1 = j * BLOCK_N, (j + 1) * BLOCK_N
+            copy_async_wait_all()   # Q_i, dO_i and K_j, V_j landed, for the tensor cores too; every warp done
+            fence_proxy_async()     # with tile j - 1's products, so their stage may be refilled
+            cuda.syncthreads()
+            if j + 1 < n_tiles:
+                at = kv_at + (stage ^ 1) * 2 * TILE_WORDS
+                start_tile(smem, at, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
+                start_tile(smem, at + TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
+            copy_async_commit()
+            offset = stage * STAGE_BYTES
+            issue_scores(s, q_desc, advanced_device(k_desc, offset), dp, do_desc, advanced_device(v_desc, offset))
+            wait_all_products()
+            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k1 > n_k
+            score_gradients(s, dp, lse2, d_i, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t)
+            pack_pairs(ds_words, dp)
+            wgmma_fence()   # dS's registers, before the product reads them
+            issue_weighted(dq_acc, ds_words, advanced_device(kt_desc, offset))
+            wgmma_commit()
+            wait_all_products()
+
+        store_rows(dQ, b * dq_sb + h * dq_sh + q0 * dq_sn, dq_sn, dq_acc, n_q - q0, float32(scale), warp, g, t)
+
+    return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else ""), ("dQ",))
+
+
+def backward_launches(call, o_strides, do_strides, do_aligned):
+    """The wgmma backward for a validated call in its scope, as three ``Launch``es (preprocess, dK/dV, dQ) taking
+    per call what the mma.sync backward's take (``fast/backward.backward_launches``)."""
+    reason = out_of_scope(call, "backward")
+    if reason is None and not (do_aligned and all(s % 8 == 0 for s in (do_strides.batch, do_strides.head,
+                                                                          do_strides.row))):
+        reason = "do must have rows that start on 16-byte boundaries for the wgmma backward"
+    if reason is not None:
+        raise ValueError(f"algorithm='wgmma': {reason}")
+    if not in_simulator():
+        enable_sm90a()
+    words = word_extent(call)
+    (qs, ks, vs), dq_s, dkv_s = call.strides, call.result_strides("q"), call.result_strides("kv")
+    q_shape, kv_shape = call.kernel_shapes
+    rows = call.batch_heads * call.n_q   # of lse and D
+    operands = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
+                    v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
+                    do_sn=do_strides.row, group=call.group, n_q=call.n_q, n_k=call.n_k,
+                    causal_offset=call.causal_offset, scale=call.scale, scale_log2=call.scale * LOG2_E)
+    extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), dO=words(q_shape, do_strides),
+                   LSE=rows, D=rows)
+    inputs = ("Q", "K", "V", "dO", "LSE", "D")
+    k_tiles, q_tiles = cdiv(call.n_k, BLOCK_N), cdiv(call.n_q, BLOCK_N)
+    shared = shared_bytes(call.head_dim)
+    dkdv = Launch(make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal)),
+                  k_tiles * call.batch * call.kv_heads, WARPGROUP, shared,
+                  dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch,
+                       dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles),
+                  inputs + ("dK", "dV"), dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s)))
+    dq = Launch(make_wgmma_dq(call.head_dim, call.precision, bool(call.causal)), q_tiles * call.batch_heads,
+                WARPGROUP, shared, dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads,
+                                        q_tiles=q_tiles),
+                inputs + ("dQ",), dict(extents, dQ=words(q_shape, dq_s)))
+    return preprocess_launch(call, o_strides, do_strides), dkdv, dq
