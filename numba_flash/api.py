@@ -366,15 +366,23 @@ class _Plan:
         return tuple(_arrays.to_host(x, dtype) for x, dtype in zip(results, dtypes))
 
 
+def _checked_loop(algorithm, algorithms, block_sizes, wgmma_tiles):
+    """The algorithm whose checks the call takes: flash2's for "wgmma", which takes no block_sizes (its tiles are
+    ``wgmma_tiles``)."""
+    check_algorithm(algorithm, algorithms)
+    if algorithm != "wgmma":
+        return algorithm
+    if block_sizes is not None:
+        raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are {wgmma_tiles[0]} x "
+                         f"{wgmma_tiles[1]}), got {block_sizes!r}")
+    return "flash2"
+
+
 class _ForwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
-        check_algorithm(algorithm, FORWARD_ALGORITHMS)
-        if algorithm == "wgmma" and block_sizes is not None:
-            raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are {hopper.BLOCK_M} x "
-                             f"{hopper.BLOCK_N}), got {block_sizes!r}")
-        loop = "flash2" if algorithm == "wgmma" else algorithm
+        loop = _checked_loop(algorithm, FORWARD_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
                                                  dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes))
@@ -424,11 +432,7 @@ class _BackwardPlan(_Plan):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
-        check_algorithm(algorithm, GRADIENT_ALGORITHMS)
-        if algorithm == "wgmma" and block_sizes is not None:
-            raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are "
-                             f"{hopper_backward.BLOCK_N} x {hopper_backward.BLOCK_N}), got {block_sizes!r}")
-        loop = "flash2" if algorithm == "wgmma" else algorithm
+        loop = _checked_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
                                                  dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes, backward=True))

@@ -19,7 +19,7 @@ g + 8 r).
   dV += P^T dO, dK += dS^T Q and dQ += dS K.  The product of one tile goes
   into a *fresh* fragment and is added into acc on the float32 units: the
   tensor cores' float32 accumulator truncates instead of rounding
-  (``experiments/results/mma_accumulation.md``: a chain of 32768 tf32 steps
+  (``experiments/tuning/results/mma_accumulation.md``: a chain of 32768 tf32 steps
   is 1.5e-3 too small), so a chain that ran over every key tile made the
   error grow linearly in N.  One tile's chain is short; the adds across
   tiles round to nearest.  The fresh fragment covers CHUNK head-dim tiles at
@@ -39,7 +39,7 @@ for four or two 8x8 matrices, where each lane would issue as many 32-bit
 loads), every tile row-major as it arrived: A and B of ``rows_by_rows_t``
 as they are, B of ``accumulate_product`` (k x d) transposed on the way
 (``ldmatrix.trans`` gives m16n8k16's B layout).  SASS before and after:
-results/ldmatrix_sass.md.
+experiments/tuning/results/ldmatrix_sass.md.
 
 float32 runs as 3xTF32: every operand is split once into tf32 hi and lo
 halves (stored in two tiles, at ``*_HI`` and ``*_LO``), and each product is
@@ -147,6 +147,30 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
         B's rows are swizzled (``row``: the row modulo 8 is what counts)."""
         return 4 * (swizzle(chunk, row) if SWIZZLED else chunk)
 
+    def b_one_product_ahead(load_b, COUNT, b_address):
+        """``products(acc, a, a_lo, smem, b_lane, x, y)`` (16-bit): acc[m * COUNT + c] += A_m B_c for the
+        warp's M_TILES row fragments and COUNT B fragments, B_c = ``load_b(smem, b_lane, b_address(c, x, y))``,
+        each loaded one product ahead, so that no mma waits on its own load."""
+        @inlined_device_function
+        def products(acc, a, a_lo, smem, b_lane, x, y):
+            b0, b1 = load_b(smem, b_lane, b_address(0, x, y))
+            for c in range(COUNT):
+                if c + 1 < COUNT:
+                    n0, n1 = load_b(smem, b_lane, b_address(c + 1, x, y))
+                for m in range(M_TILES):
+                    mma_into(acc, m * COUNT + c, a, a_lo, m, b0, b1, b0, b1)
+                if c + 1 < COUNT:
+                    b0, b1 = n0, n1
+
+        return products
+
+    @inlined_device_function
+    def b_row_tile_at(ot, b_at, _):
+        """Words from a lane's row of B to its chunk ``b_at`` in 8-row tile ``ot``."""
+        return ot * 8 * RS_B + b_at
+
+    b_rows_one_ahead = b_one_product_ahead(ldmatrix_x2, O_TILES, b_row_tile_at)
+
     @inlined_device_function
     def rows_by_rows_t(acc, smem, A_HI, A_LO, B_HI, B_LO, a_row0, g, t):
         """acc[m, ot] = A[a_row0 + 16 m + (g, g + 8), :] . B[8 ot + (2t, 2t + 1), :]^T over d (OTHER rows of B).
@@ -172,15 +196,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
                     a[m, 0], a[m, 1], a[m, 2], a[m, 3] = ldmatrix_x4(smem, a_lane, m * 16 * RS + ks * 8)
                 # The lane's chunk of B for this k-step (rows 8 ot + row_in_matrix: one swizzle for every ot).
                 b_at = b_chunk_at(2 * ks + (matrix & 1), row_in_matrix)
-                # Each B fragment is loaded one product ahead, so that no mma waits on its own load.
-                b0, b1 = ldmatrix_x2(smem, b_lane, b_at)
-                for ot in range(O_TILES):
-                    if ot + 1 < O_TILES:
-                        n0, n1 = ldmatrix_x2(smem, b_lane, (ot + 1) * 8 * RS_B + b_at)
-                    for m in range(M_TILES):
-                        mma_into(acc, m * O_TILES + ot, a, a_lo, m, b0, b1, b0, b1)
-                    if ot + 1 < O_TILES:
-                        b0, b1 = n0, n1
+                b_rows_one_ahead(acc, a, a_lo, smem, b_lane, b_at, 0)
             else:
                 for m in range(M_TILES):
                     a_row = (a_row0 + 16 * m + g) * RS + ks * 8 + t
@@ -198,6 +214,13 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
     def product_chunk(FIRST, COUNT):
         """acc[m, FIRST:FIRST + COUNT] = alpha acc + (P . B)[m, FIRST:FIRST + COUNT], through a fresh fragment."""
         TILE_ROWS = M_TILES * COUNT
+
+        @inlined_device_function
+        def b_chunk_tile_at(c, ks, row_in_matrix):
+            """Words from a lane's row of B (k-step ``ks``) to its chunk of d tile FIRST + c."""
+            return ks * 16 * RS_B + b_chunk_at(FIRST + c, row_in_matrix)
+
+        b_chunks_one_ahead = b_one_product_ahead(ldmatrix_x2_trans, COUNT, b_chunk_tile_at)
 
         @inlined_device_function
         def chunk(acc, alpha, p, smem, B_HI, B_LO, g, t):
@@ -220,15 +243,7 @@ def tile_products(OTHER, D_PAD, PRECISION, M_TILES=1, SWIZZLED=False):
                         a[m, 1] = pack(p[k0, 2], p[k0, 3])
                         a[m, 2] = pack(p[k1, 0], p[k1, 1])
                         a[m, 3] = pack(p[k1, 2], p[k1, 3])
-                    b0, b1 = ldmatrix_x2_trans(smem, b_lane, ks * 16 * RS_B + b_chunk_at(FIRST, row_in_matrix))
-                    for c in range(COUNT):   # B one product ahead, as in rows_by_rows_t
-                        if c + 1 < COUNT:
-                            n0, n1 = ldmatrix_x2_trans(smem, b_lane,
-                                                       ks * 16 * RS_B + b_chunk_at(FIRST + c + 1, row_in_matrix))
-                        for m in range(M_TILES):
-                            mma_into(tile, m * COUNT + c, a, a_lo, m, b0, b1, b0, b1)
-                        if c + 1 < COUNT:
-                            b0, b1 = n0, n1
+                    b_chunks_one_ahead(tile, a, a_lo, smem, b_lane, ks, row_in_matrix)
             else:
                 for ks in range(O_TILES):
                     # k-index t <-> column 2t (c0, c2) and t + 4 <-> column 2t + 1 (c1, c3).

@@ -105,46 +105,40 @@ if not config.ENABLE_CUDASIM:
     def _cast_all(context, builder, sig, args, wanted):
         return [context.cast(builder, a, t, w) for a, t, w in zip(args, sig.args, wanted)]
 
-    @intrinsic
-    def f32_as_u32(typingctx, x):
-        """The bits of a float32, as uint32 (a register move, no conversion)."""
-        def codegen(context, builder, sig, args):
-            (x,) = _cast_all(context, builder, sig, args, [types.float32])
-            return builder.bitcast(x, _I32)
+    def _bitcast_intrinsic(source, target, doc):
+        """A register move that reads ``source``'s bits as ``target`` (Numba types), no conversion."""
+        @intrinsic
+        def bitcast(typingctx, x):
+            def codegen(context, builder, sig, args):
+                (x,) = _cast_all(context, builder, sig, args, [source])
+                return builder.bitcast(x, context.get_value_type(target))
 
-        return types.uint32(x), codegen
+            return target(x), codegen
 
-    @intrinsic
-    def u32_as_f32(typingctx, u):
-        """The float32 whose bits are ``u``."""
-        def codegen(context, builder, sig, args):
-            (u,) = _cast_all(context, builder, sig, args, [types.uint32])
-            return builder.bitcast(u, _F32)
+        bitcast.__doc__ = doc
+        return bitcast
 
-        return types.float32(u), codegen
+    f32_as_u32 = _bitcast_intrinsic(types.float32, types.uint32, "The bits of a float32, as uint32 (no conversion).")
+    u32_as_f32 = _bitcast_intrinsic(types.uint32, types.float32, "The float32 whose bits are the uint32 ``x``.")
 
-    @intrinsic
-    def pack_half2(typingctx, lo, hi):
-        """Round two float32 to float16 and pack them: ``lo`` in bits 0-15."""
-        def codegen(context, builder, sig, args):
-            lo, hi = _cast_all(context, builder, sig, args, [types.float32] * 2)
-            # cvt.rn.f16x2.f32 d, a, b puts a in the upper half, b in the lower.
-            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
-                               "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
-            return builder.call(asm, [hi, lo])
+    def _pack_intrinsic(kind, name):
+        """``pack(lo, hi)``: round two float32 to ``kind`` (PTX's f16 or bf16, nearest even) and pack them."""
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            def codegen(context, builder, sig, args):
+                lo, hi = _cast_all(context, builder, sig, args, [types.float32] * 2)
+                # cvt.rn.<kind>x2.f32 d, a, b puts a in the upper half, b in the lower.
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                                   f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f")
+                return builder.call(asm, [hi, lo])
 
-        return types.uint32(lo, hi), codegen
+            return types.uint32(lo, hi), codegen
 
-    @intrinsic
-    def pack_bf16x2(typingctx, lo, hi):
-        """Round two float32 to bfloat16 (nearest even) and pack them: ``lo`` in bits 0-15."""
-        def codegen(context, builder, sig, args):
-            lo, hi = _cast_all(context, builder, sig, args, [types.float32] * 2)
-            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
-                               "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
-            return builder.call(asm, [hi, lo])
+        pack.__doc__ = f"Round two float32 to {name} (nearest even) and pack them: ``lo`` in bits 0-15."
+        return pack
 
-        return types.uint32(lo, hi), codegen
+    pack_half2 = _pack_intrinsic("f16", "float16")
+    pack_bf16x2 = _pack_intrinsic("bf16", "bfloat16")
 
     @intrinsic
     def half_to_f32(typingctx, bits):
@@ -226,6 +220,14 @@ if not config.ENABLE_CUDASIM:
         """Typing test of the memory intrinsics: a 1-D array (of ``bitwidth``-bit elements) and an integer."""
         return (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)
                 and (bitwidth is None or arr.dtype.bitwidth == bitwidth))
+
+    def _word_and_integer(arr, index, value):
+        """Typing test of the intrinsics on ``arr[index]`` (32-bit words) that take one more integer."""
+        return _flat_words(arr, index, 32) and isinstance(value, types.Integer)
+
+    def _first_shared_address(context, builder, sig, args):
+        """``_shared_address`` of ``args[0][args[1]]``: the intrinsic's first two arguments."""
+        return _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
 
     def _vector_pointer(context, builder, sig, args):
         """Pointer to the 4-element vector at ``args[0][args[1]]`` (16-byte alignment is the caller's promise)."""
@@ -327,11 +329,11 @@ if not config.ENABLE_CUDASIM:
     def _ldmatrix_intrinsic(count, trans=False):
         @intrinsic
         def ldmatrix(typingctx, arr, index, offset):
-            if not (_flat_words(arr, index, 32) and isinstance(offset, types.Integer)):
+            if not _word_and_integer(arr, index, offset):
                 return None
 
             def codegen(context, builder, sig, args):
-                row = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                row = _first_shared_address(context, builder, sig, args)
                 # The offset is added to the finished 32-bit address, where a constant one can become the
                 # instruction's immediate whatever the index holds (a buffer's runtime offset, say).  SASS of
                 # the d = 128 forward's key-tile loop: 820 instructions, against 833 with the offset in the
@@ -372,7 +374,7 @@ if not config.ENABLE_CUDASIM:
                 return None
 
             def codegen(context, builder, sig, args):
-                to = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                to = _first_shared_address(context, builder, sig, args)
                 origin = _global_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
                 # The source size operand: 16 bytes, or 0 (the hardware fills the 16 bytes with zeros).
                 size = builder.select(args[4], ir.Constant(_I32, 16), ir.Constant(_I32, 0))
@@ -389,7 +391,7 @@ if not config.ENABLE_CUDASIM:
 
     copy_async16 = _copy_async_intrinsic()
     #: ``copy_async16`` with L2 asked to fetch 128 or 256 bytes around each copy (timed against it by
-    #: experiments/cp_async_stream.py; no kernel uses it yet).
+    #: experiments/tuning/cp_async_stream.py; no kernel uses it yet).
     copy_async16_prefetching = {size: _copy_async_intrinsic(size) for size in (128, 256)}
 
     def ptx_statement(text):

@@ -60,12 +60,12 @@ from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
-from ..fast.common import LOG2_E, ceil_div, log2_lse, tile_coordinates, word_extent
+from ..fast.common import LOG2_E, ceil_div, log2_lse, tile_coordinates, warp_lane, word_extent
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word,
                                u32_as_f32)
-from .common import (BLOCK_N, k_major_descriptor, k_step_bytes, mn_major_descriptor, mn_step_bytes, out_of_scope,
-                     tile_bytes, tile_copier)
+from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
+                     mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
 from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
                     wgmma_rs, wgmma_ss, wgmma_wait)
 
@@ -83,7 +83,6 @@ def shared_bytes(head_dim):
 def products(HEAD_DIM, ELEMENT):
     """(issue_scores, pack_pairs, issue_weighted) of one warpgroup for head dim HEAD_DIM: a step's two score-like
     products, an accumulator packed as the next product's A operand, and that product."""
-    S_REGISTERS = BLOCK_N // 2
     K_STEPS = HEAD_DIM // 16
     scores_by_rows = wgmma_ss(BLOCK_N, ELEMENT, False)      # S = A B^T over d: both tiles K-major
     weights_by_rows = wgmma_rs(HEAD_DIM, ELEMENT, True)     # acc += A B: A in registers, B MN-major
@@ -145,6 +144,19 @@ def row_store(HEAD_DIM, ELEMENT):
     return store_rows
 
 
+S_REGISTERS = BLOCK_N // 2   # a lane's registers of a 64 x 64 accumulator (S, dP, and their transposes)
+A_WORDS = S_REGISTERS // 2   # the same as 16-bit pairs: an A operand from registers
+wait_all_products = wgmma_wait(0)
+
+
+@lru_cache(maxsize=None)
+def steps(HEAD_DIM, ELEMENT):
+    """What both kernels are made of, for head dim HEAD_DIM: (registers of a 64 x HEAD_DIM accumulator, words of a
+    tile, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows)."""
+    return (HEAD_DIM // 2, tile_bytes(HEAD_DIM) // 4, tile_copier(HEAD_DIM, WARPGROUP)[1], *products(HEAD_DIM, ELEMENT),
+            row_store(HEAD_DIM, ELEMENT))
+
+
 def _kernel(fn, name, results):
     """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32."""
     return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
@@ -155,14 +167,8 @@ def _kernel(fn, name, results):
 @lru_cache(maxsize=None)
 def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
     """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring."""
-    S_REGISTERS, ACC_REGISTERS = BLOCK_N // 2, HEAD_DIM // 2
-    A_WORDS = S_REGISTERS // 2                  # a 64 x 64 accumulator as 16-bit pairs
-    TILE_WORDS = tile_bytes(HEAD_DIM) // 4
-    STAGE_BYTES = 2 * tile_bytes(HEAD_DIM)      # a stage: Q_i, then dO_i
-    _, start_tile, _, _ = tile_copier(HEAD_DIM, WARPGROUP)
-    issue_scores, pack_pairs, issue_weighted = products(HEAD_DIM, ELEMENT)
-    store_rows = row_store(HEAD_DIM, ELEMENT)
-    wait_all_products = wgmma_wait(0)
+    ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
+                                                                                                       ELEMENT)
 
     @inlined_device_function
     def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, tid):
@@ -199,11 +205,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
         tile, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
         k0 = tile * BLOCK_N   # causal: rank 0 is key tile 0, the one the most query rows see
         tid = cuda.threadIdx.x
-        warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
-        c_log2 = float32(scale_log2)
+        warp, g, t = warp_lane(tid)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
-        pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
+        pad = first_atom_words(base)
         k_at, v_at, q_at = pad, pad + TILE_WORDS, pad + 2 * TILE_WORDS   # stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS
         scalars_at = pad + TILES * TILE_WORDS            # stage s: lse, then D, at scalars_at + s 2 BLOCK_N
         # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q
@@ -237,6 +242,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
             start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh, b * do_sb + h * do_sh, q_sn, do_sn,
                        (b * kv_heads * group + h) * n_q, q0, n_q, tid)
         copy_async_commit()
+        c_log2 = float32(scale_log2)
         for step in range(steps):
             stage = step & 1
             q0 = (first_q_tile + step % per_head) * BLOCK_N
@@ -252,7 +258,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
                            (b * kv_heads * group + h_next) * n_q, (first_q_tile + (step + 1) % per_head) * BLOCK_N,
                            n_q, tid)
             copy_async_commit()
-            offset = stage * STAGE_BYTES
+            offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
             wait_all_products()
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
@@ -276,14 +282,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
 @lru_cache(maxsize=None)
 def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
     """dQ: one warpgroup per (query tile, batch, query head); see the module docstring."""
-    S_REGISTERS, ACC_REGISTERS = BLOCK_N // 2, HEAD_DIM // 2
-    A_WORDS = S_REGISTERS // 2                  # a 64 x 64 accumulator as 16-bit pairs
-    TILE_WORDS = tile_bytes(HEAD_DIM) // 4
-    STAGE_BYTES = 2 * tile_bytes(HEAD_DIM)      # a stage: K_j, then V_j
-    _, start_tile, _, _ = tile_copier(HEAD_DIM, WARPGROUP)
-    issue_scores, pack_pairs, issue_weighted = products(HEAD_DIM, ELEMENT)
-    store_rows = row_store(HEAD_DIM, ELEMENT)
-    wait_all_products = wgmma_wait(0)
+    ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
+                                                                                                       ELEMENT)
 
     @inlined_device_function
     def score_gradients(s, dp, lse2, d_i, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
@@ -299,15 +299,12 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
                dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2):
         # As the dK/dV kernel's; key/value head h // group serves query head h.
-        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
-        q_tile = q_tiles - 1 - tile if CAUSAL else tile   # rank 0: the longest tile
-        q0 = q_tile * BLOCK_N
+        q0, h, b, bh = query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, BLOCK_N)
         tid = cuda.threadIdx.x
-        warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
-        c_log2 = float32(scale_log2)
+        warp, g, t = warp_lane(tid)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
-        pad = ((1024 - (base & 1023)) & 1023) // 4
+        pad = first_atom_words(base)
         q_at, do_at, kv_at = pad, pad + TILE_WORDS, pad + 2 * TILE_WORDS   # stage s: K_j, V_j at kv_at + s 2 TILE_WORDS
         q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + do_at * 4)
         k_desc, v_desc = k_major_descriptor(base + kv_at * 4), k_major_descriptor(base + (kv_at + TILE_WORDS) * 4)
@@ -338,6 +335,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
             start_tile(smem, kv_at, K, k_first, k_sn, n_k, tid)
             start_tile(smem, kv_at + TILE_WORDS, V, v_first, v_sn, n_k, tid)
         copy_async_commit()
+        c_log2 = float32(scale_log2)
         for j in range(n_tiles):
             stage = j & 1
             k0, k1 = j * BLOCK_N, (j + 1) * BLOCK_N
@@ -349,7 +347,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
                 start_tile(smem, at, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
                 start_tile(smem, at + TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
             copy_async_commit()
-            offset = stage * STAGE_BYTES
+            offset = stage * 8 * TILE_WORDS   # bytes of a stage: K_j, then V_j
             issue_scores(s, q_desc, advanced_device(k_desc, offset), dp, do_desc, advanced_device(v_desc, offset))
             wait_all_products()
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k1 > n_k

@@ -46,26 +46,32 @@ if not config.ENABLE_CUDASIM:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from ..fast.primitives import _I32, _I64, _flat_words, _global_address, _shared_address
+    from ..fast.primitives import (_I32, _I64, _first_shared_address, _flat_words, _global_address, _shared_address,
+                                   _word_and_integer)
 
     def _as_i32(context, builder, value, ty):
         return context.cast(builder, value, ty, types.uint32)
 
-    def _barrier_operation(text, doc):
-        """An mbarrier instruction on ``smem[word]`` with one 32-bit operand: ``f(smem, word, value)``."""
+    def _barrier_operation(text, doc, answers=False):
+        """An mbarrier instruction on ``smem[word]`` with one 32-bit operand: ``f(smem, word, value)``; with
+        ``answers``, the instruction's text sets ``$0`` to 1 or 0 and ``f`` returns it as a bool."""
         @intrinsic
         def operation(typingctx, smem, word, value):
-            if not (_flat_words(smem, word, 32) and isinstance(value, types.Integer)):
+            if not _word_and_integer(smem, word, value):
                 return None
 
             def codegen(context, builder, sig, args):
-                address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), text, "r,r,~{memory}",
-                                   side_effect=True)
-                builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
-                return context.get_dummy_value()
+                operands = [_first_shared_address(context, builder, sig, args),
+                            _as_i32(context, builder, args[2], sig.args[2])]
+                if not answers:
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), text, "r,r,~{memory}",
+                                       side_effect=True)
+                    builder.call(asm, operands)
+                    return context.get_dummy_value()
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32, _I32]), text, "=r,r,r,~{memory}", side_effect=True)
+                return builder.icmp_unsigned("!=", builder.call(asm, operands), ir.Constant(_I32, 0))
 
-            return types.void(smem, word, value), codegen
+            return (types.boolean if answers else types.void)(smem, word, value), codegen
 
         operation.__doc__ = doc
         return operation
@@ -76,22 +82,9 @@ if not config.ENABLE_CUDASIM:
     barrier_expect_bytes = _barrier_operation(
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
         "One arrival on the mbarrier at ``smem[word]`` that also expects ``nbytes`` more of copies.")
-
-    @intrinsic
-    def barrier_try_wait(typingctx, smem, word, parity):
-        """Whether the phase of ``parity`` (0 or 1) of the mbarrier at ``smem[word]`` has completed."""
-        if not (_flat_words(smem, word, 32) and isinstance(parity, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32, _I32]),
-                               "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
-                               "selp.u32 $0, 1, 0, done; }", "=r,r,r,~{memory}", side_effect=True)
-            done = builder.call(asm, [address, _as_i32(context, builder, args[2], sig.args[2])])
-            return builder.icmp_unsigned("!=", done, ir.Constant(_I32, 0))
-
-        return types.boolean(smem, word, parity), codegen
+    barrier_try_wait = _barrier_operation(
+        "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; selp.u32 $0, 1, 0, done; }",
+        "Whether the phase of ``parity`` (0 or 1) of the mbarrier at ``smem[word]`` has completed.", answers=True)
 
     @intrinsic
     def bulk_copy(typingctx, dst, dst_word, src, src_word, nbytes, smem, barrier):
@@ -103,7 +96,7 @@ if not config.ENABLE_CUDASIM:
             return None
 
         def codegen(context, builder, sig, args):
-            to = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            to = _first_shared_address(context, builder, sig, args)
             origin = _global_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
             at = _shared_address(context, builder, sig.args[5], args[5], args[6], sig.args[6])
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32, _I32]),

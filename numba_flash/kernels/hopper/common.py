@@ -13,7 +13,7 @@ import numpy as np
 
 from ...runtime.device import device_limits, in_simulator
 from ...runtime.launch import inlined_device_function
-from ..fast.common import LOG2_E
+from ..fast.common import LOG2_E, tile_coordinates
 from ..fast.primitives import copy_async16
 from .wgmma import ROW_BYTES, SWIZZLE_128B, descriptor_device, staged_offset_device, swizzle_128_device
 
@@ -29,6 +29,21 @@ MN_MAJOR_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
 def tile_bytes(head_dim):
     """Bytes of a 64-row tile of d 16-bit columns (as d / 64 swizzled tiles of 64 columns)."""
     return BLOCK_N * head_dim * 2
+
+
+@inlined_device_function
+def query_tile(block_id, q_tiles, heads, causal, rows):
+    """(q0, head, batch, batch*heads index) of a block of a grid over query tiles of ``rows`` rows
+    (``fast.common.tile_coordinates``; causal grids run each head's longest tile, the last, first)."""
+    tile, h, b, bh = tile_coordinates(block_id, q_tiles, heads, causal)
+    return (q_tiles - 1 - tile if causal else tile) * rows, h, b, bh
+
+
+@inlined_device_function
+def first_atom_words(base):
+    """Words from a shared array at shared address ``base`` to its first 1024-byte boundary, where the swizzled tiles
+    start (a 128-byte-swizzle atom is 1024 bytes, and the swizzle is a function of the address)."""
+    return ((1024 - (base & 1023)) & 1023) // 4
 
 
 @inlined_device_function
@@ -118,5 +133,5 @@ def out_of_scope(call, kernel):
     return None
 
 
-__all__ = ["BLOCK_N", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "k_major_descriptor", "k_step_bytes", "mn_major_descriptor",
-           "mn_step_bytes", "out_of_scope", "tile_bytes", "tile_copier"]
+__all__ = ["BLOCK_N", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "first_atom_words", "k_major_descriptor", "k_step_bytes", "mn_major_descriptor",
+           "mn_step_bytes", "out_of_scope", "query_tile", "tile_bytes", "tile_copier"]

@@ -77,12 +77,12 @@ from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
 from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, row_lse,
-                           tile_coordinates, word_extent)
+                           warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
-from .common import (BLOCK_N, k_major_descriptor, k_step_bytes, mn_major_descriptor, mn_step_bytes,
-                     out_of_scope, tile_bytes, tile_copier)
+from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
+                     mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
 from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, staged_offset_device,
                     swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
 
@@ -296,15 +296,13 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                n_q, n_k, q_tiles, causal_offset, scale_log2):
         # Q, K, V, O: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte aligned);
         # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.
-        tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
-        q_tile = q_tiles - 1 - tile if CAUSAL else tile   # rank 0: the longest tile
-        q0 = q_tile * ROWS
+        q0, h, b, bh = query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, ROWS)
         tid = cuda.threadIdx.x
-        warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+        warp, g, t = warp_lane(tid)
         c_log2 = float32(scale_log2)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
-        pad = ((1024 - (base & 1023)) & 1023) // 4       # words to the first 1024-byte boundary
+        pad = first_atom_words(base)
         q_at = pad                                        # warpgroup w's 64 rows of Q at q_at + w TILE_WORDS
         k_at = pad + WARPGROUPS * TILE_WORDS              # K/V buffer x at k_at + x TILE_WORDS, x < BUFFERS
         v_at = k_at + 2 * TILE_WORDS if OVERLAP else k_at  # overlapped: K_x in buffer x % 2, V_x in 2 + x % 2

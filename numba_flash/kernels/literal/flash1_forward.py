@@ -35,7 +35,10 @@ where it happens:
 * line 8 loads Q_i into shared memory and l_i, m_i into registers; O_i is read
   from device memory element by element at line 12, where it is used (the same
   bytes Theorem 2 counts, without a B_r x d tile of SRAM for them);
-* one barrier per outer step is more than the paper's loop needs (see line 8).
+* one barrier per outer step is more than the paper's loop needs (see line 8);
+* lines 3 and 4 (the splits into blocks) copy nothing: they are the index
+  arithmetic ``i * BR + r`` and ``j * BC + c``, tagged where T_r, T_c and
+  this thread's row of block i are first computed.
 """
 import math
 from functools import lru_cache
@@ -67,9 +70,10 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
         # Alg. 1, line 1: B_r = BR, B_c = BC, compile-time constants chosen on
         # the host (tiling.line1_block_sizes is the paper's choice, the default).
 
-        # Alg. 1, lines 3-4: Q, O, l, m split into T_r blocks of B_r rows, K, V
-        # into T_c blocks of B_c rows.  Nothing is copied: block i of Q is rows
-        # i * BR ... i * BR + BR - 1 of Q[bh], reached by index arithmetic below.
+        # Alg. 1, line 3: Q split into T_r blocks Q_i of B_r rows, K and V into
+        # T_c blocks K_j, V_j of B_c rows.  Nothing is copied: block i of Q is
+        # rows i * BR ... i * BR + BR - 1 of Q[bh], reached by index arithmetic
+        # (the loads of lines 6 and 8).
         T_r = (n_q + BR - 1) // BR
         T_c = (n_k + BC - 1) // BC
 
@@ -81,6 +85,9 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
         # Alg. 1, line 2: O = 0, l = 0, m = -inf in HBM.  Thread r owns row r
         # of every query block, so it initialises exactly the rows it updates.
         for i in range(T_r):
+            # Alg. 1, line 4: O, l and m split into T_r blocks O_i, l_i, m_i as Q
+            # is: block i is the same rows, and this thread's row of it is
+            # ``row`` (here, at line 8's loads and at the writes of lines 12-13).
             row = i * BR + r
             if row < n_q:
                 for x in range(D):
@@ -173,7 +180,8 @@ def make_flash1_forward(BR, BC, D, CAUSAL, HAS_MASK, HAS_DROPOUT):
                     l[bh, row] = l_new
                     m[bh, row] = m_new
 
-        # Alg. 1, lines 14-15 end the loops.  Before line 16's return: the log-sum-exp of each row, -inf where nothing was allowed.
+        # Alg. 1, lines 14-15 end the loops.  Before line 16's return: the log-sum-exp of each row, -inf where nothing
+        # was allowed.
         for i in range(T_r):
             row = i * BR + r
             if row < n_q:
