@@ -301,7 +301,6 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
         # As the dK/dV kernel's; key/value head h // group serves query head h.
         q0, h, b, bh = query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, BLOCK_N)
         tid = cuda.threadIdx.x
-        warp, g, t = warp_lane(tid)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
         pad = first_atom_words(base)
@@ -310,6 +309,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
         k_desc, v_desc = k_major_descriptor(base + kv_at * 4), k_major_descriptor(base + (kv_at + TILE_WORDS) * 4)
         kt_desc = mn_major_descriptor(base + kv_at * 4)   # K_j as dQ's B: the same bytes, MN-major
 
+        warp, g, t = warp_lane(tid)
         lse2 = cuda.local.array(2, float32)   # this lane's rows g and g + 8 (of its warp's 16): lse in log2 units
         d_i = cuda.local.array(2, float32)
         for r in range(2):
