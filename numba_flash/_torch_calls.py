@@ -46,13 +46,16 @@ def check_tensors(named):
 def _run(fn, tensors, **options):
     """``fn`` (a function of the API) on torch tensors, torch tensors back on the inputs' device."""
     if in_simulator():
-        results = fn(*(_to_numpy(x) for x in tensors), **options)
-        return tuple(_from_numpy(x) for x in (results if isinstance(results, tuple) else (results,)))
+        return tuple(_from_numpy(x) for x in _results(fn(*(_to_numpy(x) for x in tensors), **options)))
     if tensors[0].device.type == "cuda":
         return fn(*tensors, **options)
     gpu = torch.device("cuda", torch.cuda.current_device())
-    results = fn(*(x.to(gpu) for x in tensors), **options)
-    return tuple(x.cpu() for x in (results if isinstance(results, tuple) else (results,)))
+    return tuple(x.cpu() for x in _results(fn(*(x.to(gpu) for x in tensors), **options)))
+
+
+def _results(results):
+    """An API function's results as a tuple (the forward with return_lse and the backward give tuples)."""
+    return results if isinstance(results, tuple) else (results,)
 
 
 def _to_numpy(x):
