@@ -73,6 +73,7 @@ def _from_numpy(x):
 
 def forward(q, k, v, options, sequences=()):
     """(O, lse) of ``api.attention`` (or ``attention_varlen`` with ``sequences`` = (cu_seqlens_q, cu_seqlens_k))."""
+    options = {name: value for name, value in options.items() if name != "deterministic"}   # the backward's
     return _run(_API[bool(sequences)][0], (q, k, v) + tuple(sequences), return_lse=True, **options)
 
 

@@ -139,7 +139,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
 
 @_frees_after_the_call
 def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
-                       algorithm="flash2", block_sizes=None):
+                       algorithm="flash2", block_sizes=None, deterministic=True):
     """Gradients (dq, dk, dv) of sum(O * do) for O = attention(q, k, v, ...).
 
     ``o`` and ``lse`` are what ``attention(..., return_lse=True)`` returned
@@ -162,7 +162,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     multiples of 16 (default: measured on the H200, ``tiling.py``).
     """
     plan = _plan(_BackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, dropout_p, algorithm,
-                                                        block_sizes))
+                                                        block_sizes, deterministic))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, o, lse, do, seed)
 
@@ -431,15 +431,20 @@ class _BackwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
-        causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+        causal, scale, block_mask, dropout_p, algorithm, block_sizes, deterministic = options
         loop = _checked_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
                                                  dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes, backward=True))
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
-        launches = hopper_backward.backward_launches if algorithm == "wgmma" else backward_launches
-        self.launches = (launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
-                         if loop == "flash2" else None)
+        aligned = o.aligned and do.aligned
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
+            self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
+                                                              hopper_backward.dq_mode(deterministic))
+        else:
+            self.launches = backward_launches(self.call, o_strides, do_strides, aligned) if loop == "flash2" else None
 
     def __call__(self, q, k, v, o, lse, do, seed, sequences=()):
         """The call; ``sequences``: a packed call's cu_seqlens as device arrays."""
@@ -449,7 +454,15 @@ class _BackwardPlan(_Plan):
         dq = self.empty(call.q_shape, call.dtype, stream)
         dk = self.empty(call.kv_shape, call.dtype, stream)
         dv = self.empty(call.kv_shape, call.dtype, stream)
-        if self.launches is not None:
+        if isinstance(self.launches, hopper_backward.SummedDq):   # dQ summed by the dK/dV kernel, then converted
+            run = self.launches
+            d_i = self.empty(self.lse_shape, "float32", stream)
+            dq_sum = _arrays.zeros(self.result_kind, (run.sum_words,), "float32", stream, self.device)
+            turns = _arrays.zeros(self.result_kind, (run.turns,), "int32", stream, self.device)
+            run.preprocess(stream, o, do, d_i)
+            run.dkdv(stream, q, k, v, do, lse, d_i, dk, dv, dq_sum, turns)
+            run.convert(stream, dq_sum, dq)
+        elif self.launches is not None:
             preprocess, dkdv, dq_pass = self.launches
             d_i = self.empty(self.lse_shape, "float32", stream)  # D_i = rowsum(dO o O)
             seeds = seed_words(seed)

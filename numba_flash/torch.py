@@ -84,39 +84,39 @@ def _mask_key(block_mask):
     return key
 
 
-def _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes):
+def _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic):
     causal = {"false": False, "true": True}.get(causal, causal)
     return dict(causal=causal, scale=scale, block_mask=_MASKS.get(mask_key), dropout_p=dropout_p,
                 seed=seed_low | (seed_high << 32), algorithm=algorithm,
-                block_sizes=None if block_sizes is None else tuple(block_sizes))
+                block_sizes=None if block_sizes is None else tuple(block_sizes), deterministic=deterministic)
 
 
 @torch.library.custom_op("numba_flash::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None, mask_key: int,
                   dropout_p: float, seed_low: int, seed_high: int, algorithm: str,
-                  block_sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_sizes: list[int] | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward(q, k, v, _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm,
-                                          block_sizes))
+                                          block_sizes, deterministic))
     return out, lse
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes):
+def _(q, k, v, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("numba_flash::attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            grad_out: torch.Tensor, causal: str, scale: float | None, mask_key: int, dropout_p: float,
-                           seed_low: int, seed_high: int,
-                           algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           seed_low: int, seed_high: int, algorithm: str,
+                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _options(causal, scale, mask_key, dropout_p, seed_low,
-                                                                 seed_high, algorithm, None))
+                                                                 seed_high, algorithm, None, deterministic))
     return dq, dk, dv
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm):
+def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, deterministic):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
@@ -128,10 +128,10 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _ = ctx.options
+    causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _, deterministic = ctx.options
     dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p,
-                                        seed_low, seed_high, algorithm)
-    return (dq, dk, dv) + (None,) * 8
+                                        seed_low, seed_high, algorithm, deterministic)
+    return (dq, dk, dv) + (None,) * 9
 
 
 _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -196,7 +196,7 @@ _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varle
 # ---------------------------------------------------------------- the public function
 
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
-              block_sizes=None):
+              block_sizes=None, deterministic=True):
     """Differentiable ``numba_flash.attention`` on torch tensors (see the module docstring).
 
     q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d), torch tensors on
@@ -207,9 +207,12 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     backward uses its own defaults).  flash2 reads strided inputs in place;
     the literal algorithms get contiguous copies.  Returns O with q's shape,
     dtype and device; ``O.backward()`` computes the gradients of q, k and v
-    with ``algorithm``'s backward (flash2: the fast, deterministic one;
-    flash1: Algorithm 4, float32; wgmma: the forward and backward on
-    Hopper's warpgroup instructions, 16-bit, d = 64 or 128).
+    with ``algorithm``'s backward (flash2: the fast one, on Hopper's
+    warpgroup instructions where the call is in their scope; flash1:
+    Algorithm 4, float32; wgmma: the forward and backward on Hopper's
+    warpgroup instructions, 16-bit, d = 64 or 128).  ``deterministic``: as
+    for ``numba_flash.attention_backward`` (False lets the Hopper backward
+    add dQ's parts in any order: faster, not bitwise repeatable).
     """
     _check_tensors((("q", q), ("k", k), ("v", v)))
     if algorithm not in ("flash2", "flash1", "wgmma"):
@@ -222,10 +225,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
             raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
         out, _ = _attention_op(q, k, v, str(causal).lower(), scale, _mask_key(block_mask), float(dropout_p),
                                seed & 0xFFFFFFFF, seed >> 32, algorithm,
-                               None if block_sizes is None else list(block_sizes))
+                               None if block_sizes is None else list(block_sizes), bool(deterministic))
         return out
     options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
-                   algorithm=algorithm, block_sizes=block_sizes)
+                   algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic)
     return FlashAttentionFunction.apply(q, k, v, options)
 
 

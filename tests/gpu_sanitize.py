@@ -15,7 +15,7 @@ empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
 element test), dropout, both, gqa (two query heads per key/value head,
 bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 (its blocks of two warpgroups), strided
-(q, k, v as transposed (B, N, H, d) views), nan (NaN in a value row and a query row: the masked-tile sanitising
+(q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
@@ -111,6 +111,9 @@ RUNS = [
     ("backward", "wgmma", np.float16, None, "dense"),
     ("backward", "wgmma", BF16, None, "gqa"),
     ("backward", "wgmma", np.float16, None, "strided"),
+    # Its dK/dV kernel adding dQ in whatever order the adds arrive (deterministic=False).
+    ("backward", "wgmma", np.float16, None, "unordered"),
+    ("backward", "wgmma", BF16, None, "gqa_unordered"),
 ]
 #: The wgmma kernels' cases: d = 64 or 128 only; ragged lengths of one to five 64-row tiles (five: its ring of
 #: three K/V buffers goes round more than once).
@@ -222,7 +225,7 @@ def main(selected=()):
             do = torch.as_tensor(do_host.view(np.int16) if dtype == BF16 else do_host, device="cuda")
             do = do.view(torch.bfloat16) if dtype == BF16 else do
             grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm, block_sizes=blocks,
-                                                   **kwargs)
+                                                   deterministic="unordered" not in variant, **kwargs)
             if variant == "nan":
                 for label, got in zip(("dq", "dk", "dv"), grads):
                     print(f"  {label}: NaN rows {int(torch.isnan(got).any(-1).sum())}", flush=True)

@@ -79,6 +79,7 @@ __all__ = [
     "store_vec4",
     "load_vec4_l2",
     "load_word_l2",
+    "reduce_add_pair",
     "ldmatrix_x2",
     "ldmatrix_x4",
     "ldmatrix_x2_trans",
@@ -326,6 +327,24 @@ if not config.ENABLE_CUDASIM:
     load_vec4_l2 = _l2_load_intrinsic(4)
     load_word_l2 = _l2_load_intrinsic(1)
 
+    @intrinsic
+    def reduce_add_pair(typingctx, arr, index, a, b):
+        """``arr[index] += a; arr[index + 1] += b`` in device memory, float32, as one ``red.global.add.v2.f32``
+        (sm_90; index even, the pair 8-byte aligned): a reduction in L2 that returns nothing, so the thread does
+        not wait for it, and adds from many blocks to one word all land (in an order nobody chose)."""
+        if not (_flat_words(arr, index, 32) and arr.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            address = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            a, b = (context.cast(builder, args[i], sig.args[i], types.float32) for i in (2, 3))
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64, _F32, _F32]),
+                               "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", side_effect=True)
+            builder.call(asm, [address, a, b])
+            return context.get_dummy_value()
+
+        return types.void(arr, index, a, b), codegen
+
     def _ldmatrix_intrinsic(count, trans=False):
         @intrinsic
         def ldmatrix(typingctx, arr, index, offset):
@@ -567,6 +586,12 @@ else:
     #: The simulator's threads share one memory: nothing to bypass.
     load_vec4_l2 = load_vec4
     load_word_l2 = load_word
+
+    def reduce_add_pair(arr, index, a, b):
+        """``arr[index] += a; arr[index + 1] += b`` (float32; the simulator runs one block at a time)."""
+        _check_index("reduce_add_pair", index, 2)
+        arr[index] = np.float32(arr[index] + np.float32(a))
+        arr[index + 1] = np.float32(arr[index + 1] + np.float32(b))
 
     def store_vec4(arr, index, a, b, c, d):
         """``arr[index:index + 4] = a, b, c, d`` as one 16-byte store (index a multiple of 4, aligned)."""

@@ -51,32 +51,42 @@ Departures from FlashAttention-3's backward, each a step still to take (and to m
 * no block masks, dropout or packed sequences yet.
 """
 import math
+import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, uint32
 
+from ...runtime.arrays import placeholder
 from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
 from ..fast.common import LOG2_E, ceil_div, log2_lse, tile_coordinates, warp_lane, word_extent
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word,
-                               u32_as_f32)
+from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
+                               store_word, u32_as_f32)
+from . import forward
 from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
                      mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
-from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
-                    wgmma_rs, wgmma_ss, wgmma_wait)
+from .wgmma import (ROW_BYTES, advanced_device, enable_sm90a, fence_proxy_async, shared_address, swizzle_128_device,
+                    wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
 
 WARPGROUP = 128          # threads of a block: one warpgroup
 TILES = 6                # 64-row tiles in shared memory: the two kept, and two stages of the two streamed
+#: Where dQ is summed over the key tiles: in a pass of its own (S and dP computed again, no atomics), or by the
+#: dK/dV kernel, each key tile's dS K added into a float32 accumulator in an order fixed by semaphores ("ordered",
+#: deterministic) or in whatever order the adds arrive ("atomic").
+DQ_MODES = ("separate", "ordered", "atomic")
+DS_TILE_BYTES = tile_bytes(BLOCK_N)   # dS^T (64 keys x 64 query rows, 16-bit), dQ's A operand
 
 
-def shared_bytes(head_dim):
-    """The six tiles, the streamed query rows' lse and D (two stages), and slack to start the tiles on a 1024-byte
-    boundary."""
-    return TILES * tile_bytes(head_dim) + 2 * 2 * BLOCK_N * 4 + 1024
+def shared_bytes(head_dim, dq_mode="separate"):
+    """The six tiles, the streamed query rows' lse and D (two stages), dS^T where dQ is summed by the dK/dV kernel,
+    and slack to start the tiles on a 1024-byte boundary."""
+    return (TILES * tile_bytes(head_dim) + (0 if dq_mode == "separate" else DS_TILE_BYTES) + 2 * 2 * BLOCK_N * 4
+            + 1024)
 
 
 @lru_cache(maxsize=None)
@@ -157,18 +167,92 @@ def steps(HEAD_DIM, ELEMENT):
             row_store(HEAD_DIM, ELEMENT))
 
 
-def _kernel(fn, name, results):
-    """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32."""
+def _kernel(fn, name, results, scratch=None):
+    """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32,
+    and ``scratch`` ({name: dtype})."""
     return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
-                                        D=np.float32, **{x: np.uint32 for x in results}),
+                                        D=np.float32, **{x: np.uint32 for x in results}, **(scratch or {})),
                   floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, 1))
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
-    """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring."""
+def dq_steps(HEAD_DIM, ELEMENT):
+    """The steps by which the dK/dV kernel sums dQ (``DQ_MODES`` "ordered" and "atomic"): (stage_ds, issue_dq_slice,
+    add_dq_slice, DQ_SLICES).  dQ_i += dS_ij K_j is computed 64 columns at a time (32 accumulator registers beside
+    dK's and dV's, where the whole 64 x d would spill at d = 128) and each slice is added to the float32
+    accumulator by reductions in L2 (``reduce_add_pair``)."""
+    DQ_SLICES = HEAD_DIM // 64
+    slice_product = wgmma_ss(64, ELEMENT, True, True)   # dQ slice += dS K: A (dS^T's tile) and B (K) MN-major
+
+    @inlined_device_function
+    def stage_ds(smem, ds_at, ds_words, warp, g, t):
+        """dS^T, packed (``pack_pairs``), into its swizzled 64 x 64 tile at word ``ds_at``: rows the keys, the query
+        rows along each row, so that the tile is dS as an MN-major A operand.  Word x of ``ds_words`` holds the
+        accumulator's registers 2x and 2x + 1: row 16 warp + g + 8 (x % 2), columns 8 (x // 2) + 2t and + 1."""
+        for x in range(A_WORDS):
+            row, column = 16 * warp + g + 8 * (x % 2), 8 * (x // 2) + 2 * t
+            store_word(smem, ds_at + swizzle_128_device(row * ROW_BYTES + 2 * column) // 4, ds_words[x])
+
+    @inlined_device_function
+    def issue_dq_slice(dq_acc, ds_desc, kt_desc, part):
+        """dq_acc = dS K[:, 64 part : 64 part + 64], four k-steps along the keys, one commit group."""
+        for i in range(S_REGISTERS):
+            dq_acc[i] = float32(0)
+        wgmma_fence()   # the zeroed accumulator
+        for step in range(BLOCK_N // 16):
+            slice_product(dq_acc, advanced_device(ds_desc, mn_step_bytes(step)),
+                          advanced_device(kt_desc, part * DS_TILE_BYTES + mn_step_bytes(step)))
+        wgmma_commit()
+
+    @inlined_device_function
+    def add_dq_slice(DQ_SUM, first, dq_acc, part, warp, g, t):
+        """This lane's entries of a 64 x 64 slice added to the float32 accumulator, row r at first + r HEAD_DIM."""
+        for i in range(0, S_REGISTERS, 2):
+            row, column = lane_entry(i, g, t, warp)
+            reduce_add_pair(DQ_SUM, first + row * HEAD_DIM + 64 * part + column, dq_acc[i], dq_acc[i + 1])
+
+    return stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES
+
+
+@inlined_device_function
+def wait_turn(TURNS, index, turn, tid):
+    """Every thread of the block waits until counter ``index`` of TURNS reaches ``turn``: the blocks before this one
+    in the order of the sum have added their part (thread 0 polls the counter in L2; the fence orders this block's
+    adds after what it saw)."""
+    if tid == 0:
+        while cuda.atomic.add(TURNS, index, 0) != turn:
+            pass
+        cuda.threadfence()
+    cuda.syncthreads()
+
+
+@inlined_device_function
+def pass_turn(TURNS, index, tid):
+    """The block's adds are done and visible (each thread's fence, then the barrier): counter ``index`` moves on."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        cuda.atomic.add(TURNS, index, 1)
+
+
+@inlined_device_function
+def contributors(m, k_tiles, causal_offset):
+    """How many key tiles add to query tile m's dQ under the causal mask: those whose first query tile is at most m
+    (``first_q_tile`` of the dK/dV kernel), key tiles 0 .. count - 1."""
+    return max(0, min(k_tiles, (m * BLOCK_N + BLOCK_N - 1 + causal_offset) // BLOCK_N + 1))
+
+
+@lru_cache(maxsize=None)
+def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
+    """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring.  With DQ_MODE
+    "ordered" or "atomic" it also adds each step's dS K into DQ_SUM (float32, (batch * heads, q_tiles * 64, d)):
+    "ordered" in a fixed order of the key tiles per query tile, kept by the counters TURNS (one per query tile and
+    head, zeroed): ascending, or for causal grids descending, the grid then running its shortest key tiles first,
+    so that a block only ever waits for blocks that started before it."""
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
+    SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
+    stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES = dq_steps(HEAD_DIM, ELEMENT)
 
     @inlined_device_function
     def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, tid):
@@ -196,27 +280,53 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
             st[i] = p
             dpt[i] = p * (dpt[i] - u32_as_f32(load_word(smem, scalars_at + BLOCK_N + column)))
 
-    def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
-               do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
+    @inlined_device_function
+    def sum_dq(DQ_SUM, TURNS, smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, bh, q_tile, q_tiles, turn, warp, g, t,
+               tid):
+        """dQ_i += dS_ij K_j into DQ_SUM, slice by slice (in TURNS' order when ORDERED).  dS^T goes through shared
+        memory (the A operand must be dS, the transpose of what the registers hold): fenced for the tensor cores
+        and published by a barrier; the next step overwrites it only after the barrier at its top, which every
+        warp reaches after waiting for this step's products."""
+        stage_ds(smem, ds_at, ds_words, warp, g, t)
+        fence_proxy_async()
+        cuda.syncthreads()
+        first = (bh * q_tiles + q_tile) * BLOCK_N * HEAD_DIM
+        for part in range(DQ_SLICES):
+            issue_dq_slice(dq_acc, ds_desc, kt_desc, part)
+            wait_all_products()
+            if ORDERED and part == 0:
+                wait_turn(TURNS, bh * q_tiles + q_tile, turn, tid)
+            add_dq_slice(DQ_SUM, first, dq_acc, part, warp, g, t)
+        if ORDERED:
+            pass_turn(TURNS, bh * q_tiles + q_tile, tid)
+
+    def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
+               do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
                causal_offset, scale, scale_log2):
         # Q, K, V, dO, dK, dV: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte
         # aligned); LSE, D: (batch * heads, n_q) float32.  Query heads h_kv group .. h_kv group + group - 1 read
-        # key/value head h_kv.
-        tile, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
-        k0 = tile * BLOCK_N   # causal: rank 0 is key tile 0, the one the most query rows see
+        # key/value head h_kv.  DQ_SUM and TURNS: see above (unused when dQ has its own pass).
+        rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
+        # Causal: rank 0 is key tile 0, the one the most query rows see (longest first), or when the adds are
+        # ordered from the diagonal down, the last key tile (shortest first: every block it waits for started
+        # before it).
+        tile = k_tiles - 1 - rank if CAUSAL and ORDERED else rank
+        k0 = tile * BLOCK_N
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
         pad = first_atom_words(base)
         k_at, v_at, q_at = pad, pad + TILE_WORDS, pad + 2 * TILE_WORDS   # stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS
-        scalars_at = pad + TILES * TILE_WORDS            # stage s: lse, then D, at scalars_at + s 2 BLOCK_N
+        ds_at = pad + TILES * TILE_WORDS                 # dS^T, when this kernel sums dQ
+        scalars_at = ds_at + (DS_TILE_BYTES // 4 if SUM_DQ else 0)   # stage s: lse, then D, at + s 2 BLOCK_N
         # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q
-        # MN-major: the same bytes.  The stage-0 descriptors, advanced by a stage's bytes.
+        # MN-major, dQ += dS K reads K MN-major: the same bytes.  The stage-0 descriptors, advanced by a stage's bytes.
         k_desc, v_desc = k_major_descriptor(base + k_at * 4), k_major_descriptor(base + v_at * 4)
         q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + (q_at + TILE_WORDS) * 4)
         qt_desc = mn_major_descriptor(base + q_at * 4)
         dot_desc = mn_major_descriptor(base + (q_at + TILE_WORDS) * 4)
+        kt_desc, ds_desc = mn_major_descriptor(base + k_at * 4), mn_major_descriptor(base + ds_at * 4)
 
         # The steps: every query tile of every query head of the group that sees key tile j (causal: from the
         # tile holding row k0 - causal_offset, the first that sees key k0), heads in order.
@@ -228,6 +338,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
         dv_acc = cuda.local.array(ACC_REGISTERS, float32)
         st = cuda.local.array(S_REGISTERS, float32)
         dpt = cuda.local.array(S_REGISTERS, float32)
+        dq_acc = cuda.local.array(S_REGISTERS, float32)   # a 64-column slice of dS K, when this kernel sums dQ
         p_words = cuda.local.array(A_WORDS, uint32)    # P^T, packed: the A operand of dV's product
         ds_words = cuda.local.array(A_WORDS, uint32)   # dS^T, packed: dK's
         for i in range(ACC_REGISTERS):
@@ -245,7 +356,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
         c_log2 = float32(scale_log2)
         for step in range(steps):
             stage = step & 1
-            q0 = (first_q_tile + step % per_head) * BLOCK_N
+            q_tile = first_q_tile + step % per_head
+            q0 = q_tile * BLOCK_N
             # K_j, V_j (first step) and this step's tiles landed, for the tensor cores too, and its lse and D
             # stored; every warp done with the previous step's products, so their stage may be refilled.
             copy_async_wait_all()
@@ -270,13 +382,42 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL):
             issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
             issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
             wgmma_commit()
+            if SUM_DQ:
+                h = h_kv * group + step // per_head
+                turn = contributors(q_tile, k_tiles, causal_offset) - 1 - tile if CAUSAL else tile
+                sum_dq(DQ_SUM, TURNS, smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h,
+                       q_tile, q_tiles, turn, warp, g, t, tid)
             wait_all_products()
 
         store_rows(dK, b * dk_sb + h_kv * dk_sh + k0 * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp, g, t)
         store_rows(dV, b * dv_sb + h_kv * dv_sh + k0 * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp, g, t)
 
-    return _kernel(kernel, f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else ""),
-                   ("dK", "dV"))
+    name = f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
+        "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE}")
+    return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32))
+
+
+@lru_cache(maxsize=None)
+def make_dq_convert(HEAD_DIM, ELEMENT):
+    """dQ = scale DQ_SUM in 16-bit: one block of 128 threads per (query tile, batch * head), each thread a column
+    pair of every other row (consecutive threads, consecutive words: coalesced both ways)."""
+    _, pack = sixteen_bit_ops(ELEMENT)
+    PAIRS = HEAD_DIM // 2
+    ROWS_AT_ONCE = WARPGROUP // PAIRS
+
+    def kernel(DQ_SUM, dQ, dq_sb, dq_sh, dq_sn, heads, n_q, q_tiles, scale):
+        q_tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        tid = cuda.threadIdx.x
+        column = 2 * (tid % PAIRS)
+        for r in range(tid // PAIRS, BLOCK_N, ROWS_AT_ONCE):
+            row = q_tile * BLOCK_N + r
+            if row < n_q:
+                at = (bh * q_tiles * BLOCK_N + row) * HEAD_DIM + column
+                store_word(dQ, (b * dq_sb + h * dq_sh + row * dq_sn + column) // 2,
+                           pack(DQ_SUM[at] * float32(scale), DQ_SUM[at + 1] * float32(scale)))
+
+    return Kernel(kernel, f"wgmma_backward_dq_convert_d{HEAD_DIM}_{ELEMENT}",
+                  arrays=dict(DQ_SUM=np.float32, dQ=np.uint32), floats=("scale",), launch_bounds=(WARPGROUP, 1))
 
 
 @lru_cache(maxsize=None)
@@ -363,15 +504,49 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
     return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else ""), ("dQ",))
 
 
-def backward_launches(call, o_strides, do_strides, do_aligned):
-    """The wgmma backward for a validated call in its scope, as three ``Launch``es (preprocess, dK/dV, dQ) taking
-    per call what the mma.sync backward's take (``fast/backward.backward_launches``)."""
+@dataclass(frozen=True)
+class SummedDq:
+    """The launches of a backward whose dK/dV kernel sums dQ: per call, ``preprocess(stream, O, dO, D)``,
+    ``dkdv(stream, Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS)`` with DQ_SUM (``sum_words`` float32) and TURNS
+    (``turns`` int32) zeroed, then ``convert(stream, DQ_SUM, dQ)``."""
+    preprocess: Launch
+    dkdv: Launch
+    convert: Launch
+    sum_words: int
+    turns: int
+
+
+#: How the deterministic backward sums dQ: "ordered" (the dK/dV kernel's adds in a fixed order) or "separate" (a
+#: pass of its own); ``NUMBA_FLASH_WGMMA_DQ`` picks one (to measure them side by side).
+DETERMINISTIC_DQ = os.environ.get("NUMBA_FLASH_WGMMA_DQ", "ordered")
+
+
+def dq_mode(deterministic):
+    """The ``DQ_MODES`` entry a call takes: unordered adds where the caller allows results that differ in the last
+    bits from run to run."""
+    if DETERMINISTIC_DQ not in DQ_MODES[:2]:
+        raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES[:2]}, not {DETERMINISTIC_DQ!r}")
+    return DETERMINISTIC_DQ if deterministic else "atomic"
+
+
+def chosen_for(call, block_sizes):
+    """Whether ``algorithm="flash2"`` runs this call's backward on wgmma: on a Hopper GPU, for calls in its scope
+    whose caller named no tile sizes (as the forward, ``forward.chosen_for``)."""
+    return (forward.AUTOMATIC and block_sizes is None and not in_simulator()
+            and out_of_scope(call, "backward") is None)
+
+
+def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate"):
+    """The wgmma backward for a validated call in its scope: with ``dq_mode`` "separate", three ``Launch``es
+    (preprocess, dK/dV, dQ) taking per call what the mma.sync backward's take (``fast/backward.backward_launches``);
+    otherwise a ``SummedDq``."""
     reason = out_of_scope(call, "backward")
     if reason is None and not (do_aligned and all(s % 8 == 0 for s in (do_strides.batch, do_strides.head,
                                                                           do_strides.row))):
         reason = "do must have rows that start on 16-byte boundaries for the wgmma backward"
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
+    assert dq_mode in DQ_MODES, dq_mode
     if not in_simulator():
         enable_sm90a()
     words = word_extent(call)
@@ -386,14 +561,27 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
                    LSE=rows, D=rows)
     inputs = ("Q", "K", "V", "dO", "LSE", "D")
     k_tiles, q_tiles = cdiv(call.n_k, BLOCK_N), cdiv(call.n_q, BLOCK_N)
+    sum_words, turns = call.batch_heads * q_tiles * BLOCK_N * call.head_dim, call.batch_heads * q_tiles
+    dkdv_operands = dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch,
+                         dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles)
+    dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
+    dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode)
+    dkdv_grid = k_tiles * call.batch * call.kv_heads
+    preprocess = preprocess_launch(call, o_strides, do_strides)
+    if dq_mode != "separate":
+        dkdv = Launch(dkdv_kernel, dkdv_grid, WARPGROUP, shared_bytes(call.head_dim, dq_mode), dkdv_operands,
+                      inputs + ("dK", "dV", "DQ_SUM", "TURNS"), dkdv_extents)
+        convert = Launch(make_dq_convert(call.head_dim, call.precision), q_tiles * call.batch_heads, WARPGROUP, 0,
+                         dict(dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads, n_q=call.n_q,
+                              q_tiles=q_tiles, scale=call.scale),
+                         ("DQ_SUM", "dQ"), dict(DQ_SUM=sum_words, dQ=words(q_shape, dq_s)))
+        return SummedDq(preprocess, dkdv, convert, sum_words, turns)
     shared = shared_bytes(call.head_dim)
-    dkdv = Launch(make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal)),
-                  k_tiles * call.batch * call.kv_heads, WARPGROUP, shared,
-                  dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch,
-                       dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles),
-                  inputs + ("dK", "dV"), dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s)))
+    dkdv = Launch(dkdv_kernel, dkdv_grid, WARPGROUP, shared,
+                  dict(dkdv_operands, DQ_SUM=placeholder(np.float32), TURNS=placeholder(np.int32)),
+                  inputs + ("dK", "dV"), dkdv_extents)
     dq = Launch(make_wgmma_dq(call.head_dim, call.precision, bool(call.causal)), q_tiles * call.batch_heads,
                 WARPGROUP, shared, dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads,
                                         q_tiles=q_tiles),
                 inputs + ("dQ",), dict(extents, dQ=words(q_shape, dq_s)))
-    return preprocess_launch(call, o_strides, do_strides), dkdv, dq
+    return preprocess, dkdv, dq

@@ -139,14 +139,14 @@ if not config.ENABLE_CUDASIM:
             return builder.ptrtoint(shared, _I32)
         return types.uint32(array), codegen
 
-    def _product(n, element, trans_b, a_from_registers):
+    def _product(n, element, trans_b, a_from_registers, trans_a=False):
         registers = n // 2
         a_operands = 4 if a_from_registers else 1
         # Operands: D (registers, in and out), A (4 words or a descriptor), B's descriptor, then scale-d.
         a_text = ("{" + ", ".join(f"${registers + i}" for i in range(4)) + "}" if a_from_registers
                   else f"${registers}")
         b_index = registers + a_operands
-        transpose = f"{int(trans_b)}" if a_from_registers else f"0, {int(trans_b)}"
+        transpose = f"{int(trans_b)}" if a_from_registers else f"{int(trans_a)}, {int(trans_b)}"
         text = ("{ .reg .pred p; setp.ne.b32 p, $" + str(b_index + 1) + ", 0; "
                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{element}.{element} "
                 "{" + ", ".join(f"${i}" for i in range(registers)) + "}, "
@@ -178,11 +178,12 @@ if not config.ENABLE_CUDASIM:
                 and acc.layout == "C")
 
     @lru_cache(maxsize=None)
-    def wgmma_ss(n, element="f16", trans_b=False):
+    def wgmma_ss(n, element="f16", trans_b=False, trans_a=False):
         """acc += A B, m64n``n``k16, A and B in shared memory by descriptor: ``f(acc, desc_a, desc_b)``, acc a
         local float32 array of n / 2 (the layout above).  element: "f16" or "bf16"; trans_b: B is MN-major
-        (its N dimension contiguous)."""
-        codegen = _product(n, element, trans_b, False)
+        (its N dimension contiguous); trans_a: A is MN-major (its M dimension contiguous: a tile stored with
+        A's k along the rows, as dS^T is when it becomes dQ's A)."""
+        codegen = _product(n, element, trans_b, False, trans_a)
 
         @intrinsic
         def product(typingctx, acc, desc_a, desc_b):
@@ -250,15 +251,17 @@ else:
         rows, ks = np.asarray(rows)[:, None], np.arange(16)[None, :]
         return _values(start + (rows // 8) * stride + (rows % 8) * 128 + 2 * ks, element)
 
-    def _b_operand(desc, columns, element, trans_b):
-        """B's 16 x len(columns) block: K-major (its rows are B's columns), or MN-major: element (k, n) at
-        start + (n // 64) leading + (k // 8) stride + (k % 8) 128 + 2 (n % 64)."""
-        if not trans_b:
-            return _k_major(desc, columns, element).T
+    def _mn_major(desc, columns, element):
+        """The 16 x len(columns) block of an MN-major operand: element (k, n) at start + (n // 64) leading +
+        (k // 8) stride + (k % 8) 128 + 2 (n % 64)."""
         start, leading, stride = _fields(desc)
         ks, columns = np.arange(16)[:, None], np.asarray(columns)[None, :]
         return _values(start + (columns // 64) * leading + (ks // 8) * stride + (ks % 8) * 128
                        + 2 * (columns % 64), element)
+
+    def _b_operand(desc, columns, element, trans_b):
+        """B's 16 x len(columns) block: K-major (its rows are B's columns), or MN-major."""
+        return _mn_major(desc, columns, element) if trans_b else _k_major(desc, columns, element).T
 
     def _entries(n):
         """This thread's accumulator entries: (rows, columns) of registers 0 .. n / 2 - 1 (the table above)."""
@@ -275,10 +278,12 @@ else:
             acc[i] = np.float32(np.float64(acc[i]) + products[row_index[r], column_index[c]])
 
     @lru_cache(maxsize=None)
-    def wgmma_ss(n, element="f16", trans_b=False):
+    def wgmma_ss(n, element="f16", trans_b=False, trans_a=False):
         def product(acc, desc_a, desc_b):
             rows, columns = _entries(n)
-            _accumulate(acc, _k_major(desc_a, np.unique(rows), element), rows, columns, desc_b, element, trans_b)
+            a_rows = (_mn_major(desc_a, np.unique(rows), element).T if trans_a
+                      else _k_major(desc_a, np.unique(rows), element))
+            _accumulate(acc, a_rows, rows, columns, desc_b, element, trans_b)
         return product
 
     def _gather_a(posts, element):
