@@ -151,15 +151,26 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     query heads, in a fixed order) and the kind of the inputs, as ``attention``.
 
     algorithm: "flash2" (the default) is the fast backward on tensor cores,
-    float32 or 16-bit, bitwise deterministic (no atomics); "flash1" is
-    Algorithm 4 written literally (float32); "wgmma" is flash2's backward on
-    Hopper's warpgroup instructions (``kernels/hopper/backward.py``: 16-bit,
-    d = 64 or 128, no block mask, dropout or packed sequences; deterministic;
-    NaN not confined to the entries that may see it).  block_sizes: for "flash1" the
-    (B_r, B_c) of Algorithm 4 (default: ``flash1_backward_block_sizes``);
-    for "flash2" the tile a thread block owns (B_r queries in the dQ pass,
-    B_r keys in the dK/dV pass) and the tile it streams (B_c), both
-    multiples of 16 (default: measured on the H200, ``tiling.py``).
+    float32 or 16-bit; on a Hopper GPU (compute capability 9.0) it runs on
+    the warpgroup instructions wherever the call is in their scope (16-bit,
+    d = 64 or 128, no block mask, dropout or packed sequences, no
+    ``block_sizes``), elsewhere on ``mma.sync``.  "wgmma" asks for the Hopper
+    backward (``kernels/hopper/backward.py``; NaN is not confined to the
+    entries that may see it there); "flash1" is Algorithm 4 written
+    literally (float32).  block_sizes: for "flash1" the (B_r, B_c) of
+    Algorithm 4 (default: ``flash1_backward_block_sizes``); for "flash2" the
+    tiles of the mma.sync backward: the tile a thread block owns (B_r
+    queries in the dQ pass, B_r keys in the dK/dV pass) and the tile it
+    streams (B_c), both multiples of 16 (default: measured on the H200,
+    ``tiling.py``).
+
+    deterministic: True (the default) gives the same bits on every run: every
+    sum in a fixed order (the mma.sync backward has no atomics; the Hopper
+    backward adds dQ's parts in an order kept by counters).  False lets the
+    Hopper backward add them in whatever order they arrive: faster, equally
+    accurate, but the last bits may differ from run to run (as
+    FlashAttention-2's and -3's defaults).  ``docs/performance.md`` gives the
+    cost of determinism.
     """
     plan = _plan(_BackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, dropout_p, algorithm,
                                                         block_sizes, deterministic))

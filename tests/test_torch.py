@@ -319,7 +319,7 @@ def test_torch_compile_compiles_a_model_that_calls_it():
 def test_the_custom_operator_passes_torchs_own_checks():
     # torch.library.opcheck: schema, fake (meta) implementation, autograd registration.
     q, k, v = (torch.randn(1, 2, 16, 8, device=DEVICE, requires_grad=True) for _ in range(3))
-    args = (q, k, v, "true", None, -1, 0.0, 0, 0, "flash2", None)
+    args = (q, k, v, "true", None, -1, 0.0, 0, 0, "flash2", None, True)
     torch.library.opcheck(torch.ops.numba_flash.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

@@ -1,17 +1,17 @@
 """The attention backward on Hopper's warpgroup tensor cores: FlashAttention-2's backward with its products on wgmma.
 
-``numba_flash.attention_backward(..., algorithm="wgmma")`` (and ``numba_flash.torch.attention(...,
-algorithm="wgmma")``) runs it; ``algorithm="flash2"`` stays on the ``mma.sync`` backward of ``kernels/fast``,
-its reference, until this one is measured faster.  Scope: as the wgmma forward's (``common.out_of_scope``):
-float16 and bfloat16, d = 64 or 128, dense or causal (either alignment), grouped heads, strides with
-contiguous 16-byte rows.  Deterministic, as the mma.sync backward: no atomics, every sum in a fixed order.
+``algorithm="flash2"`` runs it on a Hopper GPU for the calls in its scope (``chosen_for``; else the ``mma.sync``
+backward of ``kernels/fast``, its reference), and ``algorithm="wgmma"`` asks for it.  Scope: as the wgmma forward's
+(``common.out_of_scope``): float16 and bfloat16, d = 64 or 128, dense or causal (either alignment), grouped heads,
+strides with contiguous 16-byte rows.
 
 Three launches: the mma.sync backward's preprocess (D = rowsum(dO o O), ``fast/backward.preprocess_launch``),
-then two kernels of one warpgroup each (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold
-accumulators in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns).
+a dK/dV kernel of one warpgroup (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold accumulators
+in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns) that also sums dQ, and a kernel that converts the
+float32 sum of dQ to 16-bit.
 
-dK and dV: a warpgroup per (key tile of 64, batch, key/value head) keeps K_j and V_j in shared memory and
-streams past them the query tiles of every query head of its group that see them, in a fixed order::
+A warpgroup per (key tile of 64, batch, key/value head) keeps K_j and V_j in shared memory and streams past them
+the query tiles of every query head of its group that see them, in a fixed order::
 
     K_j, V_j -> shared (swizzled, once);  Q_i, dO_i of the first step, their rows' lse and D -> stage 0
     for each query head h of the group, for each query tile i that sees key tile j:
@@ -19,32 +19,34 @@ streams past them the query tiles of every query head of its group that see them
         S^T = K_j Q_i^T,  dP^T = V_j dO_i^T      wgmma m64n64k16 x d/16 each, both operands from shared memory
         P^T = exp2(c S^T - lse),  dS^T = P^T o (dP^T - D)          0 where the key may not be seen
         dV += P^T dO_i,  dK += dS^T Q_i          wgmma m64n{d}k16 x 4 each, A from registers, B transposed
+        dS^T -> shared;  dQ_i += dS K_j          64 columns at a time, added to a float32 sum in L2
     dK = scale dK;  dK, dV -> 16-bit
-
-dQ: a warpgroup per (query tile of 64, batch, query head) keeps Q_i and dO_i and streams K_j, V_j::
-
-    for each key tile j that query tile i sees:
-        land K_j, V_j; start K_{j+1}, V_{j+1}
-        S = Q_i K_j^T,  dP = dO_i V_j^T;  P = exp2(c S - lse),  dS = P o (dP - D)
-        dQ += dS K_j                             A from registers, K_j transposed
-    dQ = scale dQ -> 16-bit
+    (then, another launch: dQ = scale sum -> 16-bit)
 
 Every tile is the forward's (``common.py``): 64 rows in 128-byte-swizzled shared memory, read K-major by the
 score products and MN-major by the gradient products: the same bytes under two descriptors.  The transposed
-scores of the dK/dV kernel leave P^T and dS^T in exactly the registers a register-sourced A operand wants
-(as in FlashAttention-3's backward), so P never goes through shared memory.  Barriers and fences as the
-forward's: after a thread's copies land, ``fence_proxy_async`` (cp.async's writes are ordinary ones, the
-tensor cores read through the async proxy) and ``syncthreads`` (every thread's part is there, and every warp
-has waited for the products that read the stage about to be refilled); ``wgmma_fence`` before each group of
-products (the zeroed accumulators, or the packed A registers, written just before).
+scores leave P^T and dS^T in exactly the registers a register-sourced A operand wants (as in FlashAttention-3's
+backward), so P never goes through shared memory; dQ's product needs dS itself as A, which is dS^T's tile read
+MN-major.  Barriers and fences as the forward's: after a thread's copies (or its dS^T stores) land,
+``fence_proxy_async`` (ordinary writes, read by the tensor cores through the async proxy) and ``syncthreads``
+(every thread's part is there, and every warp has waited for the products that read what is about to be
+overwritten); ``wgmma_fence`` before each group of products (the zeroed accumulators, or the packed A registers,
+written just before).
+
+Deterministic by default.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so
+the order of the adds must not depend on timing (``DQ_MODES``): "ordered" (the default) gives each query tile of
+each head a counter (``wait_turn``, ``pass_turn``) and each key tile its turn, ascending, or for causal grids from
+the diagonal down, the grid then dispatching its shortest key tiles first: a block only ever waits for blocks that
+were dispatched before it, which are running or done, so the wait ends (the same argument as FlashAttention-3's
+deterministic backward).  "atomic" (``deterministic=False``) adds as the blocks arrive.  "separate" gives dQ a
+kernel of its own (``make_wgmma_dq``: a warpgroup per query tile streams K_j, V_j past it and computes S and dP
+again: seven products instead of five, no adds across blocks), kept for ``NUMBA_FLASH_WGMMA_DQ=separate``.
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
-* dQ has its own pass, as in the mma.sync backward: S and dP are computed twice, seven products where
-  FlashAttention-3 does five with dQ accumulated across key tiles by atomics (ordered by semaphores when
-  deterministic);
 * each group of products is waited for before its accumulators are read: no producer warp, no products
-  overlapping the exponentials, two stages of cp.async copies instead of bulk copies;
+  overlapping the exponentials, two stages of cp.async copies instead of bulk copies, dQ's adds issued by the
+  warps that compute (FlashAttention-3 gives them a warp of their own and a bulk reduction from shared memory);
 * NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
   0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
   there, not here;
