@@ -37,7 +37,10 @@ class Shape:
     batch: int
 
 
-FULL = Shape(layers=6, width=384, heads=6, kv_heads=2, context=512, batch=32)
+#: --size: the model of the first measurements (d = 64), a larger one (d = 128, context 2048, GQA 4:1), and a tiny
+#: one the simulator can run (--quick).
+SIZES = {"small": Shape(layers=6, width=384, heads=6, kv_heads=2, context=512, batch=32),
+         "large": Shape(layers=12, width=1024, heads=8, kv_heads=2, context=2048, batch=8)}
 QUICK = Shape(layers=1, width=16, heads=2, kv_heads=1, context=16, batch=2)
 
 
@@ -100,12 +103,22 @@ def build_model(shape, attention):
     return GPT()
 
 
-def attentions(torch):
+def attentions(torch, device):
+    """numba-flash, torch SDPA as it picks its backend, and on a GPU SDPA held to cuDNN (its fastest backend on the
+    H200, which it does not pick by itself)."""
     import numba_flash.torch as nft
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
-    return {"numba-flash": lambda q, k, v: nft.attention(q, k, v, causal=True),
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    runs = {"numba-flash": lambda q, k, v: nft.attention(q, k, v, causal=True),
             "torch SDPA": lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
+    if device == "cuda":
+        runs["torch SDPA cuDNN"] = cudnn
+    return runs
 
 
 def train(name, attention, shape, data, steps, dtype, device, seed=0):
@@ -144,6 +157,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
                         help="autocast dtype of the matrix products (and so of q, k, v)")
+    parser.add_argument("--size", default="small", choices=tuple(SIZES), help="the model (see SIZES)")
     parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model (the simulator can run it)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -153,14 +167,18 @@ def main(argv=None):
     if simulator and not args.quick:
         print("needs a GPU (or --quick): every simulated CUDA thread is a Python thread")
         return 2
-    shape, steps = (QUICK, 3) if args.quick else (FULL, args.steps)
+    shape, steps = (QUICK, 3) if args.quick else (SIZES[args.size], args.steps)
     dtype = "float32" if simulator else args.dtype   # CPU autocast has no float16 matmuls
     device = "cpu" if simulator else "cuda"
     data = corpus(200_000 if args.quick else 20_000_000)
-    runs = {name: train(name, attention, shape, data, steps, dtype, device)
-            for name, attention in attentions(torch).items()}
+    runs = {}
+    for name, attention in attentions(torch, device).items():
+        try:
+            runs[name] = train(name, attention, shape, data, steps, dtype, device)
+        except RuntimeError as exc:   # e.g. a backend that does not take this call
+            print(f"{name}: not run ({str(exc).splitlines()[0][:80]})")
 
-    suffix = "_quick" if args.quick else ""
+    suffix = "_quick" if args.quick else "" if args.size == "small" else f"_{args.size}"
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "train_gpt" + suffix)
     names = list(runs)
@@ -178,7 +196,7 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(markdown_header("Training a small GPT: numba-flash against torch SDPA",
                                 "python3 experiments/paper/train_gpt.py" + (" --quick" if args.quick else
-                                                                      f" --steps {steps} --dtype {dtype}"),
+                                                                      f" --size {args.size} --steps {steps} --dtype {dtype}"),
                                 device_name, timer="wall clock per step, synchronised"))
         f.write(f"\n{shape.layers} layers, width {shape.width}, {shape.heads} query heads sharing {shape.kv_heads} "
                 f"key/value heads (d = {shape.width // shape.heads}), context {shape.context}, batch {shape.batch}, "
