@@ -1,13 +1,16 @@
 """The Hopper path (``kernels/hopper``).  Host-side facts that need no GPU: the swizzle, the descriptor's bits,
-the accumulator layout.  Whatever issues ``wgmma`` runs only on a Hopper GPU (the simulator has no warpgroup
-instructions): the forward against the float64 reference here, the layouts in
-``experiments/tuning/wgmma_layouts.py``."""
+the accumulator layout; the tiles' cp.async copier (any GPU, or the simulator).  Whatever issues ``wgmma`` runs
+only on a Hopper GPU (the simulator has no warpgroup instructions): the forward against the float64 reference
+here, the layouts in ``experiments/tuning/wgmma_layouts.py``."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numba_flash.kernels.hopper.wgmma import ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, swizzle_128
+from numba import cuda, uint32
+
+from numba_flash.kernels.hopper.wgmma import (ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, staged_offset,
+                                              swizzle_128)
 from strategies import causal_mask, wgmma_loop
 from test_nan import Poisoned, flags_of, nan_pattern, without_nan
 
@@ -41,6 +44,51 @@ def test_the_accumulator_layout_gives_every_element_to_exactly_one_register():
     # Thread 0 holds rows 0 and 8, columns 0-1 of each 8-column block (mma.sync's C fragment per block).
     rows, columns = accumulator_entries(0, 64)
     assert list(zip(rows[:8], columns[:8])) == [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)]
+
+
+SENTINEL = 0xDEADBEEF   # what shared memory holds before the copies
+
+
+@given(data=st.data())
+def test_the_tile_copier_lands_the_rows_swizzled_and_zeros_the_pad_columns(data):
+    """``common.tile_copier`` against NumPy: 64 rows of X (a ragged last tile too, strided rows) in the swizzled
+    layout of ``layout_dim(d)`` columns, zeros past the valid rows and in the pad columns d..layout_dim(d) - 1
+    (d = 96: columns 96..127 of the second 64-column tile), nothing else written."""
+    from numba_flash.kernels.fast.primitives import copy_async_wait_all
+    from numba_flash.kernels.hopper.common import BLOCK_N, FORWARD_HEAD_DIMS, layout_dim, tile_bytes, tile_copier
+
+    d = data.draw(st.sampled_from(FORWARD_HEAD_DIMS))
+    threads = data.draw(st.sampled_from([128, 256]))
+    rows_valid = data.draw(st.sampled_from([BLOCK_N, 200, data.draw(st.integers(1, BLOCK_N - 1))]))
+    stride = d + 8 * data.draw(st.integers(0, 3))            # elements between rows (16-byte aligned)
+    first = 8 * data.draw(st.integers(0, 3))
+    rows_in_x = min(rows_valid, BLOCK_N)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    x = rng.integers(0, 2 ** 16, first + rows_in_x * stride, dtype=np.uint64).astype(np.uint16)
+    start_tile = tile_copier(d, threads)[1]
+    words = tile_bytes(d) // 4
+
+    @cuda.jit
+    def kernel(x, out):
+        tile = cuda.shared.array(0, uint32)
+        for i in range(cuda.threadIdx.x, words, cuda.blockDim.x):
+            tile[i] = SENTINEL
+        cuda.syncthreads()   # the sentinels everywhere before any copy lands
+        start_tile(tile, 0, x, first, stride, rows_valid, cuda.threadIdx.x)
+        copy_async_wait_all()
+        cuda.syncthreads()   # every thread's copies landed
+        for i in range(cuda.threadIdx.x, words, cuda.blockDim.x):
+            out[i] = tile[i]
+
+    out = np.zeros(words, np.uint32)
+    kernel[1, threads, 0, 4 * words](x.view(np.uint32), out)
+    got = out.view(np.uint16)
+    expected = np.zeros((BLOCK_N, layout_dim(d)), np.uint16)
+    for r in range(rows_in_x):
+        expected[r, :d] = x[first + r * stride:first + r * stride + d]
+    rows, cols = np.meshgrid(np.arange(BLOCK_N), np.arange(layout_dim(d)), indexing="ij")
+    at = np.vectorize(lambda r, c: swizzle_128(staged_offset(int(r), int(c), BLOCK_N)) // 2)(rows, cols)
+    np.testing.assert_array_equal(got[at], expected)
 
 
 def _where():
@@ -93,7 +141,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
 
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.common import HEAD_DIMS
+    from numba_flash.kernels.hopper.common import FORWARD_HEAD_DIMS
     from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
     from tolerances import assert_close_to_reference
 
@@ -105,7 +153,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     group = data.draw(st.sampled_from([1, 2, 3]))                       # grouped-query heads
     heads = kv_heads * group
     n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
-    d = data.draw(st.sampled_from(HEAD_DIMS))
+    d = data.draw(st.sampled_from(FORWARD_HEAD_DIMS))   # 16..128: on the 64- and the 128-column layout
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
@@ -156,8 +204,9 @@ def test_the_wgmma_forward_rejects_what_it_cannot_run():
     def arrays(d=64, dtype=np.float16, n_k=8):
         return (np.zeros((1, 1, 8, d), dtype), np.zeros((1, 1, n_k, d), dtype), np.zeros((1, 1, n_k, d), dtype))
 
-    with pytest.raises(ValueError, match="algorithm='wgmma': the head dim"):
-        attention(*arrays(d=32), algorithm="wgmma")
+    for d in (72, 160):   # not a multiple of 16; wider than the 128-column layout
+        with pytest.raises(ValueError, match=f"algorithm='wgmma': the head dim must be one of .* forward, not {d}"):
+            attention(*arrays(d=d), algorithm="wgmma")
     with pytest.raises(ValueError, match="algorithm='wgmma': q, k, v must be float16 or bfloat16"):
         attention(*arrays(dtype=np.float32), algorithm="wgmma")
     with pytest.raises(ValueError, match="k and v"):
@@ -197,10 +246,11 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
         plan = api._ForwardPlan((x, x, x), (causal, scale, block_mask, dropout_p, "flash2", block_sizes))
         return plan.launch.kernel.name.split("_")[0]
 
-    monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (128, True)})   # (head dim, causal) measured faster
+    monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (96, False), (128, True)})   # (head dim, causal)
     assert kernel() == kernel(d=128, causal="bottom_right") == kernel(dtype=np.dtype("bfloat16")) == "wgmma"
-    assert kernel(d=128) == kernel(causal=True) == "flash2"
-    assert kernel(d=32) == kernel(dtype=np.float32) == kernel(scale=-0.5) == kernel(dropout_p=0.1) == "flash2"
+    assert kernel(d=96) == "wgmma"
+    assert kernel(d=128) == kernel(causal=True) == kernel(d=96, causal=True) == kernel(d=32) == "flash2"
+    assert kernel(d=72) == kernel(dtype=np.float32) == kernel(scale=-0.5) == kernel(dropout_p=0.1) == "flash2"
     assert kernel(block_sizes=(64, 64)) == "flash2"
     assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))) == "flash2"
     device.compute_capability = (8, 0)
@@ -241,7 +291,8 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     assert kernel().startswith("wgmma") and kernel().endswith("_dq_ordered")
     assert kernel(deterministic=False).endswith("_dq_atomic")
     assert kernel(d=128, causal="bottom_right", dtype=np.dtype("bfloat16")).startswith("wgmma")
-    for outside in (kernel(d=32), kernel(dtype=np.float32), kernel(dropout_p=0.1), kernel(block_sizes=(64, 64)),
+    for outside in (kernel(d=32), kernel(d=96), kernel(dtype=np.float32), kernel(dropout_p=0.1),
+                    kernel(block_sizes=(64, 64)),
                     kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128)))):
         assert outside.startswith("flash2"), outside
     device.compute_capability = (8, 0)
@@ -253,45 +304,62 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
         kernel(deterministic=None)
 
 
-@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("causal, warpgroups", [(False, 1), ("bottom_right", 1), ("bottom_right", 2)])
-def test_the_overlapped_wgmma_forward_runs_every_buffer(causal, warpgroups):
-    """Four key tiles (every K buffer refilled twice, every V buffer at least once, the last tile's ahead-steps
-    skipped), the diagonal crossing two of them, grouped heads: the overlapped loop against float64, in blocks
-    of one warpgroup and of two (70 rows: the second warpgroup's rows 64-69 and 58 rows past N_q)."""
+def _four_key_tiles(d, causal, overlap, warpgroups):
+    """Four key tiles (every buffer refilled at least once), the diagonal crossing two of them, grouped heads, 70
+    query rows (with two warpgroups: the second's rows 64-69 and 58 rows past N_q), against float64."""
     import numba_flash
     import reference
     from numba_flash.kernels.hopper.common import BLOCK_N
     from tolerances import assert_close_to_reference
 
     rng = np.random.default_rng(11)
-    n_q, n_k, d = 70, 3 * BLOCK_N + 17, 64
+    n_q, n_k = 70, 3 * BLOCK_N + 17
     q = rng.standard_normal((1, 2, n_q, d)).astype(np.float16)
     k, v = (rng.standard_normal((1, 1, n_k, d)).astype(np.float16) for _ in range(2))
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with wgmma_loop(True, warpgroups):
+    with wgmma_loop(overlap, warpgroups):
         out, lse = numba_flash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
     q, k, v, out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (q, k, v, out, lse))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     expanded = [reference.repeat_kv(x, 2) for x in (k64, v64)]
     ref_out, ref_lse = reference.attention(q64, *expanded, causal=causal)
+    assert out.shape == q.shape
     assert_close_to_reference(out, lse, ref_out, ref_lse, q64, *expanded, 1 / np.sqrt(d), np.float16)
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_it(overlap):
-    """A NaN in value row 40, inside the first key tile, which the diagonal of the first 64 query rows crosses:
+@pytest.mark.parametrize("causal, warpgroups", [(False, 1), ("bottom_right", 1), ("bottom_right", 2)])
+def test_the_overlapped_wgmma_forward_runs_every_buffer(causal, warpgroups):
+    """The overlapped loop over four key tiles (every K buffer refilled twice, every V buffer at least once, the
+    last tile's ahead-steps skipped), in blocks of one warpgroup and of two."""
+    _four_key_tiles(64, causal, True, warpgroups)
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("causal, overlap, warpgroups", [(False, False, 1), ("bottom_right", False, 2),
+                                                         (True, True, 1)])
+def test_the_wgmma_forward_at_d96_reads_the_128_column_layout(causal, overlap, warpgroups):
+    """d = 96 on the 128-column layout (pad columns 96..127 zero-filled by the copies): S in six k-steps, O as
+    m64n96 reading V's second 64-column tile half; over four key tiles, in the ring of three buffers (the plain
+    loop) and in the overlapped loop.  The property test above draws d = 96 among other head dims."""
+    _four_key_tiles(96, causal, overlap, warpgroups)
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("d, overlap", [(64, False), (64, True), (96, False)])
+def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_it(d, overlap):
+    """A NaN in value row 40 (at d = 96 in the second 64-column tile, whose pad columns must not hide it from
+    the NaN pass), inside the first key tile, which the diagonal of the first 64 query rows crosses:
     the tile is cleaned only when the barrier that lands it has found the NaN (``land_tiles``), and rows 0-39,
     which may not see key 40, stay finite while rows 40-69 become NaN.  Without the NaN pass, or with the
     question answered wrong, the tensor cores' 0 * NaN would reach rows 0-39 too."""
     import numba_flash
 
     rng = np.random.default_rng(5)
-    q, k, v = (rng.standard_normal((1, 1, 70, 64)).astype(np.float16) for _ in range(3))
-    v[0, 0, 40, 17] = np.nan
+    q, k, v = (rng.standard_normal((1, 1, 70, d)).astype(np.float16) for _ in range(3))
+    v[0, 0, 40, 17 if d == 64 else 80] = np.nan   # d = 96: column 80, in the second 64-column tile
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
@@ -372,8 +440,10 @@ def test_the_wgmma_backward_rejects_what_it_cannot_run():
         x = np.zeros((1, 1, 8, d), dtype)
         return x, x, x, x, np.zeros((1, 1, 8), np.float32), x
 
-    with pytest.raises(ValueError, match="algorithm='wgmma': the head dim must be one of .* for the wgmma backward"):
-        attention_backward(*arrays(d=32), algorithm="wgmma")
+    for d in (32, 96):   # the forward takes both, the backward not yet
+        with pytest.raises(ValueError, match="algorithm='wgmma': the head dim must be one of .* for the wgmma "
+                                             f"backward, not {d}"):
+            attention_backward(*arrays(d=d), algorithm="wgmma")
     with pytest.raises(ValueError, match="algorithm='wgmma': q, k, v must be float16 or bfloat16 for the wgmma "
                                          "backward"):
         attention_backward(*arrays(dtype=np.float32), algorithm="wgmma")

@@ -74,7 +74,7 @@ def sass_counts(kernel, folder):
 
 
 def hopper_kernels():
-    """(name, Python function, signature, launch bounds) of the wgmma forward at d = 64 and 128, dense and causal,
+    """(name, Python function, signature, launch bounds) of the wgmma forward at d = 64, 96 and 128, dense and causal,
     both loops, blocks of one warpgroup and of two."""
     from numba import types as nt
 
@@ -83,7 +83,7 @@ def hopper_kernels():
     words = nt.uint32[::1]
     signature = (words,) * 4 + (nt.float32[::1],) + (nt.int64,) * 18 + (nt.float64,)
     for warpgroups in WARPGROUP_COUNTS:
-        for d in (64, 128):
+        for d in (64, 96, 128):   # d = 96 on d = 128's layout (common.layout_dim)
             for causal in (False, True):
                 for overlap in (False, True):   # each product waited for at once, or S_{j+1} beside the softmax
                     kernel = make_wgmma_forward(d, "f16", causal, overlap, warpgroups)

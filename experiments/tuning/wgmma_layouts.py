@@ -19,6 +19,9 @@ Cases (64 query rows, 64 keys):
   contiguous: MN-major, transposed by the instruction); each k-step of 16 keys advances 2048 bytes.
 * ``PV d=128``: the same with N = 128: V in two 64-column tiles, whose distance is a candidate.
 * ``PV d=64 SS``: P from shared memory (K-major) instead, to tell P's register layout from V's.
+* ``S d=96``, ``PV d=96``: d = 96 on d = 128's layout (two 64-column tiles, the second half used; the
+  forward's ``common.layout_dim``): S in six k-steps, and O = P V as m64n96, which reads V's second
+  tile only up to column 95 (checked in the simulator's twins only until this runs on a GPU).
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_layouts.py      # on an H100/H200; writes results/wgmma_layouts.md
 """
@@ -43,6 +46,8 @@ CASES = {
     "PV d=64": (KEYS, 64, True, True, "f16"),
     "PV d=128": (KEYS, 128, True, True, "f16"),
     "PV d=64 SS": (KEYS, 64, False, True, "f16"),
+    "S d=96": (96, KEYS, False, False, "f16"),
+    "PV d=96": (KEYS, 96, True, True, "f16"),
 }
 
 
@@ -72,19 +77,21 @@ def build(k_dim, n, a_registers, b_mn_major, element):
     MN-major, else (N, K)) 16-bit values as uint16, out (128, N / 2) float32."""
     from numba import float32, uint32
 
+    from numba_flash.kernels.hopper.common import layout_dim
     from numba_flash.kernels.hopper.wgmma import (SWIZZLE_128B, descriptor_device, fence_proxy_async,
                                                   shared_address, staged_offset_device, swizzle_128_device,
                                                   wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
 
     registers = n // 2
-    a_bytes = 0 if a_registers else ROWS * k_dim * 2
-    b_bytes = k_dim * n * 2
+    b_rows = k_dim if b_mn_major else n      # rows of B as stored (its contiguous dimension is 128-byte rows)
+    b_cols = n if b_mn_major else k_dim
+    # Stored rows are whole 64-column tiles (96 columns: two, the second half used).
+    a_bytes = 0 if a_registers else ROWS * layout_dim(k_dim) * 2
+    b_bytes = b_rows * layout_dim(b_cols) * 2
     words = (a_bytes + b_bytes + 1024) // 4
     # Both forms are typed (only one is used): a constant branch still has to type-check.
     product_rs, product_ss = wgmma_rs(n, element, b_mn_major), wgmma_ss(n, element, b_mn_major)
     wait_all = wgmma_wait(0)
-    b_rows = k_dim if b_mn_major else n      # rows of B as stored (its contiguous dimension is 128-byte rows)
-    b_cols = n if b_mn_major else k_dim
 
     @cuda.jit(launch_bounds=(128, 1))
     def run(a, b, out, lbo_a, sbo_a, lbo_b, sbo_b):

@@ -1,11 +1,13 @@
 """What the Hopper kernels share: 64-row tiles of 16-bit rows in 128-byte-swizzled shared memory.
 
-A tile is 64 rows (query rows, or keys) of d 16-bit columns, stored as d / 64
-swizzled tiles of 64 columns (``wgmma.py``'s table), and it is read by the
-tensor cores in two ways: K-major (its rows are an operand's rows: Q and K in
-S = Q K^T) or MN-major (its rows run along the product's k: V in O += P V).
-The forward (``forward.py``) and the backward (``backward.py``) copy their
-tiles with the same cp.async copier and name them with the same descriptors.
+A tile is 64 rows (query rows, or keys) of d 16-bit columns, stored as
+``layout_dim(d) / 64`` swizzled tiles of 64 columns (``wgmma.py``'s table): a
+head dim that is not a multiple of 64 (d = 96: two tiles, columns 96..127
+zero) takes the layout of the next multiple.  It is read by the tensor cores
+in two ways: K-major (its rows are an operand's rows: Q and K in S = Q K^T)
+or MN-major (its rows run along the product's k: V in O += P V).  The forward
+(``forward.py``) and the backward (``backward.py``) copy their tiles with the
+same cp.async copier and name them with the same descriptors.
 """
 from functools import lru_cache
 
@@ -18,7 +20,10 @@ from ..fast.primitives import copy_async16
 from .wgmma import ROW_BYTES, SWIZZLE_128B, descriptor_device, staged_offset_device, swizzle_128_device
 
 BLOCK_N = 64             # rows per tile: keys of a K/V tile, or query rows of a Q/dO tile
-HEAD_DIMS = (64, 128)    # the head dims the Hopper kernels take
+HEAD_DIMS = (64, 128)    # the head dims the wgmma backward takes (``out_of_scope``)
+#: The head dims the wgmma forward takes: multiples of 16 (its products' k-step) up to 128, on the 64- or
+#: 128-column layout (``layout_dim``).
+FORWARD_HEAD_DIMS = tuple(range(16, 129, 16))
 #: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
 #: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
 #: 8-row groups along the keys.  Both as wgmma.py's table has them (experiments/tuning/wgmma_layouts.py).
@@ -26,9 +31,15 @@ K_MAJOR_OFFSETS = (16, 1024)
 MN_MAJOR_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
 
 
+def layout_dim(head_dim):
+    """Columns of a tile of head dim d in shared memory: d rounded up to whole 64-column swizzled tiles (64 or
+    128), the columns past d zero."""
+    return 64 * -(-head_dim // 64)
+
+
 def tile_bytes(head_dim):
-    """Bytes of a 64-row tile of d 16-bit columns (as d / 64 swizzled tiles of 64 columns)."""
-    return BLOCK_N * head_dim * 2
+    """Bytes of a 64-row tile of d 16-bit columns (as layout_dim(d) / 64 swizzled tiles of 64 columns)."""
+    return BLOCK_N * layout_dim(head_dim) * 2
 
 
 @inlined_device_function
@@ -74,18 +85,22 @@ def mn_step_bytes(step):
 @lru_cache(maxsize=None)
 def tile_copier(D, THREADS):
     """(own_chunk, start_tile, PASSES, PASS_WORDS): the cp.async copier of 64-row tiles of head dim D for a block of
-    THREADS threads.
+    THREADS threads, into the layout of LAYOUT_DIM = ``layout_dim(D)`` columns.
 
-    A thread keeps one column of 16-byte chunks and walks down the rows, ROWS_PER_PASS at a time.  That is a
-    multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks land at one
-    swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address increment (the general
-    chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at d = 128, a rolled loop:
-    experiments/tuning/results/sass_counts_wgmma.md)."""
-    ROW_CHUNKS = D // 8
-    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 128 (one warpgroup; two: 32, 16)
+    A thread keeps one column of 16-byte chunks of the layout's row and walks down the rows, ROWS_PER_PASS at a
+    time.  That is a multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks
+    land at one swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address increment (the
+    general chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at d = 128, a rolled loop:
+    experiments/tuning/results/sass_counts_wgmma.md).  A thread whose column is a pad one (D <= column <
+    LAYOUT_DIM) issues the same copies with source size 0: 16 zero bytes each, nothing read.  Where D is the
+    layout's width that test is not compiled at all (PADDED is a Python constant)."""
+    LAYOUT_DIM = layout_dim(D)
+    PADDED = D < LAYOUT_DIM
+    ROW_CHUNKS = LAYOUT_DIM // 8
+    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 96 or 128 (one warpgroup; two: 32, 16)
     PASSES = BLOCK_N // ROWS_PER_PASS
     PASS_WORDS = ROWS_PER_PASS * ROW_BYTES // 4
-    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0
+    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0 and D % 8 == 0
 
     @inlined_device_function
     def own_chunk(at, tid):
@@ -97,17 +112,20 @@ def tile_copier(D, THREADS):
     @inlined_device_function
     def start_tile(smem, at, X, first, row_stride, rows_valid, tid):
         """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
-        on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid)."""
+        on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid, and in the pad
+        columns D..LAYOUT_DIM-1)."""
         to, r, c = own_chunk(at, tid)
+        # A pad column's copies read nothing but still need an address in X: its row's first chunk.
+        real = c < D if PADDED else True
         # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
-        chunk = (first + r * row_stride + c) >> 1
+        chunk = (first + r * row_stride + (c if real else 0)) >> 1
         step = (ROWS_PER_PASS * row_stride) >> 1
         if rows_valid >= BLOCK_N:   # every tile but a ragged last one (block-uniform): no row tests, no selects
             for i in range(PASSES):
-                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, True)
+                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, real)
         else:
             for i in range(PASSES):
-                inside = r + i * ROWS_PER_PASS < rows_valid
+                inside = real and r + i * ROWS_PER_PASS < rows_valid
                 # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
                 copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
 
@@ -120,8 +138,9 @@ def out_of_scope(call, kernel):
     name = f"the wgmma {kernel}"
     if call.precision == "tf32x3":
         return f"q, k, v must be float16 or bfloat16 for {name}, not {call.dtype}"
-    if call.head_dim not in HEAD_DIMS:
-        return f"the head dim must be one of {HEAD_DIMS} for {name}, not {call.head_dim}"
+    head_dims = FORWARD_HEAD_DIMS if kernel == "forward" else HEAD_DIMS
+    if call.head_dim not in head_dims:
+        return f"the head dim must be one of {head_dims} for {name}, not {call.head_dim}"
     if not call.vec:
         return f"q, k and v must have rows that start on 16-byte boundaries for {name}"
     if not np.float32(call.scale * LOG2_E) > 0:
@@ -133,5 +152,6 @@ def out_of_scope(call, kernel):
     return None
 
 
-__all__ = ["BLOCK_N", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "first_atom_words", "k_major_descriptor", "k_step_bytes", "mn_major_descriptor",
-           "mn_step_bytes", "out_of_scope", "query_tile", "tile_bytes", "tile_copier"]
+__all__ = ["BLOCK_N", "FORWARD_HEAD_DIMS", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "first_atom_words",
+           "k_major_descriptor", "k_step_bytes", "layout_dim", "mn_major_descriptor", "mn_step_bytes", "out_of_scope",
+           "query_tile", "tile_bytes", "tile_copier"]

@@ -3,12 +3,19 @@
 ``numba_flash.attention(..., algorithm="flash2")`` runs it by itself on a GPU of compute capability
 9.0 for the calls in its scope (``out_of_scope``, ``chosen_for``), and ``algorithm="wgmma"`` asks for
 it outright; every other call, and every other GPU, stays on the ``mma.sync`` kernel in
-``kernels/fast`` (the reference it is tested against).  Scope: float16 and bfloat16, d = 64 or 128,
-dense or causal (top-left or bottom-right), grouped heads, any strides with contiguous 16-byte rows,
-a positive scale, NaN propagated as on the other path; no block mask, dropout or packed sequences
+``kernels/fast`` (the reference it is tested against).  Scope: float16 and bfloat16, d a multiple
+of 16 up to 128 (``common.FORWARD_HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
+causal (top-left or bottom-right), grouped heads, any strides with contiguous 16-byte rows, a
+positive scale, NaN propagated as on the other path; no block mask, dropout or packed sequences
 yet.  ``tests/test_hopper.py`` checks it against the float64 reference in the simulator (through
 ``wgmma.py``'s twins, which read operands by its layout table) and on a Hopper GPU, where
-``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01).
+``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01; at d = 64 and 128 only:
+the m64n96 read of V below is the twins' so far, its cases there not yet run on a GPU).
+
+A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one (d = 96 on
+d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the
+same cp.async copies (source size 0: no extra reads); the products take only d: S in d / 16
+k-steps, O += P V as m64n{d}k16, and the stores write d columns.
 
 One thread block is one warpgroup (128 threads) and owns 64 query rows, or two warpgroups that own
 64 each and share every K/V tile (``make_wgmma_forward``'s WARPGROUPS); each warp owns 16 rows, and
@@ -24,11 +31,11 @@ softmax below is the fast forward's, over 64-key tiles::
         O = alpha O;  O += P V_j         wgmma m64n{d}k16 x 4, P from registers, V_j transposed
     O / l, lse
 
-At d = 128 the K/V tiles go round a ring of three buffers instead (``uses_ring``): K_{j+1} is started
-into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a second one, once S_j is done
-(each tile its own commit group, so each barrier waits for the tile it needs alone).  A block then needs 66 KB
-of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two: 1.10-1.19x faster
-(H200, ``experiments/tuning/results/bench_ring_h200.md``).
+At d = 128 (and every d > 64, on its layout) the K/V tiles go round a ring of three buffers instead
+(``uses_ring``): K_{j+1} is started into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a
+second one, once S_j is done (each tile its own commit group, so each barrier waits for the tile it needs alone).
+A block then needs 66 KB of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two:
+1.10-1.19x faster (H200, ``experiments/tuning/results/bench_ring_h200.md``).
 
 Each product group is waited for before its accumulator is read (``wgmma_wait(0)``).  A second loop
 (``make_wgmma_forward``'s OVERLAP, ``NUMBA_FLASH_WGMMA_OVERLAP=1``) issues S_{j+1} = Q K_{j+1}^T before the softmax of
@@ -81,7 +88,7 @@ from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, p
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
-from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
+from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, layout_dim, mn_major_descriptor,
                      mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
 from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, staged_offset_device,
                     swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
@@ -96,9 +103,10 @@ def uses_ring(head_dim, overlap):
     ...), or sit in two stages of K and two of V.  The ring: at d = 128, where its 16 KB less a block makes room for a
     third block on a multiprocessor (``blocks_per_multiprocessor``), 1.10-1.19x faster dense and causal at (2, 16, 8192,
     128) in float16 and bfloat16; at d = 64, where registers allow four blocks either way, its second barrier a tile
-    made it 0.94-0.96x (H200, 2026-12-03, ``experiments/tuning/results/bench_ring_h200.md``).  Not for the overlapped
-    loop, whose K_{j+1} is read while V_j waits."""
-    return head_dim == 128 and not overlap
+    made it 0.94-0.96x (H200, 2026-12-03, ``experiments/tuning/results/bench_ring_h200.md``).  So for every head dim
+    on the 128-column layout (d = 80-128: the same shared memory a tile; unmeasured below 128), and not for the
+    overlapped loop, whose K_{j+1} is read while V_j waits."""
+    return layout_dim(head_dim) == 128 and not overlap
 
 
 def kv_buffers(head_dim, overlap):
@@ -107,14 +115,20 @@ def kv_buffers(head_dim, overlap):
 
 
 def shared_bytes(head_dim, warpgroups=1, overlap=False):
-    """Q (a 64-row tile per warpgroup), the K/V buffers, the NaN flags of V's rows, and slack to start the
-    tiles on a 1024-byte boundary."""
+    """Q (a 64-row tile per warpgroup), the K/V buffers (each on the layout of ``layout_dim(head_dim)`` columns), the
+    NaN flags of V's rows, and slack to start the tiles on a 1024-byte boundary."""
     return (warpgroups + kv_buffers(head_dim, overlap)) * tile_bytes(head_dim) + 4 * BLOCK_N + 1024
 
 
 @lru_cache(maxsize=None)
 def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
-    """The kernel for head dim D (64 or 128), ELEMENT "f16" or "bf16", causal or not.
+    """The kernel for head dim D (``common.FORWARD_HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
+    "bf16", causal or not.
+
+    Its tiles sit in shared memory on the layout of LAYOUT_DIM = ``layout_dim(D)`` columns (64 or 128), the
+    columns past D zero (``common.tile_copier``), but the products take only D: S = Q K^T in D / 16 k-steps, and
+    O += P V as m64n{D}k16, so that O holds D / 2 registers a thread and no pad column is multiplied (at D = 96
+    the MN-major V's second 64-column tile is read half: the descriptor names the tiles, N how much of them).
 
     WARPGROUPS (1 or 2): warpgroups per block, each with its own 64 query rows (its Q tile, its accumulators),
     sharing every K/V tile the block copies: two halve the copies and the L2 reads per query row, for a block
@@ -140,12 +154,12 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     THREADS = WARPGROUP * WARPGROUPS
     ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
     _, pack = sixteen_bit_ops(ELEMENT)
-    S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2
+    S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2   # O: m64n{D}, the layout's pad columns left out
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
-    ROW_CHUNKS = D // 8
-    TILE_BYTES = tile_bytes(D)
+    ROW_CHUNKS = D // 8                       # 16-byte chunks of a row of V that hold values (the rest are zeros)
+    TILE_BYTES = tile_bytes(D)                # on the layout of layout_dim(D) columns
     TILE_WORDS = TILE_BYTES // 4
-    K_STEPS = D // 16
+    K_STEPS = cdiv(D, 16)                     # S's k-steps: the pad columns past them are not read
     cleaned = nan_cleaner(ELEMENT)
     has_nan = pair_has_nan(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
@@ -158,7 +172,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     # two stages each barrier waits for every copy.
     wait_for_landing = copy_async_wait(1) if RING else copy_async_wait_all
 
-    own_chunk, start_tile, PASSES, PASS_WORDS = tile_copier(D, THREADS)   # K/V tiles' cp.async copies (tiles.py)
+    own_chunk, start_tile, PASSES, PASS_WORDS = tile_copier(D, THREADS)   # the tiles' cp.async copies (common.py)
 
     @inlined_device_function
     def land_tiles(smem, v_tile, ask_for_nan, tid):
@@ -335,10 +349,10 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
             start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + q_w * q_sn, q_sn, n_q - q_w, tid)
         if not OVERLAP:
             # K_0 (with Q: one commit group) and V_0; then each tile's copies a group (an empty one past the last
-            # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (d = 128), K_{j+1} where
+            # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (d > 64), K_{j+1} where
             # V_{j-1} was, as soon as every warp is done with P_{j-1} V_{j-1}, and V_{j+1} where K_j was, once
             # every warp is done with S_j; each tile still has a whole iteration to land, in three buffers
-            # instead of four (room for a third block on a multiprocessor).  In two stages (d = 64), both into
+            # instead of four (room for a third block on a multiprocessor).  In two stages (d <= 64), both into
             # the buffers of tile j - 1, one barrier a tile.
             k_buffer, v_buffer = 0, 1 if RING else 2     # where K_j and V_j are
             if n_tiles > 0:
@@ -450,10 +464,16 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
     At d = 128 a block of one warpgroup takes 66 KB of shared memory with the ring of three K/V buffers (83 KB
     with four), room for three blocks; left alone ptxas takes 180-184 registers, which allow two, so the cap
     asks for three (168).  The overlapped loop would spill under any cap (64-96 bytes at d = 64), and blocks of
-    two warpgroups at d = 128 (180-196 registers) fit once either way."""
-    if overlap or (head_dim == 64 and warpgroups == 1 and not causal):
+    two warpgroups at d = 128 (180-196 registers) fit once either way.
+
+    Other head dims take the choices of their layout's width (``layout_dim``: d < 64 those of 64, 64 < d < 128
+    those of 128: the same shared memory a block), with fewer accumulator registers (D / 2) under the same caps.
+    Unmeasured on a GPU.  At d = 96 (ptxas 13.0, sm_90a, 2026-12-04): one warpgroup 158-160 registers under the
+    cap for three blocks, two warpgroups 161-182, overlapped 196-201, no spills in any."""
+    layout = layout_dim(head_dim)
+    if overlap or (layout == 64 and warpgroups == 1 and not causal):
         return 1
-    if head_dim == 128:
+    if layout == 128:
         return 3 if warpgroups == 1 else 1
     return 4 // warpgroups
 
@@ -474,8 +494,9 @@ WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 #: (``experiments/tuning/results/bench_wgmma_diagonal_h200.md``; 0.76-0.78x before).  d = 128: 0.56-0.59x while the tile
 #: copies cost ~95 instructions per 16 bytes, then 1.50x dense and 1.42x causal with each thread walking one column of
 #: chunks (2026-12-02, GPU time, ``experiments/tuning/results/bench_wgmma_warpgroups1_h200.md``;
-#: ``experiments/tuning/results/sass_counts_wgmma.md``).
-AUTOMATIC_SCOPE = {(64, False), (64, True), (128, False), (128, True)}
+#: ``experiments/tuning/results/sass_counts_wgmma.md``).  d = 96 (Phi-style heads, on the 128-column layout with its pad
+#: columns zero): taken on the strength of d = 128's numbers, pending its own GPU measurement against mma.sync.
+AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True)}
 
 
 def chosen_for(call, block_sizes):
