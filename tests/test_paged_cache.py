@@ -46,7 +46,7 @@ def paged_problems(draw, dtype):
 
     Entries take their pages from a shuffled pool, so that an entry's pages are scattered and out of order; with
     "shared" two entries begin with the same page where neither appends into it (a shared prompt's prefix); table
-    slots past an entry's keys hold pages outside the pool (-1, or past its end: never read) or another entry's page.
+    slots past an entry's keys hold pages outside the pool (-1, or past its end: never used) or another entry's page.
     """
     batch = draw(st.integers(1, 3))
     kv_heads = draw(st.integers(1, 2))
