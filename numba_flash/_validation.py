@@ -18,7 +18,7 @@ from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_s
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
 from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP,
-                     decode_default_block_sizes,
+                     decode_default_block_sizes, page_key_tile,
                      flash1_backward_block_sizes, flash1_backward_shared_bytes, flash1_shared_bytes, flash2_backward_shared_bytes,
                      flash2_default_block_sizes, flash2_forward_smem, flash2_threads, k_step, line1_block_sizes,
                      padded_head_dim)
@@ -32,6 +32,30 @@ GRADIENT_ALGORITHMS = BACKWARD_ALGORITHMS + ("wgmma",)
 #: dtypes each algorithm accepts (the fast kernel also takes the 16-bit types).
 DTYPES = {"standard": ("float32",), "flash1": ("float32",), "flash2": ("float32", "float16", "bfloat16")}
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+#: Rows per page of a paged KV cache: multiples of PAGE_ROWS_STEP from PAGE_ROWS_MIN to PAGE_ROWS_MAX (vLLM's 16 to
+#: flash-attn 2's 256).  A key tile must lie in one page (``kernels/fast/forward.py``, PAGED), and the 16-bit key tile
+#: is a multiple of 16 keys.
+PAGE_ROWS_MIN, PAGE_ROWS_MAX, PAGE_ROWS_STEP = 16, 256, 16
+
+
+@dataclass(frozen=True)
+class Paging:
+    """A paged KV cache: k_cache and v_cache are pools (``pages``, H_kv, ``page_size``, d), and key j of entry b is row
+    j % page_size of page block_table[b, j // page_size]; the table (int32) has ``max_pages`` columns, its rows
+    ``table_stride`` elements apart, ``table_extent`` elements from its first to one past its last."""
+
+    page_size: int
+    pages: int
+    max_pages: int
+    table_stride: int
+    table_extent: int
+
+    @property
+    def keys(self):
+        """The most keys an entry holds: its row of the table full."""
+        return self.max_pages * self.page_size
 
 
 @dataclass(frozen=True)
@@ -54,6 +78,7 @@ class Varlen:
     packed: bool = True         # q, k, v (total, heads, d) (else (batch, heads, N, d) with batch strides)
     kv_cache: bool = False      # the key bounds are a KV cache's lengths before the call's new keys
     new_keys: int = 0           # ... and each entry gains this many
+    paging: Optional[Paging] = None   # a KV cache in pages (else each entry's rows are contiguous)
 
 
 @dataclass(frozen=True)
@@ -426,12 +451,55 @@ def check_varlen_args(q, k, v, lengths, *, causal, scale, dropout_p, seed, block
                                 q_bounds_size=batch + 1, k_bounds_size=batch + 1))
 
 
-def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_sizes, num_splits, kv_stages=0):
+def check_block_table(block_table, q, k_cache):
+    """A paged cache's ``Paging`` from its block table (an ``Operand``: int32 (B, max_pages), on the host or a GPU
+    array of q's kind) and the pool k_cache (pages, H_kv, page_size, d), or an error naming the argument.  Its
+    values are checked per call (``check_block_table_pages``), where the table and the lengths are on the host."""
+    batch = q.shape[0]
+    if block_table.on_device and block_table.kind != q.kind:
+        raise TypeError(f"block_table is a {block_table.kind} array on the GPU and q a {q.kind} array: pass a table "
+                        f"of q's kind, or one on the host")
+    if len(block_table.shape) != 2 or 0 in block_table.shape:
+        raise ValueError(f"block_table must be (batch, max_pages) with max_pages >= 1, got shape {block_table.shape}")
+    if block_table.dtype != "int32":
+        raise TypeError(f"block_table must be int32 (as flash-attn's), got {block_table.dtype}")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have one row per batch entry ({batch}), got shape {block_table.shape}")
+    max_pages = block_table.shape[1]
+    stride = max_pages
+    if block_table.on_device:
+        row_stride, column_stride = block_table.strides
+        if (column_stride != 1 and max_pages > 1) or row_stride < 0 or block_table.device != q.device:
+            raise ValueError(f"block_table on the GPU must have contiguous rows (strides (s, 1)) on q's device "
+                             f"({q.device}), got strides {block_table.strides} on device {block_table.device}")
+        stride = row_stride
+    page_size = k_cache.shape[2]
+    if not (PAGE_ROWS_MIN <= page_size <= PAGE_ROWS_MAX and page_size % PAGE_ROWS_STEP == 0):
+        raise ValueError(f"k_cache: with a block_table the caches are pools (pages, H_kv, page_size, d) whose page "
+                         f"size is a multiple of {PAGE_ROWS_STEP} from {PAGE_ROWS_MIN} to {PAGE_ROWS_MAX}, got "
+                         f"{page_size} (shape {k_cache.shape})")
+    return Paging(page_size, k_cache.shape[0], max_pages, stride, (batch - 1) * stride + max_pages)
+
+
+def check_block_table_pages(block_table, lengths, paging):
+    """Every page that a host block table names for keys 0 .. lengths[b] - 1 of entry b lies in the pool."""
+    used = np.arange(paging.max_pages) < (lengths[:, None] + paging.page_size - 1) // paging.page_size
+    outside = used & ((block_table < 0) | (block_table >= paging.pages))
+    if outside.any():
+        b, i = (int(x) for x in np.argwhere(outside)[0])
+        first, last = i * paging.page_size, min(lengths[b], (i + 1) * paging.page_size) - 1
+        raise ValueError(f"block_table[{b}, {i}] = {block_table[b, i]} is no page of the pool's {paging.pages} "
+                         f"(0 .. {paging.pages - 1}), and entry {b} keeps its keys {first} .. {last} there")
+
+
+def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_sizes, num_splits, kv_stages=0,
+                     block_table=None):
     """Validate a decoding call's arrays and options (``attention_with_kv_cache``): q (B, H_q, N_q, d), the caches
-    (B, H_kv, N_max, d), k_new and v_new (B, H_kv, N_new, d) or None (``Operand``s), ``num_splits`` a
-    non-negative int (0: chosen by the library), ``kv_stages`` 0 (the library's) or the K/V buffers wanted (at least
-    2); whether the buffers and key warps fit the call is ``check_decode_layout``'s question.  The lengths are
-    checked per call by ``check_cache_seqlens``.
+    (B, H_kv, N_max, d), or with ``block_table`` (an ``Operand``, ``check_block_table``) pools (pages, H_kv,
+    page_size, d), k_new and v_new (B, H_kv, N_new, d) or None (``Operand``s), ``num_splits`` a non-negative int (0:
+    chosen by the library), ``kv_stages`` 0 (the library's) or the K/V buffers wanted (at least 2); whether the
+    buffers and key warps fit the call is ``check_decode_layout``'s question.  The lengths (and a host table's
+    pages) are checked per call by ``check_cache_seqlens`` (and ``check_block_table_pages``).
 
     Returns the call the kernels run.  One query per head (N_q = 1) with grouped heads runs as H_kv heads of
     ``group`` query rows each (q viewed as (B, H_kv, group, d): the heads of a group are rows ``q_sh`` apart),
@@ -459,7 +527,13 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     _, kv_heads, n_max, _ = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {k_cache.shape} and {v_cache.shape}")
-    if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+    paging = None if block_table is None else check_block_table(block_table, q, k_cache)
+    if paging is not None:
+        n_max = paging.keys   # the keys an entry's row of the table can hold
+        if k_cache.shape[3] != head_dim:
+            raise ValueError(f"the caches must be pools (pages, H_kv, page_size, d={head_dim}) like q, got "
+                             f"{k_cache.shape}")
+    elif k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
         raise ValueError(f"the caches must be (batch={batch}, H_kv, N_max, d={head_dim}) like q, got {k_cache.shape}")
     if k_new is not None:
         if k_new.shape != v_new.shape:
@@ -482,11 +556,16 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
         raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {FLASH2_MAX_HEAD_DIM}")
     if block_sizes is None:
         block_sizes = decode_default_block_sizes(n_q, head_dim, PRECISION[q.dtype])
+        if paging is not None:
+            block_sizes = (block_sizes[0], page_key_tile(block_sizes[1], paging.page_size, PRECISION[q.dtype]))
     block_sizes = check_block_sizes(block_sizes, "flash2", head_dim, n_q, n_max, q.dtype, False, is_causal)
+    if paging is not None and paging.page_size % block_sizes[1]:
+        raise ValueError(f"block_sizes {block_sizes}: each key tile must lie in one page of a paged cache, so B_c "
+                         f"must divide the page size {paging.page_size}")
     vec = sixteen_byte_rows((q, k_cache, v_cache), strides, head_dim, q.dtype)
     sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=0, lse_strides=(heads * n_q, n_q),
                        k_bounds_size=batch, packed=False, kv_cache=True,
-                       new_keys=0 if k_new is None else k_new.shape[2])
+                       new_keys=0 if k_new is None else k_new.shape[2], paging=paging)
     return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,
                          block_sizes, q.kind, q_shape, tuple(k_cache.shape), tuple(strides), vec, None, 0.0,
                          sequences)
@@ -545,8 +624,9 @@ def check_new_keys(k_new, v_new):
         raise ValueError("k_new and v_new must be given together (the new keys and their values), or neither")
 
 
-def check_cache_seqlens(cache_seqlens, batch, n_new, n_max):
-    """The keys each cache entry holds after appending ``n_new``, from a host integer array, or a ValueError."""
+def check_cache_seqlens(cache_seqlens, batch, n_new, n_max, paging=None):
+    """The keys each cache entry holds after appending ``n_new``, from a host integer array, or a ValueError; an
+    entry holds at most ``n_max`` keys (a paged cache's: ``paging.keys``)."""
     if cache_seqlens.shape != (batch,):
         raise ValueError(f"cache_seqlens must have one length per batch entry, shape ({batch},), got "
                          f"{cache_seqlens.shape}")
@@ -557,8 +637,10 @@ def check_cache_seqlens(cache_seqlens, batch, n_new, n_max):
     lengths = cache_seqlens.astype(np.int64) + n_new
     if np.any(lengths > n_max):
         b = int(np.argmax(lengths > n_max))
+        room = (f"the caches' {n_max} rows" if paging is None else
+                f"the {paging.max_pages} pages of {paging.page_size} rows of its block_table row")
         raise ValueError(f"cache overflow: cache_seqlens[{b}] = {cache_seqlens[b]} keys and {n_new} new ones do not "
-                         f"fit in the caches' {n_max} rows")
+                         f"fit in {room}")
     return lengths
 
 
@@ -607,7 +689,7 @@ def _packed_strides(name, x):
     return Strides(0, head if x.shape[1] > 1 else 0, rows)
 
 
-__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Strides", "Varlen",
-           "check_attention_args", "check_backward_operands", "check_block_sizes", "check_cache_args",
-           "check_cache_seqlens", "check_decode_layout", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens",
-           "check_varlen_args"]
+__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Paging", "Strides", "Varlen",
+           "check_attention_args", "check_backward_operands", "check_block_sizes", "check_block_table",
+           "check_block_table_pages", "check_cache_args", "check_cache_seqlens",
+           "check_decode_layout", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]

@@ -16,9 +16,9 @@ import numpy as np
 from numba import cuda
 
 from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_cache_args, check_cache_seqlens, check_cu_seqlens, check_decode_layout,
-                          check_device_cache_seqlens, check_dropout, check_new_keys, check_varlen_args,
-                          operand_strides, streamed)
+                          check_block_table_pages, check_cache_args, check_cache_seqlens, check_cu_seqlens,
+                          check_decode_layout, check_device_cache_seqlens, check_dropout, check_new_keys,
+                          check_varlen_args, operand_strides, streamed)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
@@ -32,7 +32,7 @@ from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import current_context, device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import cdiv, decode_streamed_block_sizes, padded_head_dim
+from .tiling import cdiv, decode_streamed_block_sizes, padded_head_dim, page_key_tile
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -236,15 +236,18 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
 
 @_frees_after_the_call
 def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=True, scale=None,
-                            block_sizes=None, num_splits=0, kv_stages=0, key_warps=0, return_lse=False):
+                            block_sizes=None, num_splits=0, kv_stages=0, key_warps=0, return_lse=False,
+                            block_table=None):
     """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.
 
     Parameters
     ----------
     q : array (B, H_q, N_q, d)
         The new tokens' queries (N_q = 1 for one step of generation).
-    k_cache, v_cache : arrays (B, H_kv, N_max, d)
-        The caches; H_q a multiple of H_kv.  Entry b holds cache_seqlens[b] keys.
+    k_cache, v_cache : arrays (B, H_kv, N_max, d), or with ``block_table`` (num_pages, H_kv, page_size, d)
+        The caches; H_q a multiple of H_kv.  Entry b holds cache_seqlens[b] keys.  With a block table, pools of
+        pages (any strides whose last dimension is contiguous: a (num_pages, page_size, H_kv, d) pool, as vLLM and
+        flash-attn keep it, passes as ``pool.transpose(1, 2)``, no copy).
     cache_seqlens : integer array (B,)
         Keys already in each entry, left unchanged: the caller advances it, as with flash-attn.  On the host
         (NumPy, a list) they are checked before any launch.  A GPU array of q's kind (int32, contiguous)
@@ -254,6 +257,15 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     k_new, v_new : arrays (B, H_kv, N_new, d), optional
         Written into the caches in place at rows cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before
         attending (host caches are written on the host).  Overflowing N_max raises a ValueError.
+    block_table : int32 array (B, max_pages), optional
+        A paged cache: key j of entry b is row j % page_size of page block_table[b, j // page_size] of the
+        pools (flash-attn's ``block_table``; new keys go there too); N_max is max_pages * page_size.  Pages hold
+        16 to 256 rows, a multiple of 16 (a key tile lies in one page: ``block_sizes``' B_c must divide the page
+        size; the default does).  Entries may share pages (a common prefix), but not pages that new keys go to.
+        On the host (NumPy) it is checked with host lengths: every page an entry's keys lie in must be in the
+        pool.  A GPU array of q's kind (rows contiguous) is not read by the host, as lengths on the GPU: an
+        entry whose table names a page outside the pool for one of its keys gets NaN in its rows of O and lse,
+        and its new keys are not written to such pages; nothing is read or written outside the pools.
     causal : bool or {"top_left", "bottom_right"}
         Key j of entry b is visible iff j < L_b = cache_seqlens[b] + N_new and, when causal (True means
         bottom-right, as flash-attn), j <= i + L_b - N_q for query i.
@@ -284,13 +296,24 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     """
     check_new_keys(k_new, v_new)
     arrays = (q, k_cache, v_cache) + (() if k_new is None else (k_new, v_new))
-    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages, key_warps))
+    # The table's summary keys the plan (its shape sets N_max, its row stride is the kernels'); its values come
+    # per call.
+    table = None
+    if block_table is not None:
+        table = replace(_arrays.describe("block_table", block_table), stream=0, aligned=True)
+    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages, key_warps, table))
+    paging = plan.call.varlen.paging
+    pages = None   # a host table, as NumPy
+    if table is not None and not table.on_device:
+        pages = _arrays.as_host_array(block_table)
     if plan.call.on_device and _arrays.is_device_array(cache_seqlens):   # not read here: no wait for the GPU
         check_device_cache_seqlens(_arrays.describe("cache_seqlens", cache_seqlens), plan.call, plan.device)
-        return plan(arrays, cache_seqlens, None, return_lse)
+        return plan(arrays, cache_seqlens, None, return_lse, block_table, pages)
     lengths = check_cache_seqlens(_arrays.integers_on_host(cache_seqlens), plan.call.batch, plan.n_new,
-                                  plan.call.n_k)
-    return plan(arrays, cache_seqlens, lengths, return_lse)
+                                  plan.call.n_k, paging)
+    if pages is not None:
+        check_block_table_pages(pages, lengths, paging)
+    return plan(arrays, cache_seqlens, lengths, return_lse, block_table, pages)
 
 
 # ---------------------------------------------------------------- plans
@@ -544,20 +567,25 @@ class _CachePlan(_Plan):
         operands = [_arrays.describe(name, x) for name, x in zip(names, arrays)]
         q, k_cache, v_cache = operands[:3]
         k_new, v_new = operands[3:] if len(operands) == 5 else (None, None)
-        causal, scale, block_sizes, num_splits, kv_stages, key_warps = options
+        causal, scale, block_sizes, num_splits, kv_stages, key_warps, block_table = options
         super().__init__(q, check_cache_args(q, k_cache, v_cache, k_new, v_new, causal=causal, scale=scale,
-                                             block_sizes=block_sizes, num_splits=num_splits, kv_stages=kv_stages))
+                                             block_sizes=block_sizes, num_splits=num_splits, kv_stages=kv_stages,
+                                             block_table=block_table))
         call = self.call
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]
         # flash-decoding: with few query tiles, blocks (and the warps of a block) share each tile's keys, and a
         # merge combines the blocks' results.
         stages, self.key_warps = check_decode_layout(call, kv_stages, key_warps)
+        paging = call.varlen.paging
         if block_sizes is None and streamed(call) and not device_limits().simulated:
             # Key warps stream the keys in wider tiles (tiling.DECODE_STREAMED_KEYS), where the buffers of the
-            # layout chosen above still fit; one-warp blocks too where they fill the GPU without splits.
-            wide = replace(call, block_sizes=decode_streamed_block_sizes(call.block_sizes, call.head_dim,
-                                                                         call.precision))
+            # layout chosen above still fit (and, paged, a page holds whole tiles); one-warp blocks too where they
+            # fill the GPU without splits.
+            wide_tiles = decode_streamed_block_sizes(call.block_sizes, call.head_dim, call.precision)
+            if paging is not None:
+                wide_tiles = (wide_tiles[0], page_key_tile(wide_tiles[1], paging.page_size, call.precision))
+            wide = replace(call, block_sizes=wide_tiles)
             try:
                 fits = check_decode_layout(wide, kv_stages, key_warps) == (stages, self.key_warps)
             except ValueError:   # the kv_stages / key_warps asked for fit the library's narrower tile only
@@ -574,7 +602,7 @@ class _CachePlan(_Plan):
         self.appends = None
         if k_new is not None and self.call.on_device:
             self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
-                                               operand_strides(new_name, new, "flash2"), self.call.dtype)
+                                               operand_strides(new_name, new, "flash2"), self.call.dtype, paging)
                                  for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
                                                                     ("v_cache", v_cache, "v_new", v_new)))
 
@@ -601,36 +629,52 @@ class _CachePlan(_Plan):
                                                            stream, self.device)
         return counts
 
-    def __call__(self, arrays, cache_seqlens, lengths, return_lse):
+    def __call__(self, arrays, cache_seqlens, lengths, return_lse, block_table=None, pages=None):
         """The call; ``lengths``: the checked keys per entry after the append, or None for lengths that stay on
         the GPU (``cache_seqlens`` itself, of the call's kind: read by the kernels only, which give an entry out
-        of range no append and NaN in its rows: ``common.sequence_bounds``)."""
+        of range no append and NaN in its rows: ``common.sequence_bounds``).  A paged call's ``block_table``
+        stays where it is on the GPU, or comes from the host as ``pages`` (NumPy)."""
         call = self.call
+        paging = call.varlen.paging
         if self.n_new and not call.on_device:  # host caches: append where they live, then copy
             seqlens = lengths - self.n_new
             for cache, new in ((arrays[1], arrays[3]), (arrays[2], arrays[4])):
-                cache, new = _arrays.as_host_array(cache), _arrays.as_host_array(new)
-                for b, start in enumerate(seqlens):
-                    cache[b, :, start:start + self.n_new] = new[b]
+                _append_on_host(_arrays.as_host_array(cache), _arrays.as_host_array(new), seqlens, pages, paging)
         q, k_cache, v_cache, *new = self.to_device(arrays)
         stream = self.stream((q, k_cache, v_cache, *new))
         # The appends and the forward read the lengths before the call's new keys, where they lie.
         seqlens = cache_seqlens if lengths is None else _arrays.int32_on_device(cache_seqlens, lengths - self.n_new,
                                                                                 call.kind, self.device, stream)
+        table = ()
+        if paging is not None:
+            table = (block_table if pages is None else
+                     _arrays.int32_on_device(None, pages.reshape(-1), call.kind, self.device, stream),)
         if self.appends is not None:
             for append, cache, fresh in zip(self.appends, (k_cache, v_cache), new):
-                append(stream, cache, fresh, seqlens)
+                append(stream, cache, fresh, seqlens, *table)
         o = self.empty(self.user_shape, call.dtype, stream)     # the kernels' q view has q's C order
         lse = self.empty(self.user_shape[:-1], "float32", stream)
         if self.splits == 1:
-            self.launch(stream, q, k_cache, v_cache, o, lse, seqlens, 0, 0)
+            self.launch(stream, q, k_cache, v_cache, o, lse, seqlens, *table, 0, 0)
         else:
             partial_o = self.empty((self.splits, self.rows, self.d_pad), "float32", stream)
             partial_lse = self.empty((self.splits, self.rows), "float32", stream)
-            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, seqlens, o, lse,
+            self.launch(stream, q, k_cache, v_cache, partial_o, partial_lse, seqlens, *table, o, lse,
                         self.arrival_counts(stream), 0, 0)
         o, lse = self.deliver((o, lse), (call.dtype, "float32"))
         return (o, lse) if return_lse else o
+
+
+def _append_on_host(cache, new, seqlens, pages, paging):
+    """New rows ``new`` (B, H_kv, N_new, d) written into a host ``cache`` at rows seqlens[b] .. of entry b: its own
+    (B, H_kv, N_max, d) rows, or (``paging``) those its row of the block table ``pages`` names in the pool."""
+    for b, start in enumerate(seqlens):
+        if paging is None:
+            cache[b, :, start:start + new.shape[2]] = new[b]
+            continue
+        for r in range(new.shape[2]):
+            page, row = divmod(int(start) + r, paging.page_size)
+            cache[pages[b, page], :, row] = new[b, :, r]
 
 
 def _heads(x, n, d=None):

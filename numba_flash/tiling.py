@@ -434,6 +434,13 @@ def decode_streamed_block_sizes(block_sizes, head_dim, precision):
     return rows, keys
 
 
+def page_key_tile(keys, page_size, precision):
+    """The widest key tile of at most ``keys`` keys (a multiple of the mma depth) that divides ``page_size``: a
+    paged cache's tiles lie in one page each (``kernels/fast/forward.py``, PAGED)."""
+    step = k_step(precision)
+    return max(width for width in range(step, max(keys, step) + 1, step) if page_size % width == 0)
+
+
 def decode_default_block_sizes(n_q, head_dim, precision):
     """``decode_block_sizes`` on a GPU, the smallest tiles in the simulator."""
     return SIMULATOR_BLOCK_SIZES if device_limits().simulated else decode_block_sizes(n_q, head_dim, precision)

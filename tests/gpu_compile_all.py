@@ -99,14 +99,18 @@ def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varle
 def decode(precision, head_dim):
     """Decoding from a KV cache at its default tiles (one query, and 40): the forward over per-entry lengths,
     its split-keys form (with the NaN of entries whose lengths, left on the GPU, do not fit, and the merge by the
-    last split of each tile)."""
+    last split of each tile), and on a paged cache."""
     for n_q, vec, causal, split in itertools.product((1, 40), (True, False), (False, True), (False, True)):
         fast(make_forward(*decode_block_sizes(n_q, head_dim, precision), head_dim, precision, vec, causal, False,
                           False, "cache", split))
+    for vec, split in itertools.product((True, False), (False, True)):   # a paged cache (through registers: vec False)
+        fast(make_forward(*decode_block_sizes(1, head_dim, precision), head_dim, precision, vec, False, False, False,
+                          "cache", split, PAGED=True))
     if precision != "tf32x3":   # warps taking turns along the keys: one warp's rows, tiles by cp.async
-        for causal, split in itertools.product((False, True), (False, True)):
+        for causal, split, paged in itertools.product((False, True), (False, True), (False, True)):
             tiles = decode_streamed_block_sizes(decode_block_sizes(1, head_dim, precision), head_dim, precision)
-            fast(make_forward(*tiles, head_dim, precision, True, causal, False, False, "cache", split, KEY_WARPS=4))
+            fast(make_forward(*tiles, head_dim, precision, True, causal, False, False, "cache", split, KEY_WARPS=4,
+                              PAGED=paged))
 
 
 def main(argv):
@@ -149,8 +153,8 @@ def main(argv):
             fast(make_forward(*tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"],
                                                   args.head_dim), args.head_dim, precision, vec, causal, False, False,
                               POSITIVE_SCALE=False))
-    for element in (np.float32, np.uint16):
-        fast(make_append(element))
+    for element, paged in itertools.product((np.float32, np.uint16), (False, True)):
+        fast(make_append(element, paged))
     return f"{len(failures)} failed: {failures}" if failures else 0
 
 

@@ -7,7 +7,9 @@
   where they lie (on the GPU, the host never waits for them): an entry whose
   length is out of range (negative, or its new keys past N_max) gets no
   append, and the forward gives it no keys and NaN in its rows of O and lse
-  (``common.sequence_bounds``).
+  (``common.sequence_bounds``).  A paged cache's row goes where the entry's
+  row of the block table says (``common.cache_rows``); a row whose page is
+  outside the pool is not written (the forward gives that entry NaN rows).
 * ``merge`` (flash-decoding): with few queries and many keys, the forward
   splits each query tile's keys between ``splits`` thread blocks
   (``forward.py``, SPLIT), each leaving its O_s (normalised by its own l_s)
@@ -30,7 +32,7 @@ from numba import cuda, float32, int64, uint32
 
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...tiling import cdiv
-from .common import NEG_INF, entry_fits, operand_extent
+from .common import NEG_INF, cache_rows, entry_fits, operand_extent, paging_arguments
 from .fragments import sixteen_bit_ops
 from .primitives import load_vec4_l2, load_word_l2
 
@@ -39,10 +41,13 @@ APPEND_THREADS = 64
 
 
 @lru_cache(maxsize=None)
-def make_append(ELEMENT):
-    """The append kernel for elements of numpy dtype ``ELEMENT`` (float32, or uint16 for 16-bit data)."""
+def make_append(ELEMENT, PAGED=False):
+    """The append kernel for elements of numpy dtype ``ELEMENT`` (float32, or uint16 for 16-bit data), into a
+    contiguous cache or (PAGED) a pool of pages c_sp apart (its c_sb is 0: the table says where an entry's rows are)."""
+    row_start, _ = cache_rows(PAGED)
 
-    def kernel(CACHE, NEW, SEQLENS, c_sb, c_sh, c_sn, n_sb, n_sh, n_sn, kv_heads, n_new, n_max, head_dim):
+    def kernel(CACHE, NEW, SEQLENS, c_sb, c_sh, c_sn, n_sb, n_sh, n_sn, kv_heads, n_new, n_max, head_dim, PAGES,
+               pages_sb, page_size, num_pages, c_sp):
         row = cuda.blockIdx.x                 # (b, h, r), r fastest
         r = row % n_new
         h = (row // n_new) % kv_heads
@@ -50,24 +55,33 @@ def make_append(ELEMENT):
         held = int64(SEQLENS[b])
         if not entry_fits(held, n_new, n_max):   # lengths the host did not check (on the GPU): no write
             return
+        pages = (PAGES, b * pages_sb, page_size, num_pages)
+        start, inside = row_start(b * c_sb + h * c_sh, held + r, c_sp, c_sn, pages)
+        if not inside:   # a page outside the pool (a table the host did not check): no write
+            return
         for x in range(cuda.threadIdx.x, head_dim, APPEND_THREADS):
-            CACHE[b * c_sb + h * c_sh + (held + r) * c_sn + x] = NEW[b * n_sb + h * n_sh + r * n_sn + x]
+            CACHE[start + x] = NEW[b * n_sb + h * n_sh + r * n_sn + x]
 
-    return Kernel(kernel, f"append_kv_{np.dtype(ELEMENT).name}",
-                  arrays=dict(CACHE=ELEMENT, NEW=ELEMENT, SEQLENS=np.int32))
+    return Kernel(kernel, f"append_kv_{np.dtype(ELEMENT).name}" + ("_paged" if PAGED else ""),
+                  arrays=dict(CACHE=ELEMENT, NEW=ELEMENT, SEQLENS=np.int32, PAGES=np.int32))
 
 
-def append_launch(cache_shape, cache_strides, new_shape, new_strides, dtype):
-    """A ``Launch`` of the append kernel; per call: (CACHE, NEW, SEQLENS) for k, then again for v."""
+def append_launch(cache_shape, cache_strides, new_shape, new_strides, dtype, paging=None):
+    """A ``Launch`` of the append kernel; per call: (CACHE, NEW, SEQLENS) for k, then again for v, each followed by
+    the block table for a paged cache (``paging``, a ``_validation.Paging``)."""
     element = np.float32 if dtype == "float32" else np.uint16
     batch, kv_heads, n_new, head_dim = new_shape
-    return Launch(make_append(element), batch * kv_heads * n_new, APPEND_THREADS, 0,
-                  dict(c_sb=cache_strides.batch, c_sh=cache_strides.head, c_sn=cache_strides.row,
+    extents = dict(CACHE=operand_extent(cache_shape, cache_strides), NEW=operand_extent(new_shape, new_strides),
+                   SEQLENS=batch)
+    if paging is not None:
+        extents.update(PAGES=paging.table_extent)
+    return Launch(make_append(element, paging is not None), batch * kv_heads * n_new, APPEND_THREADS, 0,
+                  dict(c_sb=0 if paging else cache_strides.batch, c_sp=cache_strides.batch if paging else 0,
+                       c_sh=cache_strides.head, c_sn=cache_strides.row,
                        n_sb=new_strides.batch, n_sh=new_strides.head, n_sn=new_strides.row, kv_heads=kv_heads,
-                       n_new=n_new, n_max=cache_shape[2], head_dim=head_dim),
-                  ("CACHE", "NEW", "SEQLENS"),
-                  dict(CACHE=operand_extent(cache_shape, cache_strides), NEW=operand_extent(new_shape, new_strides),
-                       SEQLENS=batch))
+                       n_new=n_new, n_max=cache_shape[2] if paging is None else paging.keys, head_dim=head_dim,
+                       **paging_arguments(paging)),
+                  ("CACHE", "NEW", "SEQLENS") + (() if paging is None else ("PAGES",)), extents)
 
 
 def output_element(PRECISION):

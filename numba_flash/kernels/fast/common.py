@@ -127,6 +127,14 @@ def sequence_arguments(call):
     return fixed
 
 
+def paging_arguments(paging):
+    """A paged cache's ``Paging`` as the kernels' fixed arguments (``cache_rows``; the block table comes per call as
+    PAGES), or placeholders for contiguous operands (None)."""
+    if paging is None:
+        return dict(PAGES=placeholder(np.int32), pages_sb=0, page_size=1, num_pages=0)
+    return dict(pages_sb=paging.table_stride, page_size=paging.page_size, num_pages=paging.pages)
+
+
 def sequence_mode(call):
     """The kernels' VARLEN for a call (``sequence_bounds``): False, True (bounds arrays) or "cache"."""
     if call.varlen is None:
@@ -236,6 +244,48 @@ def sequence_bounds(VARLEN):
         return bh * rows
 
     return sequence, lse_row
+
+
+@lru_cache(maxsize=None)
+def cache_rows(PAGED):
+    """(row_start, pages_fit): where a KV cache keeps an entry's key rows, as two device functions: the one step in
+    which a paged cache differs from a contiguous one.
+
+    ``pages`` = (PAGES, table_row, page_size, num_pages): with PAGED the block table (flat int32), where the entry's
+    row of it starts, and the pool's page size and number of pages; unused otherwise.
+
+    * ``row_start(head, j, s_page, s_n, pages)`` -> (start, inside): the element where logical key row j of an
+      entry's head starts, and whether it lies in the cache.  A contiguous cache (B, H_kv, N_max, d): ``head`` is
+      the head's row 0 (b s_b + h s_h) and row j is at head + j s_n, always inside.  PAGED, a pool (num_pages,
+      H_kv, page_size, d) of page stride ``s_page``: row j is row j % page_size of page p = PAGES[table_row + j //
+      page_size], at p s_page + head + (j % page_size) s_n, ``head`` being h s_h.  It is inside iff 0 <= p <
+      num_pages; a page outside gives page 0's row (an address that exists) for the caller to read nothing from.
+    * ``pages_fit(pages, n_keys, tid, threads)`` (PAGED; called by all ``threads`` threads of the block, as it ends
+      in a barrier): whether every page that keys 0 .. n_keys - 1 lie in is inside the pool, each thread checking
+      every threads-th of the entry's table entries.
+    """
+
+    @inlined_device_function
+    def row_start(head, j, s_page, s_n, pages):
+        if not PAGED:
+            return head + j * s_n, True
+        PAGES, table_row, page_size, num_pages = pages
+        index = uint32(j) // uint32(page_size)    # 32-bit: a 64-bit division is a call with sign fixes
+        page = int64(PAGES[table_row + index])
+        inside = page >= 0 and page < num_pages
+        return (page if inside else int64(0)) * s_page + head + (j - int64(index) * page_size) * s_n, inside
+
+    @inlined_device_function
+    def pages_fit(pages, n_keys, tid, threads):
+        PAGES, table_row, page_size, num_pages = pages
+        outside = 0
+        for i in range(tid, ceil_div(n_keys, page_size), threads):
+            page = PAGES[table_row + i]
+            if page < 0 or page >= num_pages:
+                outside = 1
+        return cuda.syncthreads_or(outside) == 0
+
+    return row_start, pages_fit
 
 
 @inlined_device_function
@@ -567,8 +617,8 @@ def warp_lane(tid):
     return tid // 32, lane >> 2, lane & 3
 
 
-__all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "ceil_div",
-           "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "entry_fits", "kernel_name",
-           "operand_extent", "pair_has_nan", "partly_masked_tiles", "row_lse", "sequence_arguments",
-           "sequence_bounds", "sequence_mode", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane",
-           "word_extent", "words_per_chunk_row"]
+__all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "cache_rows",
+           "ceil_div", "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "entry_fits",
+           "kernel_name", "operand_extent", "pair_has_nan", "paging_arguments", "partly_masked_tiles", "row_lse",
+           "sequence_arguments", "sequence_bounds", "sequence_mode", "tile_coordinates", "tile_copier", "tile_movers",
+           "warp_lane", "word_extent", "words_per_chunk_row"]

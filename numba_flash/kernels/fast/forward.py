@@ -106,9 +106,10 @@ from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .cache import last_to_arrive, output_element, tile_merger
-from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
-                     kernel_name, keys_end, lane_flags, partly_masked_tiles, row_lse, sequence_arguments,
-                     sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
+from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache_rows, ceil_div, dropout_arguments,
+                     dropout_words, kernel_name, keys_end, lane_flags, paging_arguments, partly_masked_tiles, row_lse,
+                     sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers,
+                     warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
@@ -116,9 +117,10 @@ from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all
 
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
-                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2, KEY_WARPS=1):
+                 POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2, KEY_WARPS=1,
+                 PAGED=False):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
-    sign of the scale).
+    sign of the scale, paging).
 
     D_PAD is the head dim rounded up to the mma depth: head dims that round to
     the same D_PAD share one compiled kernel, which is told the true d and
@@ -151,9 +153,17 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     (``write_merged_output``).  So one block per multiprocessor streams a head's cache with several tiles in flight, and
     a grid of one block per query tile needs no merge kernel: cuDNN's decoding kernel is laid out so on the H200 (ncu,
     2026-12-02: 128 blocks of four warps, 16 x 128 tiles, for (B, H_kv) = (16, 8)).
+
+    PAGED (decoding): K and V are pools of pages (num_pages, H_kv, page_size, d), k_sp and v_sp their page strides,
+    and entry b's key j is row j % page_size of page PAGES[b * pages_sb + j // page_size] (``common.cache_rows``).
+    The host makes page_size a multiple of BLOCK_N, so that each K/V tile lies in one page: a tile's rows are found
+    by one table lookup and are copied as a contiguous cache's are (a round of key warps' tiles, which may span
+    pages, is copied tile by tile).  Every block first checks the entry's table entries against the pool: an entry
+    that names a page outside it sees no key and gets NaN rows, as one whose length overflows does.
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
+    assert not PAGED or VARLEN == "cache", "pages hold a KV cache's rows"
     SIXTEEN = PRECISION != "tf32x3"
     ROW_THREADS = flash2_threads(BLOCK_M, WARP_ROWS)   # the threads that own the tile's rows
     assert KEY_WARPS == 1 or (ROW_THREADS == 32 and WARP_ROWS == ROWS_PER_WARP and not HAS_MASK
@@ -190,9 +200,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     K_ITERS, fetch_key_rows, commit_key_rows, sanitize_key_row = tile_movers(BLOCK_N, D_PAD, PRECISION, VEC,
                                                                              STREAMERS, SWIZZLED)
     # Every thread copies: a tile, or with key warps a round of them (every warp's next tile, side by side in
-    # the cache) into the warps' buffers.
-    ROUND_ROWS = KEY_WARPS * BLOCK_N
-    copy_key_rows = (tile_copier(ROUND_ROWS, D_PAD, THREADS, BLOCK_N, KEY_WARP_WORDS, SWIZZLED)[0] if ASYNC
+    # the cache) into the warps' buffers, RUN_ROWS rows at a time: the round at once, or tile by tile from a paged
+    # cache (a tile lies in one page, a round may not).
+    RUN_ROWS = BLOCK_N if PAGED else KEY_WARPS * BLOCK_N
+    copy_key_rows = (tile_copier(RUN_ROWS, D_PAD, THREADS, BLOCK_N, KEY_WARP_WORDS, SWIZZLED)[0] if ASYNC
                      else None)
     wait_oldest_tile = copy_async_wait(AHEAD - 1) if ASYNC else None   # one group per tile, AHEAD in flight
     rows_by_rows_t, accumulate_product = tile_products(BLOCK_N, D_PAD, PRECISION, WARP_TILES, SWIZZLED)
@@ -202,6 +213,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     merge_tile = tile_merger(PRECISION, D_PAD, THREADS) if SPLIT else None
     key_flags = lane_flags(N_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
+    row_start, pages_fit = cache_rows(PAGED)
     KV_CACHE = VARLEN == "cache"
     # Decoding (K/V by cp.async): Q_i travels by cp.async too, in the first K/V round's group, and both start
     # before the entry's length is read from memory; through registers, Q's load waited for that read and its
@@ -223,8 +235,23 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         return int32(uint32(x) % uint32(STAGES)) * KV_STAGE
 
     @inlined_device_function
-    def start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, n_tiles, tile_entries, first,
-                 k_first_tile, tile_step, keys_visited, n_k, head_dim, tid):
+    def start_rows(smem, stage, k_regs, v_regs, K, V, k_row, v_row, k_sp, v_sp, k_sn, v_sn, pages, key, rows, head_dim,
+                   tid):
+        """K and V rows key .. key + RUN_ROWS - 1 (zeros from ``rows`` on) on their way to buffer ``stage``: by
+        cp.async, or as global loads into registers.  The rows lie in one page (``row_start``)."""
+        k_start, inside = row_start(k_row, key, k_sp, k_sn, pages)
+        v_start, _ = row_start(v_row, key, v_sp, v_sn, pages)
+        rows = rows if inside else 0    # none from a page outside the pool
+        if ASYNC:
+            copy_key_rows(smem, K_HI + stage, K, k_start, k_sn, rows, head_dim, tid)
+            copy_key_rows(smem, V_HI + stage, V, v_start, v_sn, rows, head_dim, tid)
+        else:
+            fetch_key_rows(k_regs, K, k_start, k_sn, rows, head_dim, tid)
+            fetch_key_rows(v_regs, V, v_start, v_sn, rows, head_dim, tid)
+
+    @inlined_device_function
+    def start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sp, v_sp, k_sn, v_sn, pages, n_tiles, tile_entries,
+                 first, k_first_tile, tile_step, keys_visited, n_k, head_dim, tid):
         """The x-th visited tile's K and V (if there is one) on their way: by cp.async into its buffer, one group
         (empty past the last tile, so that groups count tiles), or as global loads into registers.
 
@@ -235,13 +262,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             k0 = key_of(tile_entries, first, x, k_first_tile, tile_step)
             # Keys of the tile (or round) to copy; zeros after them.
             valid = (min(n_k, keys_visited) if KEY_WARPS > 1 else n_k) - k0
-            if ASYNC:
-                stage = buffer_of(x)
-                copy_key_rows(smem, K_HI + stage, K, k_row + k0 * k_sn, k_sn, valid, head_dim, tid)
-                copy_key_rows(smem, V_HI + stage, V, v_row + k0 * v_sn, v_sn, valid, head_dim, tid)
+            stage = buffer_of(x) if ASYNC else 0
+            if PAGED:   # tile by tile, as a round may span pages (a tile past the keys copies nothing; its page
+                for w in range(KEY_WARPS):   # is looked up at the last key's, inside the table)
+                    start_rows(smem, stage + w * KEY_WARP_WORDS, k_regs, v_regs, K, V, k_row, v_row, k_sp, v_sp, k_sn,
+                               v_sn, pages, min(k0 + w * BLOCK_N, n_k - 1), valid - w * BLOCK_N, head_dim, tid)
             else:
-                fetch_key_rows(k_regs, K, k_row + k0 * k_sn, k_sn, valid, head_dim, tid)
-                fetch_key_rows(v_regs, V, v_row + k0 * v_sn, v_sn, valid, head_dim, tid)
+                start_rows(smem, stage, k_regs, v_regs, K, V, k_row, v_row, k_sp, v_sp, k_sn, v_sn, pages, k0, valid,
+                           head_dim, tid)
         if ASYNC:
             copy_async_commit()
 
@@ -487,7 +515,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
                mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys,
                lse_sb, lse_sh, splits, o_split, lse_split, MERGED_O, MERGED_LSE, ARRIVALS, keep_threshold,
-               keep_scale, seed0, seed1):
+               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
@@ -495,6 +523,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         # M: the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks (mask_rows, mask_cols).
         # VARLEN: q_bounds, k_bounds bound each batch entry's rows (``sequence_bounds``).
         # SPLIT: O, LSE take this split's partial results; the tile's last split writes MERGED_O, MERGED_LSE.
+        # PAGED: entry b's row of the block table PAGES starts at b * pages_sb (``common.cache_rows``); K and V are
+        # pools of pages k_sp and v_sp apart, with no batch stride (k_sb = v_sb = 0).
         if HAS_MASK:
             tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
         else:
@@ -520,6 +550,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         kv_h = int64(uint32(h) // uint32(group)) if KV_CACHE else h // group   # as ``tile_coordinates``' narrow
         k_head = b * k_sb + kv_h * k_sh          # row 0 of this head's K (and V), before a sequence's first row
         v_head = b * v_sb + kv_h * v_sh
+        pages = (PAGES, b * pages_sb, page_size, num_pages)   # where a paged entry's rows are (``row_start``)
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
@@ -545,10 +576,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             copy_q_rows(smem, Q_HI, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, head_dim, tid)
             _, capacity, capacity_keys = tiles_of(ceil_div(n_k, BLOCK_N), split, key_warp, turns)
             for x in range(AHEAD):
-                start_kv(smem, x, k_regs, v_regs, K, V, k_head, v_head, k_sn, v_sn, capacity, tile_entries, first,
-                         round_first_key, tile_step, capacity_keys, n_k, head_dim, tid)
+                start_kv(smem, x, k_regs, v_regs, K, V, k_head, v_head, k_sp, v_sp, k_sn, v_sn, pages, capacity,
+                         tile_entries, first, round_first_key, tile_step, capacity_keys, n_k, head_dim, tid)
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                              causal_offset, bottom_right, new_keys)
+        if PAGED:   # an entry whose table names a page outside the pool for one of its keys: none seen, NaN out
+            n_k = n_k if pages_fit(pages, n_k, tid, THREADS) else int64(-1)
         overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
         if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
             return
@@ -587,8 +620,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
         if not EARLY_COPIES:
             for x in range(AHEAD):
-                start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, rounds, tile_entries, first,
-                         round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
+                start_kv(smem, x, k_regs, v_regs, K, V, k_row, v_row, k_sp, v_sp, k_sn, v_sn, pages, rounds,
+                         tile_entries, first, round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
 
         for j in range(rounds):
             if HAS_MASK:
@@ -605,8 +638,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             # tile j - 1, so that start_kv may refill its buffer with tile j + AHEAD.  (Key warps: round j,
             # every warp's tile j, copied by all the block's threads.)
             cuda.syncthreads()
-            start_kv(smem, j + AHEAD, k_regs, v_regs, K, V, k_row, v_row, k_sn, v_sn, rounds, tile_entries, first,
-                     round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
+            start_kv(smem, j + AHEAD, k_regs, v_regs, K, V, k_row, v_row, k_sp, v_sp, k_sn, v_sn, pages, rounds,
+                     tile_entries, first, round_first_key, tile_step, keys_visited, n_k, head_dim, tid)
             if KEY_WARPS > 1 and j >= n_tiles:   # a key warp past its last tile still copies and meets the barriers
                 continue
             if EARLY_COPIES and j < AHEAD and k0 + BLOCK_N > n_k:   # copied up to the cache's rows: past the keys,
@@ -657,11 +690,11 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
                   + ("" if POSITIVE_SCALE else "_nonpositive_scale")
                   + (f"_stages{STAGES}" if STAGES > 2 else "")
-                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else ""),
+                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               MERGED_O=output_element(PRECISION)[1], MERGED_LSE=np.float32, ARRIVALS=np.uint32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
-                              q_bounds=np.int32, k_bounds=np.int32),
+                              q_bounds=np.int32, k_bounds=np.int32, PAGES=np.int32),
                   floats=("scale_log2", "keep_scale"),
                   # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
                   # and for 16-bit at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas
@@ -685,8 +718,9 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     keys (``make_forward``'s KEY_WARPS: decoding).
 
     Per call it takes q, k, v (the caller's arrays), o and lse (new results,
-    C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds,
-    then the dropout seed's two words.  With ``splits`` > 1 (flash-decoding) o
+    C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds
+    (a paged cache: its lengths, then its block table, int32 rows ``pages_sb``
+    apart), then the dropout seed's two words.  With ``splits`` > 1 (flash-decoding) o
     and lse are the splits' partial results instead: float32 (splits, rows,
     d_pad) and (splits, rows), rows = batch * heads * N_q; after the bounds come
     the merged o and lse (C-contiguous (rows, d) and (rows,)) and the arrival
@@ -703,8 +737,9 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
     warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
     mode = sequence_mode(call)
+    paging = call.varlen.paging if call.varlen else None
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps)
+                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -727,12 +762,18 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, head_dim=call.head_dim,
                  q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
-                 **sequence_arguments(call), **split_layout)
+                 **sequence_arguments(call), **paging_arguments(paging), **split_layout,
+                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0)
+    if paging:   # pools of pages: an entry's pages come from the table, so no batch stride
+        fixed.update(k_sb=0, v_sb=0)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
-    # Per-batch bounds come per call: a cache's lengths alone (its queries' bounds are the call's own).
-    bounds = {False: (), True: ("q_bounds", "k_bounds"), "cache": ("k_bounds",)}[mode]
+    # Per-batch bounds come per call: a cache's lengths alone (its queries' bounds are the call's own), and a paged
+    # cache's block table.
+    bounds = {False: (), True: ("q_bounds", "k_bounds"), "cache": ("k_bounds",)}[mode] + (("PAGES",) if paging else ())
     per_call = ("Q", "K", "V", "O", "LSE") + bounds + merged + ("seed0", "seed1")
     if call.varlen:
         extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
+    if paging:
+        extents.update(PAGES=paging.table_extent)
     return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows) * key_warps,
                   layout(block_m, block_n, d_pad, call.precision, stages).bytes, fixed, per_call, extents)
