@@ -20,7 +20,8 @@ path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
 three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
-a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled).
+a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled;
+decode_paged: a paged cache, with its block table).
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -82,6 +83,11 @@ RUNS = [
     ("forward", "flash2", BF16, (16, 16), "decode_key_warps3"),
     # At d = 128 the key warps' K/V rows are unpadded and swizzled (tiling.swizzled_rows); the default layout.
     ("forward", "flash2", np.float16, (16, 32), "decode_swizzled"),
+    # A paged cache (block_table): scattered pages of a (pages, page_size, H_kv, d) pool passed transposed, its
+    # table on the GPU for one query, on the host for three; with the default tiles, and with four key warps at
+    # d = 128 (a round of tiles spans pages).
+    ("forward", "flash2", np.float16, None, "decode_paged"),
+    ("forward", "flash2", BF16, (16, 16), "decode_paged_key_warps4"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -203,8 +209,9 @@ def main(selected=()):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
             key_warps = int(variant[-1]) if "key_warps" in variant else 4 if variant == "decode_swizzled" else 0
             stages = {"decode_stages4": 4, "decode_key_warps3": 3, "decode_swizzled": 3}.get(variant, 0)
+            wide = variant in ("decode_swizzled", "decode_paged_key_warps4")
             worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, key_warps=key_warps,
-                                      d=128 if variant == "decode_swizzled" else 40))
+                                      d=128 if wide else 40, page_size=32 if "paged" in variant else 0))
             continue
         if variant == "varlen":
             print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
@@ -276,10 +283,12 @@ def packed(direction, dtype, blocks, rng):
 DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
-def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40):
+def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
     """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), its lengths on
     the GPU (read by the forward itself), then three queries (causal), lengths on the host; each
-    appends as many keys.  Returns the worst relative error."""
+    appends as many keys.  ``page_size``: the caches are pools of that many rows a page, the entries' pages
+    scattered through them (two spare), the table with the lengths (on the GPU, then the host).  Returns the worst
+    relative error."""
     heads, kv_heads = 8, 2
     batch = len(DECODE_LENGTHS)
 
@@ -292,17 +301,35 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40):
 
     caches = [rng.standard_normal((batch, kv_heads, DECODE_ROWS, d)).astype(dtype) for _ in range(2)]
     k_cache, v_cache = (device(x) for x in caches)
+    table, gathered = None, lambda pool: pool
+    if page_size:
+        per_entry = DECODE_ROWS // page_size
+        table = rng.permutation(batch * per_entry + 2)[:batch * per_entry].reshape(batch, per_entry).astype(np.int32)
+        pools = []
+        for cache in caches:    # (pages, page_size, H_kv, d), as vLLM keeps it; the kernels see its transpose
+            pool = rng.standard_normal((batch * per_entry + 2, page_size, kv_heads, d)).astype(dtype)
+            for b in range(batch):
+                for i, page in enumerate(table[b]):
+                    pool[page] = cache[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
+            pools.append(device(pool).transpose(1, 2))
+        k_cache, v_cache = pools
+        index = torch.as_tensor(table.reshape(-1), device="cuda", dtype=torch.int64)
+
+        def gathered(pool):     # (B, H_kv, DECODE_ROWS, d) from the pool through the table
+            rows = pool[index].reshape(batch, per_entry, kv_heads, page_size, d)
+            return rows.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, DECODE_ROWS, d)
     lengths = np.array(DECODE_LENGTHS, np.int32)
     worst = 0.0
     for n_q in (1, 3):
         q = rng.standard_normal((batch, heads, n_q, d)).astype(dtype)
         new = [rng.standard_normal((batch, kv_heads, n_q, d)).astype(dtype) for _ in range(2)]
         held = torch.as_tensor(lengths, device="cuda") if n_q == 1 else lengths
+        paged = {} if table is None else dict(block_table=torch.as_tensor(table, device="cuda") if n_q == 1 else table)
         out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, held,
                                                   k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks,
-                                                  kv_stages=kv_stages, key_warps=key_warps)
+                                                  kv_stages=kv_stages, key_warps=key_warps, **paged)
         lengths = lengths + n_q
-        k64, v64 = (host(x).astype(np.float64) for x in (k_cache, v_cache))
+        k64, v64 = (host(gathered(x)).astype(np.float64) for x in (k_cache, v_cache))
         ref = np.zeros(q.shape)
         for b, length in enumerate(lengths):
             ref[b], _ = reference.attention(q[b].astype(np.float64), np.repeat(k64[b, :, :length], 4, axis=0),
