@@ -97,18 +97,22 @@ def products(HEAD_DIM, ELEMENT):
     products, an accumulator packed as the next product's A operand, and that product."""
     K_STEPS = HEAD_DIM // 16
     scores_by_rows = wgmma_ss(BLOCK_N, ELEMENT, False)      # S = A B^T over d: both tiles K-major
+    first_scores = wgmma_ss(BLOCK_N, ELEMENT, False, fresh=True)
     weights_by_rows = wgmma_rs(HEAD_DIM, ELEMENT, True)     # acc += A B: A in registers, B MN-major
     _, pack = sixteen_bit_ops(ELEMENT)
 
     @inlined_device_function
     def issue_scores(s, a_desc, b_desc, dp, da_desc, db_desc):
-        """s = A B^T and dp = dA dB^T over d (each zeroed first; four 64-row tiles), one commit group."""
-        for i in range(S_REGISTERS):
-            s[i] = float32(0)
-            dp[i] = float32(0)
-        wgmma_fence()   # the zeroed accumulators, before the products write them
-        for step in range(K_STEPS):
+        """s = A B^T, then dp = dA dB^T, over d (four 64-row tiles), a commit group each: s may be waited for alone
+        (``wait_all_but_one``) while dp's products run.  Each first k-step overwrites its accumulator (``fresh``):
+        zeros moved into dp's registers after s's products were issued would make ptxas wait for them."""
+        wgmma_fence()   # the registers the previous products left, before these write them
+        first_scores(s, a_desc, b_desc)
+        for step in range(1, K_STEPS):
             scores_by_rows(s, advanced_device(a_desc, k_step_bytes(step)), advanced_device(b_desc, k_step_bytes(step)))
+        wgmma_commit()
+        first_scores(dp, da_desc, db_desc)
+        for step in range(1, K_STEPS):
             scores_by_rows(dp, advanced_device(da_desc, k_step_bytes(step)),
                            advanced_device(db_desc, k_step_bytes(step)))
         wgmma_commit()
@@ -159,6 +163,7 @@ def row_store(HEAD_DIM, ELEMENT):
 S_REGISTERS = BLOCK_N // 2   # a lane's registers of a 64 x 64 accumulator (S, dP, and their transposes)
 A_WORDS = S_REGISTERS // 2   # the same as 16-bit pairs: an A operand from registers
 wait_all_products = wgmma_wait(0)
+wait_all_but_one = wgmma_wait(1)
 
 
 @lru_cache(maxsize=None)
@@ -185,6 +190,7 @@ def dq_steps(HEAD_DIM, ELEMENT):
     accumulator by reductions in L2 (``reduce_add_pair``)."""
     DQ_SLICES = HEAD_DIM // 64
     slice_product = wgmma_ss(64, ELEMENT, True, True)   # dQ slice += dS K: A (dS^T's tile) and B (K) MN-major
+    first_slice_product = wgmma_ss(64, ELEMENT, True, True, fresh=True)
 
     @inlined_device_function
     def stage_ds(smem, ds_at, ds_words, warp, g, t):
@@ -197,11 +203,11 @@ def dq_steps(HEAD_DIM, ELEMENT):
 
     @inlined_device_function
     def issue_dq_slice(dq_acc, ds_desc, kt_desc, part):
-        """dq_acc = dS K[:, 64 part : 64 part + 64], four k-steps along the keys, one commit group."""
-        for i in range(S_REGISTERS):
-            dq_acc[i] = float32(0)
-        wgmma_fence()   # the zeroed accumulator
-        for step in range(BLOCK_N // 16):
+        """dq_acc = dS K[:, 64 part : 64 part + 64], four k-steps along the keys (the first overwriting), one commit
+        group."""
+        wgmma_fence()   # dS^T's tile and the registers, before the products read and write them
+        first_slice_product(dq_acc, ds_desc, advanced_device(kt_desc, part * DS_TILE_BYTES))
+        for step in range(1, BLOCK_N // 16):
             slice_product(dq_acc, advanced_device(ds_desc, mn_step_bytes(step)),
                           advanced_device(kt_desc, part * DS_TILE_BYTES + mn_step_bytes(step)))
         wgmma_commit()
@@ -271,31 +277,45 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
             store_word(smem, scalars_at + BLOCK_N + tid, f32_as_u32(D[lse_first + row] if inside else float32(0)))
 
     @inlined_device_function
-    def gradient_terms(st, dpt, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
-        """st: S^T -> P^T = exp2(c S^T - lse), dpt: dP^T -> dS^T = P^T o (dP^T - D); both 0 where the key may not
-        be seen (``masked``, block-uniform: a tile the causal diagonal crosses, or the last keys' ragged one)."""
+    def probabilities(st, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
+        """st: S^T -> P^T = exp2(c S^T - lse), 0 where the key may not be seen (``masked``, block-uniform: a tile
+        the causal diagonal crosses, or the last keys' ragged one)."""
         for i in range(S_REGISTERS):
             key, column = lane_entry(i, g, t, warp)
             p = exp2(cuda.fma(st[i], c_log2, -u32_as_f32(load_word(smem, scalars_at + column))))
             if masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + column + causal_offset)):
                 p = float32(0)
             st[i] = p
-            dpt[i] = p * (dpt[i] - u32_as_f32(load_word(smem, scalars_at + BLOCK_N + column)))
 
     @inlined_device_function
-    def sum_dq(DQ_SUM, TURNS, smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, bh, q_tile, q_tiles, turn, warp, g, t,
-               tid):
-        """dQ_i += dS_ij K_j into DQ_SUM, slice by slice (in TURNS' order when ORDERED).  dS^T goes through shared
-        memory (the A operand must be dS, the transpose of what the registers hold): fenced for the tensor cores
-        and published by a barrier; the next step overwrites it only after the barrier at its top, which every
-        warp reaches after waiting for this step's products."""
+    def score_gradients(dpt, st, smem, scalars_at, warp, g, t):
+        """dpt: dP^T -> dS^T = P^T o (dP^T - D), for P^T in st."""
+        for i in range(S_REGISTERS):
+            _, column = lane_entry(i, g, t, warp)
+            dpt[i] = st[i] * (dpt[i] - u32_as_f32(load_word(smem, scalars_at + BLOCK_N + column)))
+
+    @inlined_device_function
+    def start_dq(smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, warp, g, t):
+        """dS^T into shared memory (the A operand must be dS, the transpose of what the registers hold), fenced for
+        the tensor cores and published by a barrier, then dQ's first slice issued: before dK's and dV's products,
+        so that its adds run while they do.  The next step overwrites the tile only after the barrier at its top,
+        which every warp reaches after waiting for this step's products."""
         stage_ds(smem, ds_at, ds_words, warp, g, t)
         fence_proxy_async()
         cuda.syncthreads()
+        issue_dq_slice(dq_acc, ds_desc, kt_desc, 0)
+
+    @inlined_device_function
+    def add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, bh, q_tile, q_tiles, turn, warp, g, t, tid):
+        """dQ_i += dS_ij K_j into DQ_SUM, slice by slice (in TURNS' order when ORDERED): the first slice, issued by
+        ``start_dq``, is waited for alone (dK's and dV's products, one group after it, may still run)."""
         first = (bh * q_tiles + q_tile) * BLOCK_N * HEAD_DIM
         for part in range(DQ_SLICES):
-            issue_dq_slice(dq_acc, ds_desc, kt_desc, part)
-            wait_all_products()
+            if part == 0:
+                wait_all_but_one()
+            else:
+                issue_dq_slice(dq_acc, ds_desc, kt_desc, part)
+                wait_all_products()
             if ORDERED and part == 0:
                 wait_turn(TURNS, bh * q_tiles + q_tile, turn, tid)
             add_dq_slice(DQ_SUM, first, dq_acc, part, warp, g, t)
@@ -373,22 +393,30 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
                            n_q, tid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
+            # The products in the order their inputs are ready, each waited for only when its result is needed:
+            # P^T's exponentials run under dP^T's products, dS^T's under dV's.
             issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
-            wait_all_products()
+            wait_all_but_one()   # S^T
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
-            gradient_terms(st, dpt, smem, scalars_at + stage * 2 * BLOCK_N, k0, q0, n_k, causal_offset, c_log2,
-                           masked, warp, g, t)
+            scalars = scalars_at + stage * 2 * BLOCK_N
+            probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t)
             pack_pairs(p_words, st)
-            pack_pairs(ds_words, dpt)
-            wgmma_fence()   # P^T's and dS^T's registers, before the products read them
+            wgmma_fence()   # P^T's registers, before the product reads them
             issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
+            wgmma_commit()
+            wait_all_but_one()   # dP^T
+            score_gradients(dpt, st, smem, scalars, warp, g, t)
+            pack_pairs(ds_words, dpt)
+            if SUM_DQ:
+                start_dq(smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, warp, g, t)
+            wgmma_fence()   # dS^T's registers, before the product reads them
             issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
             wgmma_commit()
             if SUM_DQ:
                 h = h_kv * group + step // per_head
                 turn = contributors(q_tile, k_tiles, causal_offset) - 1 - tile if CAUSAL else tile
-                sum_dq(DQ_SUM, TURNS, smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h,
-                       q_tile, q_tiles, turn, warp, g, t, tid)
+                add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn, warp,
+                       g, t, tid)
             wait_all_products()
 
         store_rows(dK, b * dk_sb + h_kv * dk_sh + k0 * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp, g, t)

@@ -139,7 +139,7 @@ if not config.ENABLE_CUDASIM:
             return builder.ptrtoint(shared, _I32)
         return types.uint32(array), codegen
 
-    def _product(n, element, trans_b, a_from_registers, trans_a=False):
+    def _product(n, element, trans_b, a_from_registers, trans_a=False, fresh=False):
         registers = n // 2
         a_operands = 4 if a_from_registers else 1
         # Operands: D (registers, in and out), A (4 words or a descriptor), B's descriptor, then scale-d.
@@ -161,13 +161,16 @@ if not config.ENABLE_CUDASIM:
             from numba.cuda.np.arrayobj import make_array
             # The accumulator is a local array, read whole before and written whole after the instruction: with
             # constant indices LLVM keeps it in registers, which the product then names.
+            # fresh: scale-d 0 (D = A B) and the old contents not read, so that no zeros are moved into the
+            # registers after the fence while other products are in flight (ptxas would wait for them: C7517).
             data = make_array(sig.args[0])(context, builder, args[0]).data
             slots = [builder.gep(data, [ir.Constant(_I32, i)]) for i in range(registers)]
             a_values = args[1:-1]
             if a_from_registers:
                 a_values = [builder.extract_value(a_values[0], i) for i in range(4)]
+            old = [ir.Constant(_F32, ir.Undefined) if fresh else builder.load(x) for x in slots]
             out = builder.call(ir.InlineAsm(function, text, constraints, side_effect=True),
-                               list(a_values) + [args[-1], ir.Constant(_I32, 1)] + [builder.load(x) for x in slots])
+                               list(a_values) + [args[-1], ir.Constant(_I32, 0 if fresh else 1)] + old)
             for i, slot in enumerate(slots):
                 builder.store(builder.extract_value(out, i), slot)
             return context.get_dummy_value()
@@ -178,12 +181,13 @@ if not config.ENABLE_CUDASIM:
                 and acc.layout == "C")
 
     @lru_cache(maxsize=None)
-    def wgmma_ss(n, element="f16", trans_b=False, trans_a=False):
+    def wgmma_ss(n, element="f16", trans_b=False, trans_a=False, fresh=False):
         """acc += A B, m64n``n``k16, A and B in shared memory by descriptor: ``f(acc, desc_a, desc_b)``, acc a
         local float32 array of n / 2 (the layout above).  element: "f16" or "bf16"; trans_b: B is MN-major
         (its N dimension contiguous); trans_a: A is MN-major (its M dimension contiguous: a tile stored with
-        A's k along the rows, as dS^T is when it becomes dQ's A)."""
-        codegen = _product(n, element, trans_b, False, trans_a)
+        A's k along the rows, as dS^T is when it becomes dQ's A); fresh: acc = A B (a product's first k-step,
+        with no zeroing of acc before it)."""
+        codegen = _product(n, element, trans_b, False, trans_a, fresh)
 
         @intrinsic
         def product(typingctx, acc, desc_a, desc_b):
@@ -278,8 +282,11 @@ else:
             acc[i] = np.float32(np.float64(acc[i]) + products[row_index[r], column_index[c]])
 
     @lru_cache(maxsize=None)
-    def wgmma_ss(n, element="f16", trans_b=False, trans_a=False):
+    def wgmma_ss(n, element="f16", trans_b=False, trans_a=False, fresh=False):
         def product(acc, desc_a, desc_b):
+            if fresh:
+                for i in range(n // 2):
+                    acc[i] = np.float32(0)
             rows, columns = _entries(n)
             a_rows = (_mn_major(desc_a, np.unique(rows), element).T if trans_a
                       else _k_major(desc_a, np.unique(rows), element))
