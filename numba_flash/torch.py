@@ -210,9 +210,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     with ``algorithm``'s backward (flash2: the fast one, on Hopper's
     warpgroup instructions where the call is in their scope; flash1:
     Algorithm 4, float32; wgmma: the forward and backward on Hopper's
-    warpgroup instructions, 16-bit, d = 64 or 128).  ``deterministic``: as
-    for ``numba_flash.attention_backward`` (False lets the Hopper backward
-    add dQ's parts in any order: faster, not bitwise repeatable).
+    warpgroup instructions, 16-bit, d a multiple of 16 up to 128).
+    ``deterministic``: as for ``numba_flash.attention_backward`` (False lets
+    the Hopper backward add dQ's parts in any order: faster, not bitwise
+    repeatable).
     """
     _check_tensors((("q", q), ("k", k), ("v", v)))
     if algorithm not in ("flash2", "flash1", "wgmma"):

@@ -103,7 +103,7 @@ RUNS = [
     ("forward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float32, (16, 64), "nan"),
     ("backward", "flash2", np.float16, (16, 64), "nan"),
-    # The Hopper forward (kernels/hopper; compute capability 9.0 only), on WGMMA_FORWARD_CASES: its head dims.
+    # The Hopper forward (kernels/hopper; compute capability 9.0 only), on WGMMA_CASES: its head dims.
     ("forward", "wgmma", np.float16, None, "dense"),
     ("forward", "wgmma", BF16, None, "gqa"),
     ("forward", "wgmma", np.float16, None, "strided"),
@@ -121,15 +121,14 @@ RUNS = [
     ("backward", "wgmma", np.float16, None, "unordered"),
     ("backward", "wgmma", BF16, None, "gqa_unordered"),
 ]
-#: The wgmma kernels' cases: d = 64 or 128 only; ragged lengths of one to five 64-row tiles (five: its ring of
-#: three K/V buffers goes round more than once).
+#: The wgmma kernels' cases, forward and backward: d = 64 and 128, and d = 96 on the 128-column layout with its pad
+#: columns zero-filled (first, so that "quick" keeps the last case); ragged lengths of one to five 64-row tiles (five:
+#: the forward's ring of three K/V buffers goes round more than once).
 WGMMA_CASES = [
+    (1, 2, 97, 270, 96, True),
     (1, 2, 130, 270, 128, False),
     (2, 2, 61, 150, 64, True),
 ]
-#: The wgmma forward's: also d = 96, on the 128-column layout with its pad columns zero-filled (first, so that
-#: "quick" keeps the last case).
-WGMMA_FORWARD_CASES = [(1, 2, 97, 270, 96, True)] + WGMMA_CASES
 MASK_BLOCK = 16
 DROPOUT_P = 0.25
 
@@ -202,8 +201,7 @@ def main(selected=()):
         if algorithm == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
             print(f"{run_name(run)}: skipped (needs compute capability 9.0)", flush=True)
             continue
-        cases = ((WGMMA_FORWARD_CASES if direction == "forward" else WGMMA_CASES) if algorithm == "wgmma"
-                 else CASES)
+        cases = WGMMA_CASES if algorithm == "wgmma" else CASES
         cases = cases[-1:] if quick else cases
         if variant.startswith("decode"):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)

@@ -314,6 +314,25 @@ def forward_warp_rows(rows):
 
 
 @contextlib.contextmanager
+def wgmma_dq(mode):
+    """The wgmma backward summing dQ in ``mode`` (one of its ``DQ_MODES``): yields the ``deterministic`` that asks for
+    it, with "separate" made the deterministic one for the while (``DETERMINISTIC_DQ``, which
+    ``NUMBA_FLASH_WGMMA_DQ`` sets for a process), plans rebuilt before and after."""
+    from numba_flash import api
+    from numba_flash.kernels.hopper import backward as hopper_backward
+
+    saved = hopper_backward.DETERMINISTIC_DQ
+    if mode != "atomic":
+        hopper_backward.DETERMINISTIC_DQ = mode
+    api._PLANS.clear()
+    try:
+        yield mode != "atomic"
+    finally:
+        hopper_backward.DETERMINISTIC_DQ = saved
+        api._PLANS.clear()
+
+
+@contextlib.contextmanager
 def wgmma_loop(overlap=False, warpgroups=1):
     """The wgmma forward with its products overlapping the softmax or not, in blocks of one warpgroup or two
     (``OVERLAP_PRODUCTS`` and ``WARPGROUPS``, which ``NUMBA_FLASH_WGMMA_OVERLAP`` and

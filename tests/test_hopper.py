@@ -11,7 +11,7 @@ from numba import cuda, uint32
 
 from numba_flash.kernels.hopper.wgmma import (ATOM_BYTES, SWIZZLE_128B, accumulator_entries, descriptor, staged_offset,
                                               swizzle_128)
-from strategies import causal_mask, wgmma_loop
+from strategies import causal_mask, wgmma_dq, wgmma_loop
 from test_nan import Poisoned, flags_of, nan_pattern, without_nan
 
 
@@ -55,9 +55,9 @@ def test_the_tile_copier_lands_the_rows_swizzled_and_zeros_the_pad_columns(data)
     layout of ``layout_dim(d)`` columns, zeros past the valid rows and in the pad columns d..layout_dim(d) - 1
     (d = 96: columns 96..127 of the second 64-column tile), nothing else written."""
     from numba_flash.kernels.fast.primitives import copy_async_wait_all
-    from numba_flash.kernels.hopper.common import BLOCK_N, FORWARD_HEAD_DIMS, layout_dim, tile_bytes, tile_copier
+    from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS, layout_dim, tile_bytes, tile_copier
 
-    d = data.draw(st.sampled_from(FORWARD_HEAD_DIMS))
+    d = data.draw(st.sampled_from(HEAD_DIMS))
     threads = data.draw(st.sampled_from([128, 256]))
     rows_valid = data.draw(st.sampled_from([BLOCK_N, 200, data.draw(st.integers(1, BLOCK_N - 1))]))
     stride = d + 8 * data.draw(st.integers(0, 3))            # elements between rows (16-byte aligned)
@@ -141,7 +141,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
 
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.common import FORWARD_HEAD_DIMS
+    from numba_flash.kernels.hopper.common import HEAD_DIMS
     from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
     from tolerances import assert_close_to_reference
 
@@ -153,7 +153,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     group = data.draw(st.sampled_from([1, 2, 3]))                       # grouped-query heads
     heads = kv_heads * group
     n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
-    d = data.draw(st.sampled_from(FORWARD_HEAD_DIMS))   # 16..128: on the 64- and the 128-column layout
+    d = data.draw(st.sampled_from(HEAD_DIMS))   # 16..128: on the 64- and the 128-column layout
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
@@ -262,8 +262,9 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
 
 def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch):
     """Which backward ``algorithm="flash2"`` lays out on a device made to look like an H200 (nothing launched): the
-    wgmma one inside its scope, summing dQ in its dK/dV kernel (ordered unless deterministic=False), mma.sync outside
-    the scope and wherever the caller names tiles."""
+    wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), summing
+    dQ in its dK/dV kernel (ordered unless deterministic=False), mma.sync outside the scope, at the scope's other
+    head dims and wherever the caller names tiles."""
     from types import SimpleNamespace
 
     import numba_flash
@@ -291,7 +292,10 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     assert kernel().startswith("wgmma") and kernel().endswith("_dq_ordered")
     assert kernel(deterministic=False).endswith("_dq_atomic")
     assert kernel(d=128, causal="bottom_right", dtype=np.dtype("bfloat16")).startswith("wgmma")
-    for outside in (kernel(d=32), kernel(d=96), kernel(dtype=np.float32), kernel(dropout_p=0.1),
+    assert kernel(d=96).startswith("wgmma_backward_dkdv_d96") and kernel(d=96).endswith("_dq_ordered")
+    assert kernel(d=96, causal=True, deterministic=False).endswith("_causal_dq_atomic")
+    # d = 32 and 80 are in the wgmma backward's scope but not in AUTOMATIC_SCOPE; d = 72 in neither.
+    for outside in (kernel(d=32), kernel(d=80), kernel(d=72), kernel(dtype=np.float32), kernel(dropout_p=0.1),
                     kernel(block_sizes=(64, 64)),
                     kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128)))):
         assert outside.startswith("flash2"), outside
@@ -375,15 +379,14 @@ def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_i
 @given(data=st.data())
 def test_the_wgmma_backward_matches_the_float64_reference(data):
     """dQ, dK and dV of ``attention_backward(..., algorithm="wgmma")`` against float64: random shapes (ragged,
-    several tiles each way, a key tile no query sees under bottom-right causal), grouped heads (dK and dV summed
-    over each group), both causal alignments, (B, N, H, d) strides, dQ's parts added in order or not
-    (``deterministic``); and with deterministic=True bitwise equal run to run."""
+    several tiles each way, a key tile no query sees under bottom-right causal), every head dim of its scope (on
+    the 64- and the 128-column layout), grouped heads (dK and dV summed over each group), both causal alignments,
+    (B, N, H, d) strides, each way of summing dQ (``DQ_MODES``); and where deterministic, bitwise equal run to
+    run."""
     import ml_dtypes
 
-    import numba_flash
-    import reference
+    from numba_flash.kernels.hopper.backward import DQ_MODES
     from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS
-    from tolerances import backward_tolerance
 
     where = _where()
     longest = 200 if where == "hopper" else 2 * BLOCK_N + 5   # the simulator: up to three tiles each way
@@ -392,11 +395,12 @@ def test_the_wgmma_backward_matches_the_float64_reference(data):
     group = data.draw(st.sampled_from([1, 2, 3]))
     heads = kv_heads * group
     n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
-    d = data.draw(st.sampled_from(HEAD_DIMS))
+    # d = 96 first: Hypothesis's first example, its simplest, then draws it (the 128-column layout half used).
+    d = data.draw(st.sampled_from(sorted(HEAD_DIMS, key=lambda x: x != 96)))
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     token_major = data.draw(st.booleans())
-    deterministic = data.draw(st.booleans())
+    dq_mode = data.draw(st.sampled_from(DQ_MODES))
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -405,19 +409,49 @@ def test_the_wgmma_backward_matches_the_float64_reference(data):
         return rng.standard_normal((batch, h, n, d)).astype(dtype)
 
     q, k, v, do = operand(heads, n_q), operand(kv_heads, n_k), operand(kv_heads, n_k), operand(heads, n_q)
+    _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major)
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("dq_mode, causal", [("separate", False), ("ordered", "bottom_right"), ("atomic", True)])
+def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
+    """d = 96 on the 128-column layout (pad columns 96..127 zero-filled by the copies), in each way of summing dQ:
+    S^T and dP^T in six k-steps, dV, dK (and the dQ kernel's dQ) as m64n96, the dK/dV kernel's dQ as one 96-column
+    slice (``dq_slice_columns``) and its convert kernel with 96 of its 128 threads; three key tiles, two query
+    tiles, grouped heads.  The property test above draws d = 96 among the other head dims."""
+    from numba_flash.kernels.hopper.common import BLOCK_N
+
+    rng = np.random.default_rng(7)
+    n_q, n_k = BLOCK_N + 6, 2 * BLOCK_N + 2
+    q, do = (rng.standard_normal((1, 2, n_q, 96)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, n_k, 96)).astype(np.float16) for _ in range(2))
+    _check_wgmma_backward(q, k, v, do, causal, dq_mode, False)
+
+
+def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major):
+    """The wgmma backward of (q, k, v, do) (host arrays; on a Hopper GPU as tensors of the same strides) with dQ
+    summed in ``dq_mode``, against float64 within ``backward_tolerance``; a deterministic mode run twice, bitwise
+    equal."""
+    import numba_flash
+    import reference
+    from tolerances import backward_tolerance
+
+    where, dtype, heads, d = _where(), q.dtype, q.shape[1], q.shape[3]
+    group = heads // k.shape[1]
     out, lse = reference.attention(q, k, v, causal=causal)
     out, lse = out.astype(dtype), lse.astype(np.float32)
     arguments = (q, k, v, out, lse, do)
 
     def gradients():
-        if where == "hopper":
-            on_gpu = [to_gpu(q, token_major), to_gpu(k, token_major), to_gpu(v, token_major), to_gpu(out),
-                      to_gpu(lse), to_gpu(do, token_major)]
-            return tuple(to_host(x) for x in numba_flash.attention_backward(*on_gpu, causal=causal,
-                                                                            algorithm="wgmma",
-                                                                            deterministic=deterministic))
-        return numba_flash.attention_backward(*arguments, causal=causal, algorithm="wgmma",
-                                              deterministic=deterministic)
+        with wgmma_dq(dq_mode) as deterministic:
+            if where == "hopper":
+                on_gpu = [to_gpu(q, token_major), to_gpu(k, token_major), to_gpu(v, token_major), to_gpu(out),
+                          to_gpu(lse), to_gpu(do, token_major)]
+                return tuple(to_host(x) for x in numba_flash.attention_backward(*on_gpu, causal=causal,
+                                                                                algorithm="wgmma",
+                                                                                deterministic=deterministic))
+            return numba_flash.attention_backward(*arguments, causal=causal, algorithm="wgmma",
+                                                  deterministic=deterministic)
 
     grads = gradients()
     expected = reference.attention_backward(q, k, v, do, causal=causal)
@@ -428,7 +462,7 @@ def test_the_wgmma_backward_matches_the_float64_reference(data):
         assert got.shape == want.shape and got.dtype == dtype, (name, got.shape, got.dtype)
         err = float(np.abs(got.astype(np.float64) - want).max())
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
-    if deterministic:
+    if dq_mode != "atomic":
         for got, again in zip(grads, gradients()):
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16))
 
@@ -440,7 +474,7 @@ def test_the_wgmma_backward_rejects_what_it_cannot_run():
         x = np.zeros((1, 1, 8, d), dtype)
         return x, x, x, x, np.zeros((1, 1, 8), np.float32), x
 
-    for d in (32, 96):   # the forward takes both, the backward not yet
+    for d in (72, 160):   # not a multiple of 16; wider than the 128-column layout
         with pytest.raises(ValueError, match="algorithm='wgmma': the head dim must be one of .* for the wgmma "
                                              f"backward, not {d}"):
             attention_backward(*arrays(d=d), algorithm="wgmma")

@@ -2,8 +2,15 @@
 
 ``algorithm="flash2"`` runs it on a Hopper GPU for the calls in its scope (``chosen_for``; else the ``mma.sync``
 backward of ``kernels/fast``, its reference), and ``algorithm="wgmma"`` asks for it.  Scope: as the wgmma forward's
-(``common.out_of_scope``): float16 and bfloat16, d = 64 or 128, dense or causal (either alignment), grouped heads,
-strides with contiguous 16-byte rows.
+(``common.out_of_scope``): float16 and bfloat16, d a multiple of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it
+at d = 64, 96 and 128, where it takes the forward), dense or causal (either alignment), grouped heads, strides with
+contiguous 16-byte rows.
+
+A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one, as in the forward (d = 96
+on d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the same cp.async
+copies; the products take only d: S^T and dP^T in d / 16 k-steps, dV, dK (and the dQ kernel's dQ) as m64n{d}k16,
+whose MN-major B is read only up to column d - 1, dQ's slices in the dK/dV kernel as wide as d
+(``dq_slice_columns``), and the stores write d columns.
 
 Three launches: the mma.sync backward's preprocess (D = rowsum(dO o O), ``fast/backward.preprocess_launch``),
 a dK/dV kernel of one warpgroup (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold accumulators
@@ -19,7 +26,8 @@ the query tiles of every query head of its group that see them, in a fixed order
         S^T = K_j Q_i^T,  dP^T = V_j dO_i^T      wgmma m64n64k16 x d/16 each, both operands from shared memory
         P^T = exp2(c S^T - lse),  dS^T = P^T o (dP^T - D)          0 where the key may not be seen
         dV += P^T dO_i,  dK += dS^T Q_i          wgmma m64n{d}k16 x 4 each, A from registers, B transposed
-        dS^T -> shared;  dQ_i += dS K_j          64 columns at a time, added to a float32 sum in L2
+        dS^T -> shared;  dQ_i += dS K_j          in slices (64 columns at d = 128, else all d), added to a
+                                                 float32 sum in L2
     dK = scale dK;  dK, dV -> 16-bit
     (then, another launch: dQ = scale sum -> 16-bit)
 
@@ -137,7 +145,8 @@ def products(HEAD_DIM, ELEMENT):
 
 @inlined_device_function
 def lane_entry(i, g, t, warp):
-    """(row, column) of this lane's accumulator register i in a 64 x 64 accumulator (``wgmma.py``'s table)."""
+    """(row, column) of this lane's accumulator register i in a 64-row accumulator (``wgmma.py``'s table: columns
+    8 (i // 4) + 2t and + 1, whatever its N)."""
     return 16 * warp + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
 
 
@@ -182,15 +191,33 @@ def _kernel(fn, name, results, scratch=None):
                   floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, 1))
 
 
+def dq_slice_columns(head_dim):
+    """Columns of each slice of dQ_i += dS_ij K_j in the dK/dV kernel (``dq_steps``): 64 at d = 128, the whole
+    head dim below.
+
+    A slice is one product whose B (K, read MN-major) starts on one of K's 64-column tiles (the descriptor names
+    whole tiles, N how much of them), and slices of one width keep the products one loop: so the whole d, or 64
+    where d is a multiple of 64.  A slice's accumulator (half its columns in registers) is live beside dK's and
+    dV's (d / 2 each) and the packed P^T and dS^T that the products in flight still read (32): at d = 128 the
+    whole slice would make that 224 where the 64-column slices' 192 already reach 255 registers with spills; at
+    d = 96 it is 176, against 160 for slices of 64 and 32 columns (two product groups and two waits a step, and
+    a second product width).  ptxas 13.0, sm_90a (2026-12-05): at d = 96 the kernels that sum dQ take 243-253
+    registers, no spills, and 243-252 with a 64-column slice in place of the 96-column one, so splitting would
+    win no registers; d = 112 takes 252-255, its unordered kernels spilling 20-28 bytes (d = 128: 20-68)."""
+    return 64 if head_dim == 128 else head_dim
+
+
 @lru_cache(maxsize=None)
 def dq_steps(HEAD_DIM, ELEMENT):
     """The steps by which the dK/dV kernel sums dQ (``DQ_MODES`` "ordered" and "atomic"): (stage_ds, issue_dq_slice,
-    add_dq_slice, DQ_SLICES).  dQ_i += dS_ij K_j is computed 64 columns at a time (32 accumulator registers beside
-    dK's and dV's, where the whole 64 x d would spill at d = 128) and each slice is added to the float32
-    accumulator by reductions in L2 (``reduce_add_pair``)."""
-    DQ_SLICES = HEAD_DIM // 64
-    slice_product = wgmma_ss(64, ELEMENT, True, True)   # dQ slice += dS K: A (dS^T's tile) and B (K) MN-major
-    first_slice_product = wgmma_ss(64, ELEMENT, True, True, fresh=True)
+    add_dq_slice, DQ_SLICES, SLICE_REGISTERS).  dQ_i += dS_ij K_j is computed DQ_SLICE columns at a time
+    (``dq_slice_columns``) and each slice is added to the float32 accumulator by reductions in L2
+    (``reduce_add_pair``)."""
+    DQ_SLICE = dq_slice_columns(HEAD_DIM)
+    DQ_SLICES = HEAD_DIM // DQ_SLICE
+    SLICE_REGISTERS = DQ_SLICE // 2
+    slice_product = wgmma_ss(DQ_SLICE, ELEMENT, True, True)   # dQ slice += dS K: A (dS^T's tile) and B (K) MN-major
+    first_slice_product = wgmma_ss(DQ_SLICE, ELEMENT, True, True, fresh=True)
 
     @inlined_device_function
     def stage_ds(smem, ds_at, ds_words, warp, g, t):
@@ -203,8 +230,9 @@ def dq_steps(HEAD_DIM, ELEMENT):
 
     @inlined_device_function
     def issue_dq_slice(dq_acc, ds_desc, kt_desc, part):
-        """dq_acc = dS K[:, 64 part : 64 part + 64], four k-steps along the keys (the first overwriting), one commit
-        group."""
+        """dq_acc = dS K[:, DQ_SLICE part : DQ_SLICE (part + 1)], four k-steps along the keys (the first
+        overwriting), one commit group.  Where there are several slices they are K's 64-column tiles, DS_TILE_BYTES
+        (64 x 64 16-bit) apart."""
         wgmma_fence()   # dS^T's tile and the registers, before the products read and write them
         first_slice_product(dq_acc, ds_desc, advanced_device(kt_desc, part * DS_TILE_BYTES))
         for step in range(1, BLOCK_N // 16):
@@ -214,12 +242,13 @@ def dq_steps(HEAD_DIM, ELEMENT):
 
     @inlined_device_function
     def add_dq_slice(DQ_SUM, first, dq_acc, part, warp, g, t):
-        """This lane's entries of a 64 x 64 slice added to the float32 accumulator, row r at first + r HEAD_DIM."""
-        for i in range(0, S_REGISTERS, 2):
+        """This lane's entries of a 64 x DQ_SLICE slice added to the float32 accumulator, row r at first + r
+        HEAD_DIM."""
+        for i in range(0, SLICE_REGISTERS, 2):
             row, column = lane_entry(i, g, t, warp)
-            reduce_add_pair(DQ_SUM, first + row * HEAD_DIM + 64 * part + column, dq_acc[i], dq_acc[i + 1])
+            reduce_add_pair(DQ_SUM, first + row * HEAD_DIM + DQ_SLICE * part + column, dq_acc[i], dq_acc[i + 1])
 
-    return stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES
+    return stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS
 
 
 @inlined_device_function
@@ -260,7 +289,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
     SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
-    stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES = dq_steps(HEAD_DIM, ELEMENT)
+    stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
 
     @inlined_device_function
     def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, tid):
@@ -360,7 +389,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
         dv_acc = cuda.local.array(ACC_REGISTERS, float32)
         st = cuda.local.array(S_REGISTERS, float32)
         dpt = cuda.local.array(S_REGISTERS, float32)
-        dq_acc = cuda.local.array(S_REGISTERS, float32)   # a 64-column slice of dS K, when this kernel sums dQ
+        dq_acc = cuda.local.array(SLICE_REGISTERS, float32)   # a slice of dS K, when this kernel sums dQ
         p_words = cuda.local.array(A_WORDS, uint32)    # P^T, packed: the A operand of dV's product
         ds_words = cuda.local.array(A_WORDS, uint32)   # dS^T, packed: dK's
         for i in range(ACC_REGISTERS):
@@ -430,16 +459,20 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
 @lru_cache(maxsize=None)
 def make_dq_convert(HEAD_DIM, ELEMENT):
     """dQ = scale DQ_SUM in 16-bit: one block of 128 threads per (query tile, batch * head), each thread a column
-    pair of every other row (consecutive threads, consecutive words: coalesced both ways)."""
+    pair of every ROWS_AT_ONCE-th row (consecutive threads, consecutive words: coalesced both ways)."""
     _, pack = sixteen_bit_ops(ELEMENT)
     PAIRS = HEAD_DIM // 2
     ROWS_AT_ONCE = WARPGROUP // PAIRS
+    # Where a row's pairs do not divide the block (d = 96: two rows of 48 at once), the threads past the last whole
+    # row have none; the test is not compiled where they do (d = 16, 32, 64, 128).
+    ALL_BUSY = ROWS_AT_ONCE * PAIRS == WARPGROUP
 
     def kernel(DQ_SUM, dQ, dq_sb, dq_sh, dq_sn, heads, n_q, q_tiles, scale):
         q_tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
         tid = cuda.threadIdx.x
         column = 2 * (tid % PAIRS)
-        for r in range(tid // PAIRS, BLOCK_N, ROWS_AT_ONCE):
+        first_row = tid // PAIRS if ALL_BUSY or tid < ROWS_AT_ONCE * PAIRS else BLOCK_N
+        for r in range(first_row, BLOCK_N, ROWS_AT_ONCE):
             row = q_tile * BLOCK_N + r
             if row < n_q:
                 at = (bh * q_tiles * BLOCK_N + row) * HEAD_DIM + column
@@ -561,8 +594,12 @@ def dq_mode(deterministic):
 
 def chosen_for(call, block_sizes):
     """Whether ``algorithm="flash2"`` runs this call's backward on wgmma: on a Hopper GPU, for calls in its scope
-    whose caller named no tile sizes (as the forward, ``forward.chosen_for``)."""
+    whose caller named no tile sizes, at the (head dim, causal) pairs where flash2 takes the wgmma forward
+    (``forward.AUTOMATIC_SCOPE``: d = 64, 96 and 128), so that a call's two directions share a kernel family.  Not
+    yet timed against the mma.sync backward at any of them; the other head dims of its scope run when asked for
+    (``algorithm="wgmma"``)."""
     return (forward.AUTOMATIC and block_sizes is None and not in_simulator()
+            and (call.head_dim, bool(call.causal)) in forward.AUTOMATIC_SCOPE
             and out_of_scope(call, "backward") is None)
 
 

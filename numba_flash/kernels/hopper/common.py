@@ -20,10 +20,9 @@ from ..fast.primitives import copy_async16
 from .wgmma import ROW_BYTES, SWIZZLE_128B, descriptor_device, staged_offset_device, swizzle_128_device
 
 BLOCK_N = 64             # rows per tile: keys of a K/V tile, or query rows of a Q/dO tile
-HEAD_DIMS = (64, 128)    # the head dims the wgmma backward takes (``out_of_scope``)
-#: The head dims the wgmma forward takes: multiples of 16 (its products' k-step) up to 128, on the 64- or
-#: 128-column layout (``layout_dim``).
-FORWARD_HEAD_DIMS = tuple(range(16, 129, 16))
+#: The head dims the wgmma forward and backward take (``out_of_scope``): multiples of 16 (their products' k-step) up to
+#: 128, on the 64- or 128-column layout (``layout_dim``).
+HEAD_DIMS = tuple(range(16, 129, 16))
 #: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
 #: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
 #: 8-row groups along the keys.  Both as wgmma.py's table has them (experiments/tuning/wgmma_layouts.py).
@@ -138,9 +137,8 @@ def out_of_scope(call, kernel):
     name = f"the wgmma {kernel}"
     if call.precision == "tf32x3":
         return f"q, k, v must be float16 or bfloat16 for {name}, not {call.dtype}"
-    head_dims = FORWARD_HEAD_DIMS if kernel == "forward" else HEAD_DIMS
-    if call.head_dim not in head_dims:
-        return f"the head dim must be one of {head_dims} for {name}, not {call.head_dim}"
+    if call.head_dim not in HEAD_DIMS:
+        return f"the head dim must be one of {HEAD_DIMS} for {name}, not {call.head_dim}"
     if not call.vec:
         return f"q, k and v must have rows that start on 16-byte boundaries for {name}"
     if not np.float32(call.scale * LOG2_E) > 0:
@@ -152,6 +150,6 @@ def out_of_scope(call, kernel):
     return None
 
 
-__all__ = ["BLOCK_N", "FORWARD_HEAD_DIMS", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "first_atom_words",
-           "k_major_descriptor", "k_step_bytes", "layout_dim", "mn_major_descriptor", "mn_step_bytes", "out_of_scope",
-           "query_tile", "tile_bytes", "tile_copier"]
+__all__ = ["BLOCK_N", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "first_atom_words", "k_major_descriptor",
+           "k_step_bytes", "layout_dim", "mn_major_descriptor", "mn_step_bytes", "out_of_scope", "query_tile",
+           "tile_bytes", "tile_copier"]

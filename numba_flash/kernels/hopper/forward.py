@@ -4,7 +4,7 @@
 9.0 for the calls in its scope (``out_of_scope``, ``chosen_for``), and ``algorithm="wgmma"`` asks for
 it outright; every other call, and every other GPU, stays on the ``mma.sync`` kernel in
 ``kernels/fast`` (the reference it is tested against).  Scope: float16 and bfloat16, d a multiple
-of 16 up to 128 (``common.FORWARD_HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
+of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
 causal (top-left or bottom-right), grouped heads, any strides with contiguous 16-byte rows, a
 positive scale, NaN propagated as on the other path; no block mask, dropout or packed sequences
 yet.  ``tests/test_hopper.py`` checks it against the float64 reference in the simulator (through
@@ -122,7 +122,7 @@ def shared_bytes(head_dim, warpgroups=1, overlap=False):
 
 @lru_cache(maxsize=None)
 def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
-    """The kernel for head dim D (``common.FORWARD_HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
+    """The kernel for head dim D (``common.HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
     "bf16", causal or not.
 
     Its tiles sit in shared memory on the layout of LAYOUT_DIM = ``layout_dim(D)`` columns (64 or 128), the
