@@ -12,8 +12,9 @@ compiles its kernels, which dominates the time.  Shapes are small (the sanitizer
 lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
 empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
-element test), dropout, both, gqa (two query heads per key/value head,
-bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
+element test; the wgmma forward's are 64 x 64, which leave its blocks of two
+warpgroups, 128 rows, partly covered tiles), dropout, both, gqa (two query
+heads per key/value head, bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 (its blocks of two warpgroups), strided
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
@@ -113,6 +114,12 @@ RUNS = [
     # Blocks of two warpgroups sharing each K/V tile (WARPGROUPS), with either loop.
     ("forward", "wgmma", np.float16, None, "warpgroups2"),
     ("forward", "wgmma", BF16, None, "gqa_overlap_warpgroups2"),
+    # Block masks: 16 x 16 blocks (partly covered tiles, tested element by element), and blocks of whole tiles
+    # (the element test compiled out), in either loop and warpgroup count.
+    ("forward", "wgmma", np.float16, None, "sparse"),
+    ("forward", "wgmma", BF16, None, "sparse_whole"),
+    ("forward", "wgmma", BF16, None, "gqa_sparse_overlap"),
+    ("forward", "wgmma", np.float16, None, "sparse_whole_overlap_warpgroups2"),
     # The Hopper backward (kernels/hopper/backward.py): its dK/dV and dQ kernels, grouped heads, strided inputs.
     ("backward", "wgmma", np.float16, None, "dense"),
     ("backward", "wgmma", BF16, None, "gqa"),
@@ -131,6 +138,8 @@ WGMMA_CASES = [
 #: "quick" keeps the last case).
 WGMMA_FORWARD_CASES = [(1, 2, 97, 270, 96, True)] + WGMMA_CASES
 MASK_BLOCK = 16
+#: The wgmma forward's tiles (one warpgroup): the blocks of its "sparse_whole" masks.
+WGMMA_TILES = (64, 64)
 DROPOUT_P = 0.25
 
 
@@ -156,7 +165,7 @@ def inputs(variant, dtype, blocks, case, rng):
         device = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in device]
     kwargs, ref_kwargs = dict(causal="bottom_right" if "gqa" in variant else causal), {}
     if "sparse" in variant:
-        mask_block = blocks if "whole" in variant else (MASK_BLOCK, MASK_BLOCK)   # whole: the kernel's tiles
+        mask_block = (blocks or WGMMA_TILES) if "whole" in variant else (MASK_BLOCK, MASK_BLOCK)   # whole: tiles
         bm = masks.random(n_q, n_k, mask_block, 0.6, seed=int(rng.integers(1 << 30)))
         layout = bm.layout.copy()
         layout[0] = False  # an empty row of blocks: those rows must come out 0
