@@ -92,10 +92,11 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         compute capability 9.0 (H100, H200) flash2 runs on the warpgroup
         instructions (``wgmma``) when the call is in that kernel's scope:
         float16/bfloat16, d = 64, 96 or 128 ("wgmma": any multiple of 16 up
-        to 128), rows on 16-byte boundaries, a positive scale, no block
-        mask, dropout or ``block_sizes`` (those select the
+        to 128), rows on 16-byte boundaries, a positive scale, no dropout or
+        ``block_sizes``, and no block mask or one whose blocks are multiples
+        of 64 rows and keys ("wgmma": any block mask); the rest select the
         ``mma.sync`` kernel, as does the environment variable
-        ``NUMBA_FLASH_WGMMA=0``).  "wgmma" asks for that kernel outright (a
+        ``NUMBA_FLASH_WGMMA=0``.  "wgmma" asks for that kernel outright (a
         ValueError says why a call is outside its scope).
     block_sizes : (B_r, B_c), optional
         Tile sizes for the flash algorithms.  flash1: any pair whose tiles

@@ -12,8 +12,9 @@ compiles its kernels, which dominates the time.  Shapes are small (the sanitizer
 lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
 empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
-element test), dropout, both, gqa (two query heads per key/value head,
-bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
+element test; the wgmma forward's are 64 x 64, which leave its blocks of two
+warpgroups, 128 rows, partly covered tiles), dropout, both, gqa (two query
+heads per key/value head, bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 (its blocks of two warpgroups), strided
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
@@ -113,6 +114,12 @@ RUNS = [
     # Blocks of two warpgroups sharing each K/V tile (WARPGROUPS), with either loop.
     ("forward", "wgmma", np.float16, None, "warpgroups2"),
     ("forward", "wgmma", BF16, None, "gqa_overlap_warpgroups2"),
+    # Block masks: 16 x 16 blocks (partly covered tiles, tested element by element), and blocks of whole tiles
+    # (the element test compiled out), in either loop and warpgroup count.
+    ("forward", "wgmma", np.float16, None, "sparse"),
+    ("forward", "wgmma", BF16, None, "sparse_whole"),
+    ("forward", "wgmma", BF16, None, "gqa_sparse_overlap"),
+    ("forward", "wgmma", np.float16, None, "sparse_whole_overlap_warpgroups2"),
     # The Hopper backward (kernels/hopper/backward.py): its dK/dV and dQ kernels, grouped heads, strided inputs.
     ("backward", "wgmma", np.float16, None, "dense"),
     ("backward", "wgmma", BF16, None, "gqa"),
@@ -130,6 +137,8 @@ WGMMA_CASES = [
     (2, 2, 61, 150, 64, True),
 ]
 MASK_BLOCK = 16
+#: The wgmma forward's tiles (one warpgroup): the blocks of its "sparse_whole" masks.
+WGMMA_TILES = (64, 64)
 DROPOUT_P = 0.25
 
 
@@ -155,7 +164,7 @@ def inputs(variant, dtype, blocks, case, rng):
         device = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in device]
     kwargs, ref_kwargs = dict(causal="bottom_right" if "gqa" in variant else causal), {}
     if "sparse" in variant:
-        mask_block = blocks if "whole" in variant else (MASK_BLOCK, MASK_BLOCK)   # whole: the kernel's tiles
+        mask_block = (blocks or WGMMA_TILES) if "whole" in variant else (MASK_BLOCK, MASK_BLOCK)   # whole: tiles
         bm = masks.random(n_q, n_k, mask_block, 0.6, seed=int(rng.integers(1 << 30)))
         layout = bm.layout.copy()
         layout[0] = False  # an empty row of blocks: those rows must come out 0
@@ -299,7 +308,7 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
 
     caches = [rng.standard_normal((batch, kv_heads, DECODE_ROWS, d)).astype(dtype) for _ in range(2)]
     k_cache, v_cache = (device(x) for x in caches)
-    table, gathered = None, lambda pool: pool
+    table = None
     if page_size:
         per_entry = DECODE_ROWS // page_size
         table = rng.permutation(batch * per_entry + 2)[:batch * per_entry].reshape(batch, per_entry).astype(np.int32)
@@ -311,11 +320,14 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
                     pool[page] = cache[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
             pools.append(device(pool).transpose(1, 2))
         k_cache, v_cache = pools
-        index = torch.as_tensor(table.reshape(-1), device="cuda", dtype=torch.int64)
 
-        def gathered(pool):     # (B, H_kv, DECODE_ROWS, d) from the pool through the table
-            rows = pool[index].reshape(batch, per_entry, kv_heads, page_size, d)
-            return rows.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, DECODE_ROWS, d)
+    def gathered(cache):     # (B, H_kv, DECODE_ROWS, d): a paged cache's pool read through the table
+        if table is None:
+            return cache
+        rows = cache[torch.as_tensor(table.reshape(-1), device="cuda", dtype=torch.int64)]
+        rows = rows.reshape(batch, DECODE_ROWS // page_size, kv_heads, page_size, d)
+        return rows.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, DECODE_ROWS, d)
+
     lengths = np.array(DECODE_LENGTHS, np.int32)
     worst = 0.0
     for n_q in (1, 3):

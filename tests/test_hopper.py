@@ -198,6 +198,77 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
                               np.where(keep[..., None], ref_out, 0), ref_lse, q64, *expanded, 1 / np.sqrt(d), dtype)
 
 
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@given(data=st.data())
+def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data):
+    """Random block masks (``strategies.block_masks``: random density, all zero or all one, empty rows or columns of
+    blocks), of blocks that are whole tiles (multiples of 64: the element test compiled out, as flash2 takes them)
+    or of any size (tiles wholly inside, wholly outside and partly covered, the last tested element by element),
+    leading dims broadcast over batch and heads; ragged N_q and N_k, grouped heads, both causal alignments, float16
+    and bfloat16, both loops and warpgroup counts.  Rows that see no key give O = 0 and lse = -inf exactly, and a
+    NaN (drawn into a query, key or value row) reaches exactly the rows allowed to see it: in a partly covered
+    tile, through the NaN pass, as on a causal diagonal."""
+    import ml_dtypes
+
+    import numba_flash
+    import reference
+    from numba_flash.kernels.hopper.common import HEAD_DIMS
+    from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
+    from strategies import block_masks
+    from tolerances import assert_close_to_reference
+
+    where = _where()
+    longest = 200 if where == "hopper" else 2 * BLOCK_M + 5   # the simulator: up to three tiles each way
+    batch = data.draw(st.integers(1, 2))
+    kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
+    group = data.draw(st.sampled_from([1, 2, 3]))
+    heads = kv_heads * group
+    n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
+    whole = data.draw(st.booleans())
+    block_size = (data.draw(st.sampled_from([64, 128])), data.draw(st.sampled_from([64, 128]))) if whole else (
+        data.draw(st.integers(1, 80)), data.draw(st.integers(1, 80)))
+    bm = data.draw(block_masks(n_q, n_k, block_size, batch_shape=(batch, heads)))[0]
+    d = data.draw(st.sampled_from(HEAD_DIMS))
+    dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
+    causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
+    poisoned = data.draw(st.sampled_from([None, "q", "k", "v"]))
+    overlap = data.draw(st.booleans())
+    warpgroups = data.draw(st.sampled_from(WARPGROUP_COUNTS))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    host = dict(q=rng.standard_normal((batch, heads, n_q, d)).astype(dtype),
+                k=rng.standard_normal((batch, kv_heads, n_k, d)).astype(dtype),
+                v=rng.standard_normal((batch, kv_heads, n_k, d)).astype(dtype))
+    if poisoned:
+        x = host[poisoned]
+        x[data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, x.shape[1] - 1)),
+          data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, d - 1))] = np.nan
+    with wgmma_loop(overlap, warpgroups):
+        if where == "hopper":
+            out, lse = numba_flash.attention(*(to_gpu(host[x]) for x in "qkv"), causal=causal, block_mask=bm,
+                                             algorithm="wgmma", return_lse=True)
+            out, lse = to_host(out), to_host(lse)
+        else:
+            out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, block_mask=bm,
+                                             algorithm="wgmma", return_lse=True)
+    dense = np.broadcast_to(bm.to_dense(n_q, n_k), (batch, heads, n_q, n_k))
+    causal_part = causal_mask(causal, n_q, n_k)
+    allowed = (dense if causal_part is None else dense & causal_part).reshape(batch * heads, n_q, n_k)
+    bad = Poisoned(flags_of(host["q"]), flags_of(host["k"]), flags_of(host["v"]), np.zeros((batch * heads, n_q), bool))
+    nan_o, nan_lse, *_ = nan_pattern(allowed, bad, group)
+    got_o = np.isnan(np.asarray(out, np.float64)).any(-1).reshape(nan_o.shape)
+    assert np.array_equal(got_o, nan_o), f"NaN rows of O: {np.argwhere(got_o != nan_o)[:5]}"
+    assert np.array_equal(np.isnan(lse).reshape(nan_lse.shape), nan_lse)
+    # Every other row is what it would be without the NaN; a row that sees no key is exactly 0, its lse -inf.
+    q64, k64, v64 = (without_nan(host[x]).astype(np.float64) for x in "qkv")
+    ref_out, ref_lse = reference.attention(q64, k64, v64, causal=causal, mask=dense)
+    keep, keep_lse = ~nan_o.reshape(out.shape[:-1]), ~nan_lse.reshape(out.shape[:-1])
+    expanded = [reference.repeat_kv(x, heads) for x in (k64, v64)]
+    assert_close_to_reference(np.where(keep[..., None], out, 0), np.where(keep_lse, lse, ref_lse),
+                              np.where(keep[..., None], ref_out, 0), ref_lse, q64, *expanded, 1 / np.sqrt(d), dtype)
+    unseen = ~allowed.any(-1).reshape(out.shape[:-1])
+    assert np.all(np.asarray(out, np.float64)[unseen] == 0) and np.all(np.isneginf(lse[unseen]))
+
+
 def test_the_wgmma_forward_rejects_what_it_cannot_run():
     from numba_flash import attention
 
@@ -221,7 +292,7 @@ def test_the_wgmma_forward_rejects_what_it_cannot_run():
         attention(*arrays(), scale=-1.0, algorithm="wgmma")
     with pytest.raises(ValueError, match="block_sizes must be None with algorithm='wgmma'"):
         attention(*arrays(), block_sizes=(64, 64), algorithm="wgmma")
-    with pytest.raises(ValueError, match="algorithm='wgmma': the wgmma forward has no block masks, dropout"):
+    with pytest.raises(ValueError, match="algorithm='wgmma': the wgmma forward has no dropout or packed sequences"):
         attention(*arrays(), dropout_p=0.1, algorithm="wgmma")
 
 
@@ -241,10 +312,11 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     monkeypatch.setattr(common, "device_limits", lambda: device)
     monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
 
-    def kernel(d=64, dtype=np.float16, causal=False, scale=None, block_mask=None, dropout_p=0.0, block_sizes=None):
+    def kernel(d=64, dtype=np.float16, causal=False, scale=None, block_mask=None, dropout_p=0.0, block_sizes=None,
+               whole_name=False):
         x = np.zeros((1, 2, 70, d), dtype)
         plan = api._ForwardPlan((x, x, x), (causal, scale, block_mask, dropout_p, "flash2", block_sizes))
-        return plan.launch.kernel.name.split("_")[0]
+        return plan.launch.kernel.name if whole_name else plan.launch.kernel.name.split("_")[0]
 
     monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (96, False), (128, True)})   # (head dim, causal)
     assert kernel() == kernel(d=128, causal="bottom_right") == kernel(dtype=np.dtype("bfloat16")) == "wgmma"
@@ -252,12 +324,21 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     assert kernel(d=128) == kernel(causal=True) == kernel(d=96, causal=True) == kernel(d=32) == "flash2"
     assert kernel(d=72) == kernel(dtype=np.float32) == kernel(scale=-0.5) == kernel(dropout_p=0.1) == "flash2"
     assert kernel(block_sizes=(64, 64)) == "flash2"
-    assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))) == "flash2"
+    # Block masks of whole tiles (blocks of multiples of 64 rows and keys: ``forward.whole_tiles``), the element test
+    # compiled out; other blocks stay on mma.sync (they run on wgmma when asked for by name).
+    whole = numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))
+    assert kernel(block_mask=whole, whole_name=True) == "wgmma_forward_d64_f16_sparse_whole_tiles"
+    assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))) == "wgmma"
+    assert kernel(d=128, causal=True, block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 64))) == "wgmma"
+    assert kernel(block_mask=numba_flash.BlockMask(np.ones((5, 5), bool), (16, 16))) == "flash2"
+    assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 48))) == "flash2"
+    assert kernel(d=128, block_mask=whole) == "flash2"   # outside AUTOMATIC_SCOPE, mask or not
+    assert kernel(block_mask=whole, block_sizes=(64, 64)) == "flash2"
     device.compute_capability = (8, 0)
-    assert kernel() == "flash2"
+    assert kernel() == kernel(block_mask=whole) == "flash2"
     device.compute_capability = (9, 0)
     monkeypatch.setattr(hopper, "AUTOMATIC", False)   # NUMBA_FLASH_WGMMA=0
-    assert kernel() == "flash2"
+    assert kernel() == kernel(block_mask=whole) == "flash2"
 
 
 def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch):
@@ -372,6 +453,58 @@ def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_i
     out = out.cpu().numpy() if hasattr(out, "cpu") else np.asarray(out)
     nan_rows = np.isnan(out.astype(np.float32)).any(-1)[0, 0]
     assert np.flatnonzero(nan_rows).tolist() == list(range(40, 70))
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("d, causal, overlap, warpgroups, blocks", [
+    (64, False, False, 1, (64, 64)),              # whole tiles, two stages
+    (128, "bottom_right", False, 1, (16, 32)),    # partly covered tiles, the ring
+    (96, "bottom_right", True, 1, (64, 64)),      # the overlapped loop
+    (64, False, True, 2, (16, 32)),               # overlapped, 128-row query tiles
+    (128, False, False, 2, (64, 64)),             # the ring, 128-row tiles partly covered by 64-row blocks
+])
+def test_the_wgmma_forward_visits_a_block_masks_tiles_through_every_buffer(d, causal, overlap, warpgroups, blocks):
+    """A block mask whose first 64 query rows visit key tiles 0, 2, 3 and 5 of six (64 x 64 blocks; a list with
+    gaps, long enough to take every buffer round, the diagonal crossing some under causal) and whose rows 64-69
+    see none (O = 0, lse = -inf); or a random one of 16 x 32 blocks with an empty row of blocks.  A NaN in value
+    row 150 reaches exactly the rows the mask (and causality) let see key 150.  Against float64, in blocks of one
+    warpgroup or two (whose 128-row tiles the 64-row blocks then cover partly)."""
+    import numba_flash
+    import reference
+    from numba_flash.kernels.hopper.common import BLOCK_N
+    from tolerances import assert_close_to_reference
+
+    rng = np.random.default_rng(13)
+    n_q, n_k, nan_key = 70, 5 * BLOCK_N + 17, 150
+    grid = (-(-n_q // blocks[0]), -(-n_k // blocks[1]))
+    if blocks == (64, 64):
+        layout = np.zeros(grid, bool)
+        layout[0, [0, 2, 3, 5]] = True
+    else:
+        layout = rng.random(grid) < 0.6
+        layout[1] = False
+    bm = numba_flash.BlockMask(layout, blocks)
+    q = rng.standard_normal((1, 2, n_q, d)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, n_k, d)).astype(np.float16) for _ in range(2))
+    v[0, 0, nan_key, 5] = np.nan
+    inputs = (q, k, v)
+    if _where() == "hopper":
+        import torch
+        inputs = tuple(torch.from_numpy(x).cuda() for x in inputs)
+    with wgmma_loop(overlap, warpgroups):
+        out, lse = numba_flash.attention(*inputs, causal=causal, block_mask=bm, algorithm="wgmma", return_lse=True)
+    out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (out, lse))
+    allowed = bm.to_dense(n_q, n_k) & (True if not causal else causal_mask(causal, n_q, n_k))
+    nan_rows = np.isnan(out.astype(np.float32)).any(-1)
+    assert nan_rows.any() and np.array_equal(nan_rows, np.broadcast_to(allowed[:, nan_key], nan_rows.shape))
+    q64, k64, v64 = (without_nan(x).astype(np.float64) for x in (q, k, v))
+    expanded = [reference.repeat_kv(x, 2) for x in (k64, v64)]
+    ref_out, ref_lse = reference.attention(q64, *expanded, causal=causal, mask=bm.to_dense(n_q, n_k))
+    keep = ~nan_rows[..., None]
+    assert_close_to_reference(np.where(keep, out, 0), lse, np.where(keep, ref_out, 0), ref_lse, q64, *expanded,
+                              1 / np.sqrt(d), np.float16)
+    unseen = ~allowed.any(-1)
+    assert unseen.any() and np.all(out[:, :, unseen] == 0) and np.all(np.isneginf(lse[:, :, unseen]))
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")

@@ -5,10 +5,11 @@
 it outright; every other call, and every other GPU, stays on the ``mma.sync`` kernel in
 ``kernels/fast`` (the reference it is tested against).  Scope: float16 and bfloat16, d a multiple
 of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
-causal (top-left or bottom-right), grouped heads, any strides with contiguous 16-byte rows, a
-positive scale, NaN propagated as on the other path; no block mask, dropout or packed sequences
-yet.  ``tests/test_hopper.py`` checks it against the float64 reference in the simulator (through
-``wgmma.py``'s twins, which read operands by its layout table) and on a Hopper GPU, where
+causal (top-left or bottom-right), block masks (below; flash2 takes those of whole 64 x 64 tiles,
+``whole_tiles``), grouped heads, any strides with contiguous 16-byte rows, a positive scale, NaN
+propagated as on the other path; no dropout or packed sequences yet.  ``tests/test_hopper.py``
+checks it against the float64 reference in the simulator (through ``wgmma.py``'s twins, which read
+operands by its layout table) and on a Hopper GPU, where
 ``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01; at d = 64 and 128 only:
 the m64n96 read of V below is the twins' so far, its cases there not yet run on a GPU).
 
@@ -30,6 +31,22 @@ softmax below is the fast forward's, over 64-key tiles::
         (a tile the causal diagonal crosses whose V_j holds a NaN: its rows cleaned and flagged first, below)
         O = alpha O;  O += P V_j         wgmma m64n{d}k16 x 4, P from registers, V_j transposed
     O / l, lse
+
+With a block mask (``numba_flash.BlockMask``) the host lists, per query tile (64 rows a warpgroup: 64 or
+128), the key tiles of 64 keys it visits, in increasing order, and orders the blocks by the length of their
+lists, longest first (``sparsity/tile_lists.py``, ``kernels/fast/common.block_mask_arguments``: the mma.sync
+forward's lists, for this kernel's tiles).  "for j in key tiles" then runs over the list, through the same
+buffers and copies (``key_tiles``, ``key_tile``, ``block_tile``); a tile the mask covers only partly takes the
+element test against the uint8 block layout in the mask step (``hidden_entries``, through
+``kernels/fast/common.allowed``), and the NaN pass of a diagonal tile; causal tiles are masked as before, and a
+mask never lists a tile wholly above the diagonal.  A query tile whose list is empty copies nothing and writes
+O = 0 and lse = -inf, as does a row that sees no key in the tiles its block visits: the mma.sync forward's
+results.  Both are compile-time flags (``make_wgmma_forward``'s HAS_MASK, PARTLY_MASKED): a mask of whole
+tiles (blocks of multiples of 64 rows and keys, one warpgroup) compiles the element test out, leaving the dense
+kernel's steps over a list, and without a mask the kernels compile as before (their PTX instructions unchanged,
+sm_90a; the mask's placeholder arguments added to the parameter list).  Departures from the dense kernel: the
+blocks take the lists' order (longest first) instead of the causal grid's, and a kernel with the element test has
+no register cap (``blocks_per_multiprocessor``).  Not yet run on a GPU.
 
 At d = 128 (and every d > 64, on its layout) the K/V tiles go round a ring of three buffers instead
 (``uses_ring``): K_{j+1} is started into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a
@@ -78,13 +95,14 @@ import os
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
 from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
-from ..fast.common import (LOG2_E, NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, row_lse,
-                           warp_lane, word_extent)
+from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, lane_flags, nan_cleaner,
+                           pair_has_nan, partly_masked_tiles, row_lse, tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
@@ -121,9 +139,9 @@ def shared_bytes(head_dim, warpgroups=1, overlap=False):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
+def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK=False, PARTLY_MASKED=True):
     """The kernel for head dim D (``common.HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
-    "bf16", causal or not.
+    "bf16", causal or not, with a block mask or not.
 
     Its tiles sit in shared memory on the layout of LAYOUT_DIM = ``layout_dim(D)`` columns (64 or 128), the
     columns past D zero (``common.tile_copier``), but the products take only D: S = Q K^T in D / 16 k-steps, and
@@ -150,9 +168,19 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
     back-edge, the accumulator's loop-carried copies would read its registers during the product, and
     ptxas serialises every wgmma of the kernel then (its C7514 "Potential Performance Loss", seen with
     ptxas 13.0 at sm_90a).
+
+    HAS_MASK: a block mask lists the key tiles of each query tile of ROWS rows, and the order of the query tiles
+    (``sparsity/tile_lists.py``, as for the mma.sync forward): the loops above run over the list instead of every
+    tile, through the same buffers (``key_tiles``, ``key_tile``, ``block_tile``).  PARTLY_MASKED (with HAS_MASK):
+    some listed tile is only partly covered by the mask's blocks, so its scores take the element test against the
+    uint8 block layout M (``mask``, ``kernels/fast/common.allowed``) and its V_j the NaN pass (as a tile the causal
+    diagonal crosses); False when the mask's blocks are unions of whole tiles, which compiles the test out.
+    Without a mask every step compiles as before: the PTX of the dense and causal kernels is the same but for the
+    mask's arguments in the parameter list (unused placeholders, ``block_mask_arguments``).
     """
     THREADS = WARPGROUP * WARPGROUPS
     ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
+    ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2   # O: m64n{D}, the layout's pad columns left out
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
@@ -228,6 +256,62 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         """The query row and key of this lane's score register i (the accumulator layout of wgmma.py)."""
         return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
 
+    # ---- which query tile a block takes, and which key tiles it visits in what order ----
+    @inlined_device_function
+    def block_tile(tile_order, q_tiles, heads):
+        """(q0, head, batch, batch*heads index) of this block's query tile: with a block mask, tile
+        ``tile_order[block]`` (the host orders them by the length of their lists, longest first:
+        ``tile_lists.longest_first``), else ``query_tile``'s (causal grids: the longest tiles first)."""
+        if HAS_MASK:
+            tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
+            return tile * ROWS, h, b, bh
+        return query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, ROWS)
+
+    @inlined_device_function
+    def key_tiles(tile_offsets, q0, bh, q_tiles, n_q, n_k, causal_offset):
+        """(first, n_tiles): the key tiles query tile q0 visits.  With a block mask, entries first .. first +
+        n_tiles - 1 of the host's lists (``key_tile``; none for a tile whose rows see no block); else tiles 0 ..
+        n_tiles - 1: every tile up to N_k, and (causal) none beyond the last row's diagonal."""
+        if HAS_MASK:
+            at = bh * (q_tiles + 1) + q0 // ROWS
+            first = int64(tile_offsets[at])
+            return first, int64(tile_offsets[at + 1]) - first
+        n_tiles = ceil_div(n_k, BLOCK_N)
+        if CAUSAL:  # no key beyond the last row's diagonal
+            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + ROWS, n_q) + causal_offset, BLOCK_N)))
+        return 0, n_tiles
+
+    @inlined_device_function
+    def key_tile(tile_entries, first, x, n_tiles):
+        """The first key of the x-th key tile the block visits, and whether the block mask covers it only partly (so
+        that its scores need the element test): entry x of the list (``listed_tile``; key 0 past the list's end, where
+        nothing is copied), or without a mask tile x, which no mask covers."""
+        if HAS_MASK:
+            if x >= n_tiles:
+                return int64(0), False
+            k0, partly = listed_tile(tile_entries, first + x, BLOCK_N)
+            if not PARTLY_MASKED:   # a constant for the compiler: the element test is compiled out
+                partly = False
+            return int64(k0), partly
+        return x * BLOCK_N, False
+
+    @inlined_device_function
+    def hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout):
+        """With the element test (ELEMENT_TEST), bit i set where this lane's score register i is hidden from its query
+        (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile the mask
+        covers only partly, outside its blocks, read from the uint8 block layout); ``layout`` = (M, bh,
+        mask_rows, mask_cols, mask_t_r, mask_t_c), where this head's layout is.  One word, so that this loop
+        indexes no register of S: with the layout's loads NVVM leaves it rolled, and a rolled loop over S
+        would put S in local memory (ptxas: a 128-byte stack frame, and waits injected after the products)."""
+        M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
+        bits = uint32(0)
+        for i in range(S_REGISTERS):
+            row, key = row_and_key(i, q0, k0, warp, g, t)
+            if not allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols,
+                           mask_t_r, mask_t_c):
+                bits |= uint32(1) << uint32(i)
+        return bits
+
     # The descriptors are built once, for each tile's first k-step in buffer 0 (``tile_descriptors``); a product's
     # is that one advanced (``wgmma.advanced``): by the k-step's bytes within the tile (a constant), the buffer's.
     @inlined_device_function
@@ -251,11 +335,16 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         wgmma_commit()
 
     @inlined_device_function
-    def mask(s, q0, k0, n_k, causal_offset, warp, g, t):
-        """Scores of keys past N_k, and (causal) right of the diagonal, to -inf."""
+    def mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout):
+        """Scores of keys past N_k, (causal) right of the diagonal, and (a tile a block mask covers only partly)
+        outside the mask's blocks, to -inf (with the element test, also every score of a row past N_q)."""
+        hidden = hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout) if ELEMENT_TEST else 0
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
-            if key >= n_k or (CAUSAL and key > row + causal_offset):
+            if ELEMENT_TEST:
+                if (hidden >> uint32(i)) & uint32(1):
+                    s[i] = float32(NEG_INF)
+            elif key >= n_k or (CAUSAL and key > row + causal_offset):
                 s[i] = float32(NEG_INF)
 
     @inlined_device_function
@@ -282,11 +371,16 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
             m_i[r] = m_new
 
     @inlined_device_function
-    def poison(s, v_nan, q0, k0, causal_offset, warp, g, t):
+    def poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout):
         """NaN where this lane's key is allowed and its value row held a NaN (``clean_values``' flags)."""
+        hidden = hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout) if ELEMENT_TEST else 0
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
-            if (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1) and key <= row + causal_offset:
+            flagged = (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1)
+            if ELEMENT_TEST:
+                if flagged and not (hidden >> uint32(i)) & uint32(1):
+                    s[i] = float32(math.nan)
+            elif flagged and key <= row + causal_offset:
                 s[i] = float32(math.nan)
 
     @inlined_device_function
@@ -307,10 +401,15 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         wgmma_commit()
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
-               n_q, n_k, q_tiles, causal_offset, scale_log2):
+               n_q, n_k, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M, mask_rows,
+               mask_cols, mask_t_r, mask_t_c):
         # Q, K, V, O: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte aligned);
-        # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.
-        q0, h, b, bh = query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, ROWS)
+        # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.  HAS_MASK: the key tiles
+        # of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...] (``key_tile``),
+        # block i runs tile tile_order[i], and M is the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks of
+        # (mask_rows, mask_cols) (``block_mask_arguments``; placeholders without a mask).
+        q0, h, b, bh = block_tile(tile_order, q_tiles, heads)
+        layout = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         c_log2 = float32(scale_log2)
@@ -325,9 +424,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
         q_address = base + (q_at + ((warp // 4) * TILE_WORDS if WARPGROUPS > 1 else 0)) * 4
         q_desc, k_desc, v_desc = tile_descriptors(q_address, base + k_at * 4, base + v_at * 4)
 
-        n_tiles = ceil_div(n_k, BLOCK_N)
-        if CAUSAL:  # no key beyond the last row's diagonal
-            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + ROWS, n_q) + causal_offset, BLOCK_N)))
+        first, n_tiles = key_tiles(tile_offsets, q0, bh, q_tiles, n_q, n_k, causal_offset)
         k_first = b * k_sb + (h // group) * k_sh      # key 0 of this head's K (and V below)
         v_first = b * v_sb + (h // group) * v_sh
 
@@ -346,7 +443,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
 
         for w in range(WARPGROUPS):
             q_w = q0 + w * BLOCK_M
-            start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + q_w * q_sn, q_sn, n_q - q_w, tid)
+            if not HAS_MASK or n_tiles > 0:   # (a block mask may give a tile no key: O = 0, lse = -inf, no copies)
+                start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + q_w * q_sn, q_sn, n_q - q_w, tid)
         if not OVERLAP:
             # K_0 (with Q: one commit group) and V_0; then each tile's copies a group (an empty one past the last
             # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (d > 64), K_{j+1} where
@@ -355,19 +453,22 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
             # instead of four (room for a third block on a multiprocessor).  In two stages (d <= 64), both into
             # the buffers of tile j - 1, one barrier a tile.
             k_buffer, v_buffer = 0, 1 if RING else 2     # where K_j and V_j are
+            k0 = key_tile(tile_entries, first, 0, n_tiles)[0]
             if n_tiles > 0:
-                start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
+                start_tile(smem, k_at, K, k_first + k0 * k_sn, k_sn, n_k - k0, tid)
             copy_async_commit()
             if n_tiles > 0:
-                start_tile(smem, k_at + v_buffer * TILE_WORDS, V, v_first, v_sn, n_k, tid)
+                start_tile(smem, k_at + v_buffer * TILE_WORDS, V, v_first + k0 * v_sn, v_sn, n_k - k0, tid)
             copy_async_commit()
             for j in range(n_tiles):
-                k0, k1 = j * BLOCK_N, (j + 1) * BLOCK_N
+                k0, partly = key_tile(tile_entries, first, j, n_tiles)
+                k1 = key_tile(tile_entries, first, j + 1, n_tiles)[0]   # the next tile's (if any)
                 next_k, next_v = (3 - k_buffer - v_buffer, k_buffer) if RING else (k_buffer ^ 1, v_buffer ^ 1)
                 diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset   # block-uniform
+                mixed = diagonal or partly   # some key of the tile hidden from some row: NaN in V_j needs care
                 # K_j and Q landed (and V_j, in two stages); every warp done with tile j - 1's products, so the
-                # buffer of V_{j-1} (and of K_{j-1}) may be refilled; in two stages on the diagonal, any NaN in V_j?
-                v_has_nan = land_tiles(smem, k_at + v_buffer * TILE_WORDS, diagonal and not RING, tid)
+                # buffer of V_{j-1} (and of K_{j-1}) may be refilled; in two stages on a mixed tile, any NaN in V_j?
+                v_has_nan = land_tiles(smem, k_at + v_buffer * TILE_WORDS, mixed and not RING, tid)
                 if j + 1 < n_tiles:
                     start_tile(smem, k_at + next_k * TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
                     if not RING:
@@ -376,37 +477,41 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                 issue_scores(s, q_desc, staged(k_desc, k_buffer))
                 wait_all_products()
                 if RING:   # V_j landed; every warp done with S_j, so K_j's buffer may take V_{j+1}; NaN in V_j?
-                    v_has_nan = land_tiles(smem, k_at + v_buffer * TILE_WORDS, diagonal, tid)
+                    v_has_nan = land_tiles(smem, k_at + v_buffer * TILE_WORDS, mixed, tid)
                     if j + 1 < n_tiles:
                         start_tile(smem, k_at + next_v * TILE_WORDS, V, v_first + k1 * v_sn, v_sn, n_k - k1, tid)
                     copy_async_commit()
                 v_nan = (clean_values(smem, k_at + v_buffer * TILE_WORDS, flags_at, t, tid) if v_has_nan
                          else uint64(0))
-                if diagonal or k0 + BLOCK_N > n_k:   # tiles below the diagonal need no mask
-                    mask(s, q0, k0, n_k, causal_offset, warp, g, t)
+                if mixed or k0 + BLOCK_N > n_k:   # tiles below the diagonal (and wholly in the mask) need no mask
+                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
-                    poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
+                    poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
                 issue_values(acc, alpha, s, p_words, staged(v_desc, v_buffer))
                 wait_all_products()
                 k_buffer, v_buffer = next_k, next_v
         else:
             # Prologue: S_0 = Q K_0^T waited for; K_1 and V_0 on their way.
             if n_tiles > 0:
-                start_tile(smem, k_at, K, k_first, k_sn, n_k, tid)
+                k0, k1 = key_tile(tile_entries, first, 0, n_tiles)[0], key_tile(tile_entries, first, 1, n_tiles)[0]
+                start_tile(smem, k_at, K, k_first + k0 * k_sn, k_sn, n_k - k0, tid)
                 land_tiles(smem, v_at, False, tid)
                 if n_tiles > 1:
-                    start_tile(smem, k_at + TILE_WORDS, K, k_first + BLOCK_N * k_sn, k_sn, n_k - BLOCK_N, tid)
-                start_tile(smem, v_at, V, v_first, v_sn, n_k, tid)
+                    start_tile(smem, k_at + TILE_WORDS, K, k_first + k1 * k_sn, k_sn, n_k - k1, tid)
+                start_tile(smem, v_at, V, v_first + k0 * v_sn, v_sn, n_k - k0, tid)
                 issue_scores(s, q_desc, k_desc)
                 wait_all_products()
             for j in range(n_tiles):
-                k0, stage = j * BLOCK_N, j & 1
+                k0, partly = key_tile(tile_entries, first, j, n_tiles)
+                stage = j & 1
                 ahead = j + 1 < n_tiles
                 diagonal = CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset
+                mixed = diagonal or partly
                 # K_{j+1} and V_j; every thread past its wait for S_j and P_{j-1} V_{j-1}; any NaN in V_j?
-                v_has_nan = land_tiles(smem, v_at + stage * TILE_WORDS, diagonal, tid)
-                k2, k1 = k0 + 2 * BLOCK_N, k0 + BLOCK_N
+                v_has_nan = land_tiles(smem, v_at + stage * TILE_WORDS, mixed, tid)
+                k1 = key_tile(tile_entries, first, j + 1, n_tiles)[0]   # the next tiles' (if any)
+                k2 = key_tile(tile_entries, first, j + 2, n_tiles)[0]
                 if j + 2 < n_tiles:   # into K_j's buffer
                     start_tile(smem, k_at + stage * TILE_WORDS, K, k_first + k2 * k_sn, k_sn, n_k - k2, tid)
                 if ahead:             # into V_{j-1}'s buffer
@@ -416,11 +521,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                          else uint64(0))
                 if ahead:   # S_{j+1} runs while this tile's softmax does
                     issue_scores(s_next, q_desc, staged(k_desc, stage ^ 1))
-                if diagonal or k0 + BLOCK_N > n_k:
-                    mask(s, q0, k0, n_k, causal_offset, warp, g, t)
+                if mixed or k0 + BLOCK_N > n_k:
+                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
-                    poison(s, v_nan, q0, k0, causal_offset, warp, g, t)
+                    poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
                 issue_values(acc, alpha, s, p_words, staged(v_desc, stage))
                 wait_all_products()   # S_{j+1} and P_j V_j
                 if ahead:
@@ -443,13 +548,15 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1):
                     LSE[bh * n_q + row] = row_lse(m_i[r], l_row)
 
     return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
-                  + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}"),
-                  arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32),
+                  + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}")
+                  + (("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else ""),
+                  arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32, tile_offsets=np.int32,
+                              tile_entries=np.int32, tile_order=np.int32, M=np.uint8),
                   floats=("scale_log2",),
-                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS)))
+                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS, ELEMENT_TEST)))
 
 
-def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
+def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_test=False):
     """The blocks per multiprocessor the kernel's registers must allow (``launch_bounds``' second number), or 1
     where ptxas is best left alone.
 
@@ -469,9 +576,16 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups):
     Other head dims take the choices of their layout's width (``layout_dim``: d < 64 those of 64, 64 < d < 128
     those of 128: the same shared memory a block), with fewer accumulator registers (D / 2) under the same caps.
     Unmeasured on a GPU.  At d = 96 (ptxas 13.0, sm_90a, 2026-12-04): one warpgroup 158-160 registers under the
-    cap for three blocks, two warpgroups 161-182, overlapped 196-201, no spills in any."""
+    cap for three blocks, two warpgroups 161-182, overlapped 196-201, no spills in any.
+
+    A block mask of whole tiles keeps these caps (ptxas 13.0, sm_90a, 2026-12-05, no spills: d = 64 139 registers
+    dense and 128 causal, d = 96 158-160, d = 128 163-168; two warpgroups 128-194, overlapped 179-221).  A kernel
+    with the element test (``element_test``: blocks that cut tiles) spilled 188-200 bytes under the caps of d = 64
+    causal and d = 128, so it has none: 158-166 registers at d = 64, 188-192 at d = 96, 196-206 at d = 128 (one or
+    two warpgroups), 192-236 overlapped, no spills; a block of one warpgroup then fits three times on a
+    multiprocessor at d = 64 and twice at d = 96 and 128.  Unmeasured on a GPU."""
     layout = layout_dim(head_dim)
-    if overlap or (layout == 64 and warpgroups == 1 and not causal):
+    if overlap or element_test or (layout == 64 and warpgroups == 1 and not causal):
         return 1
     if layout == 128:
         return 3 if warpgroups == 1 else 1
@@ -499,12 +613,26 @@ WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True)}
 
 
+def whole_tiles(block_mask):
+    """Whether a block mask's blocks are whole multiples of the kernel's tiles (B_r and B_c multiples of 64:
+    BLOCK_M and BLOCK_N), the masks ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles'
+    edges, so that one warpgroup's tiles (64 x 64) are each wholly inside the mask or wholly outside, the element test
+    is compiled out (``make_wgmma_forward``'s PARTLY_MASKED), and the loop is the dense one's over a list: the loop
+    measured faster than the mma.sync kernel's (``AUTOMATIC_SCOPE``).  Other blocks (smaller ones, or ones whose edges
+    cut tiles) run here too with ``algorithm="wgmma"``, their partly covered tiles tested element by element, but
+    stay on mma.sync under flash2 until a GPU measures that test against mma.sync's.  (With blocks of two warpgroups,
+    128-row query tiles, B_r = 64 leaves tiles partly covered: the test is compiled in, and the result the same.)"""
+    rows, keys = block_mask.block_size
+    return rows % BLOCK_M == 0 and keys % BLOCK_N == 0
+
+
 def chosen_for(call, block_sizes):
     """Whether ``algorithm="flash2"`` runs this call on the wgmma forward: on a Hopper GPU, for calls in its
     scope and in ``AUTOMATIC_SCOPE`` whose caller named no tile sizes (explicit ``block_sizes`` are the mma.sync
-    kernel's)."""
+    kernel's), with no block mask or one of whole tiles (``whole_tiles``)."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
-            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, "forward") is None)
+            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, "forward") is None
+            and (call.block_mask is None or whole_tiles(call.block_mask)))
 
 
 def forward_launch(call):
@@ -517,14 +645,18 @@ def forward_launch(call):
         raise ValueError(f"NUMBA_FLASH_WGMMA_WARPGROUPS must be one of {WARPGROUP_COUNTS}, not {WARPGROUPS!r}")
     if not in_simulator():
         enable_sm90a()
-    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups)
+    # A block mask's lists are of the block's query tiles (64 rows a warpgroup) and of BLOCK_N keys.
+    tiles = (BLOCK_M * warpgroups, BLOCK_N)
+    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
+                                call.block_mask is not None, partly_masked_tiles(call, tiles, "forward"))
     words = word_extent(call)
     (qs, ks, vs), os_ = call.strides, call.result_strides("q")
-    q_tiles = cdiv(call.n_q, BLOCK_M * warpgroups)
+    q_tiles = cdiv(call.n_q, tiles[0])
     fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, q_tiles=q_tiles,
-                 causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E)
+                 causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
+                 **block_mask_arguments(call, tiles, "forward"))
     extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
                    O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
     return Launch(kernel, q_tiles * call.batch_heads, WARPGROUP * warpgroups,
