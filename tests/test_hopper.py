@@ -344,8 +344,9 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
 def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch):
     """Which backward ``algorithm="flash2"`` lays out on a device made to look like an H200 (nothing launched): the
     wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), summing
-    dQ in its dK/dV kernel (ordered unless deterministic=False), mma.sync outside the scope, at the scope's other
-    head dims and wherever the caller names tiles."""
+    dQ in its dK/dV kernel (ordered unless deterministic=False), with no block mask or one of whole 64 x 64 tiles
+    (the forward's pick); mma.sync outside the scope, at the scope's other head dims, for other block masks and
+    wherever the caller names tiles."""
     from types import SimpleNamespace
 
     import numba_flash
@@ -355,7 +356,7 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     from numba_flash.kernels.hopper import forward as hopper
 
     device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper_backward, common):
+    for module in (hopper_backward, hopper, common):   # (the pick is the forward's: ``forward.chosen_for``)
         monkeypatch.setattr(module, "in_simulator", lambda: False)
     monkeypatch.setattr(common, "device_limits", lambda: device)
     monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
@@ -377,14 +378,24 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     assert kernel(d=96, causal=True, deterministic=False).endswith("_causal_dq_atomic")
     # d = 32 and 80 are in the wgmma backward's scope but not in AUTOMATIC_SCOPE; d = 72 in neither.
     for outside in (kernel(d=32), kernel(d=80), kernel(d=72), kernel(dtype=np.float32), kernel(dropout_p=0.1),
-                    kernel(block_sizes=(64, 64)),
-                    kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128)))):
+                    kernel(block_sizes=(64, 64))):
+        assert outside.startswith("flash2"), outside
+    # Block masks as the forward's pick takes them (``forward.whole_tiles``: blocks of multiples of 64 rows and keys,
+    # the element test compiled out); other blocks stay on mma.sync (they run on wgmma when asked for by name).
+    whole = numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))
+    assert kernel(block_mask=whole) == "wgmma_backward_dkdv_d64_f16_dq_ordered_sparse_whole_tiles"
+    assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))).startswith("wgmma")
+    assert kernel(d=128, causal=True, block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 64)),
+                  deterministic=False).endswith("_causal_dq_atomic_sparse_whole_tiles")
+    for outside in (kernel(block_mask=numba_flash.BlockMask(np.ones((5, 5), bool), (16, 16))),
+                    kernel(block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 48))),
+                    kernel(d=32, block_mask=whole), kernel(block_mask=whole, block_sizes=(64, 64))):
         assert outside.startswith("flash2"), outside
     device.compute_capability = (8, 0)
-    assert kernel().startswith("flash2")
+    assert kernel().startswith("flash2") and kernel(block_mask=whole).startswith("flash2")
     device.compute_capability = (9, 0)
     monkeypatch.setattr(hopper, "AUTOMATIC", False)   # NUMBA_FLASH_WGMMA=0
-    assert kernel().startswith("flash2")
+    assert kernel().startswith("flash2") and kernel(block_mask=whole).startswith("flash2")
     with pytest.raises(TypeError, match="deterministic must be True or False"):
         kernel(deterministic=None)
 
@@ -561,17 +572,95 @@ def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
     _check_wgmma_backward(q, k, v, do, causal, dq_mode, False)
 
 
-def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major):
+@pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
+@settings(max_examples=max(3, settings.default.max_examples // 4))   # each example: three kernels, run twice
+@given(data=st.data())
+def test_the_wgmma_backward_with_a_block_mask_matches_the_float64_reference(data):
+    """dQ, dK and dV under random block masks (``strategies.block_masks``: random density, all zero or all one,
+    empty rows or columns of blocks; leading dims broadcast over batch and heads) of blocks of 16 or of multiples
+    of 64 each way (whole 64 x 64 tiles: the element test compiled out, as flash2 takes them; else partly covered
+    tiles, tested element by element), against float64: ragged lengths, grouped heads, both causal alignments,
+    (B, N, H, d) strides, each way of summing dQ (the ordered one's turns counted over each query tile's own list
+    of key tiles: a wrong count waits forever); rows that see no key, and keys no query sees, get exactly 0; and
+    where deterministic, bitwise equal run to run."""
+    import ml_dtypes
+
+    from numba_flash.kernels.hopper.backward import DQ_MODES
+    from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS
+    from strategies import block_masks
+
+    where = _where()
+    longest = 200 if where == "hopper" else 2 * BLOCK_N + 5   # the simulator: up to three tiles each way
+    batch = data.draw(st.integers(1, 2))
+    kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
+    group = data.draw(st.sampled_from([1, 2, 3]))
+    heads = kv_heads * group
+    n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
+    block_size = tuple(data.draw(st.sampled_from([16, 64, 128])) for _ in range(2))
+    bm = data.draw(block_masks(n_q, n_k, block_size, batch_shape=(batch, heads)))[0]
+    # The simulator: head dims of both layouts, the small ones (its time grows with d).
+    d = data.draw(st.sampled_from(HEAD_DIMS if where == "hopper" else (16, 32, 64, 80)))
+    dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
+    causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
+    token_major = data.draw(st.booleans())
+    dq_mode = data.draw(st.sampled_from(DQ_MODES))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+
+    def operand(h, n):
+        if token_major:
+            return rng.standard_normal((batch, n, h, d)).astype(dtype).transpose(0, 2, 1, 3)
+        return rng.standard_normal((batch, h, n, d)).astype(dtype)
+
+    q, k, v, do = operand(heads, n_q), operand(kv_heads, n_k), operand(kv_heads, n_k), operand(heads, n_q)
+    _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, bm)
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("dq_mode, causal", [("ordered", False), ("ordered", "bottom_right"), ("separate", True),
+                                             ("atomic", False)])
+def test_the_wgmma_backward_visits_a_block_masks_tiles_in_every_mode(dq_mode, causal):
+    """A block mask of 16 x 16 blocks over four query tiles and five key tiles (ragged lengths), two query heads
+    per key/value head (each key tile's steps walk both heads' lists): query tile 0 sees key tiles 0, 2 and 3 (a
+    list with a gap: the ordered dQ's turns count over the tiles listed, and a wrong count waits forever), tile 1
+    none (dQ = 0), tile 2 random blocks (tiles partly covered: the element test), tile 3 every key tile but, in
+    head 0, the ragged last one; no query sees key tile 1 (dK = dV = 0, nothing copied).  Against float64;
+    deterministic modes bitwise equal run to run."""
+    import numba_flash
+    from numba_flash.kernels.hopper.common import BLOCK_N
+
+    rng = np.random.default_rng(17)
+    n_q, n_k, d = 3 * BLOCK_N + 9, 4 * BLOCK_N + 30, 32
+    layout = np.zeros((2, 13, 18), bool)   # per query head, blocks of 16 x 16
+
+    def tile(x):   # the blocks of 64-row (or 64-key) tile x
+        return slice(4 * x, 4 * x + 4)
+
+    for key_tile in (0, 2, 3):
+        layout[:, tile(0), tile(key_tile)] = True
+    layout[:, tile(2), :] = rng.random((2, 4, 18)) < 0.5
+    layout[:, tile(3), :] = True
+    layout[0, tile(3), tile(4)] = False
+    layout[:, :, tile(1)] = False
+    bm = numba_flash.BlockMask(layout, (16, 16))
+    q, do = (rng.standard_normal((1, 2, n_q, d)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, n_k, d)).astype(np.float16) for _ in range(2))
+    _check_wgmma_backward(q, k, v, do, causal, dq_mode, False, bm)
+
+
+def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, block_mask=None):
     """The wgmma backward of (q, k, v, do) (host arrays; on a Hopper GPU as tensors of the same strides) with dQ
     summed in ``dq_mode``, against float64 within ``backward_tolerance``; a deterministic mode run twice, bitwise
-    equal."""
+    equal.  With a ``block_mask``, the rows of dQ whose query sees no key and the rows of dK, dV whose key no
+    query sees (of any head of its group) are exactly 0."""
     import numba_flash
     import reference
     from tolerances import backward_tolerance
 
     where, dtype, heads, d = _where(), q.dtype, q.shape[1], q.shape[3]
     group = heads // k.shape[1]
-    out, lse = reference.attention(q, k, v, causal=causal)
+    n_q, n_k = q.shape[2], k.shape[2]
+    dense = None if block_mask is None else np.broadcast_to(block_mask.to_dense(n_q, n_k), q.shape[:2] + (n_q, n_k))
+    out, lse = reference.attention(q, k, v, causal=causal, mask=dense)
     out, lse = out.astype(dtype), lse.astype(np.float32)
     arguments = (q, k, v, out, lse, do)
 
@@ -581,20 +670,28 @@ def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major):
                 on_gpu = [to_gpu(q, token_major), to_gpu(k, token_major), to_gpu(v, token_major), to_gpu(out),
                           to_gpu(lse), to_gpu(do, token_major)]
                 return tuple(to_host(x) for x in numba_flash.attention_backward(*on_gpu, causal=causal,
+                                                                                block_mask=block_mask,
                                                                                 algorithm="wgmma",
                                                                                 deterministic=deterministic))
-            return numba_flash.attention_backward(*arguments, causal=causal, algorithm="wgmma",
-                                                  deterministic=deterministic)
+            return numba_flash.attention_backward(*arguments, causal=causal, block_mask=block_mask,
+                                                  algorithm="wgmma", deterministic=deterministic)
 
     grads = gradients()
-    expected = reference.attention_backward(q, k, v, do, causal=causal)
-    weights = reference.softmax(reference.masked_scores(q, k, causal=causal))
+    expected = reference.attention_backward(q, k, v, do, causal=causal, mask=dense)
+    weights = reference.softmax(reference.masked_scores(q, k, causal=causal, mask=dense))
     tolerances = backward_tolerance(q, reference.repeat_kv(k, heads), reference.repeat_kv(v, heads), out, do,
                                     1 / np.sqrt(d), weights, dtype=dtype, group=group)
     for name, got, want, tol in zip(("dq", "dk", "dv"), grads, expected, tolerances):
         assert got.shape == want.shape and got.dtype == dtype, (name, got.shape, got.dtype)
         err = float(np.abs(got.astype(np.float64) - want).max())
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+    if block_mask is not None:
+        allowed = weights > 0   # (B, H, N_q, N_k): the entries a query may see (its weight, exp of a finite score)
+        unseen_rows = ~allowed.any(-1)
+        unseen_keys = ~allowed.reshape(q.shape[0], heads // group, group, n_q, n_k).any(axis=(2, 3))
+        assert np.all(np.asarray(grads[0], np.float64)[unseen_rows] == 0), "dq: a row that sees no key"
+        for name, got in zip(("dk", "dv"), grads[1:]):
+            assert np.all(np.asarray(got, np.float64)[unseen_keys] == 0), f"{name}: a key no query sees"
     if dq_mode != "atomic":
         for got, again in zip(grads, gradients()):
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16))
@@ -616,7 +713,7 @@ def test_the_wgmma_backward_rejects_what_it_cannot_run():
         attention_backward(*arrays(dtype=np.float32), algorithm="wgmma")
     with pytest.raises(ValueError, match="block_sizes must be None with algorithm='wgmma'"):
         attention_backward(*arrays(), block_sizes=(64, 64), algorithm="wgmma")
-    with pytest.raises(ValueError, match="the wgmma backward has no block masks, dropout"):
+    with pytest.raises(ValueError, match="the wgmma backward has no dropout or packed sequences yet"):
         attention_backward(*arrays(), dropout_p=0.1, seed=1, algorithm="wgmma")
     with pytest.raises(ValueError, match="algorithm must be one of"):
         attention_backward(*arrays(), algorithm="standard")

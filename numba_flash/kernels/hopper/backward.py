@@ -3,8 +3,8 @@
 ``algorithm="flash2"`` runs it on a Hopper GPU for the calls in its scope (``chosen_for``; else the ``mma.sync``
 backward of ``kernels/fast``, its reference), and ``algorithm="wgmma"`` asks for it.  Scope: as the wgmma forward's
 (``common.out_of_scope``): float16 and bfloat16, d a multiple of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it
-at d = 64, 96 and 128, where it takes the forward), dense or causal (either alignment), grouped heads, strides with
-contiguous 16-byte rows.
+at d = 64, 96 and 128, where it takes the forward), dense or causal (either alignment), block masks (below; flash2
+takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows.
 
 A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one, as in the forward (d = 96
 on d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the same cp.async
@@ -41,12 +41,27 @@ MN-major.  Barriers and fences as the forward's: after a thread's copies (or its
 overwritten); ``wgmma_fence`` before each group of products (the zeroed accumulators, or the packed A registers,
 written just before).
 
+With a block mask (``numba_flash.BlockMask``) the host lists the tiles each kernel visits, from the rule of the
+mma.sync backward's and the forward's lists (``sparsity/tile_lists.py``, ``kernels/fast/common.block_mask_arguments``,
+here for 64 x 64 tiles: ``MASK_TILES``): the dK/dV kernel's block walks, for each query head of its group in turn,
+the query tiles that its key tile's list names ("for each query tile i that sees key tile j" above; ``query_steps``,
+``listed_step``), through the same two stages; the dQ kernel's block the key tiles of its query tile's list (the
+wgmma forward's lists at one warpgroup), its blocks in the forward's order (longest list first).  A tile the mask
+covers only partly takes the element test against the uint8 block layout (``element_test``, through
+``kernels/fast/common.allowed``, gathered into one word as in the forward), so that P^T (and with it dS^T) is 0
+outside the mask; a query row that sees no key has lse = -inf, so P = 0 and its gradients are 0; a block whose list
+is empty copies nothing and writes zeros.  Both are compile-time flags (HAS_MASK, PARTLY_MASKED): a mask of whole
+tiles compiles the element test out, and without a mask the kernels compile to the PTX instructions they had before
+(sm_90a; the mask's placeholder arguments added at the end of the parameter list).
+
 Deterministic by default.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so
 the order of the adds must not depend on timing (``DQ_MODES``): "ordered" (the default) gives each query tile of
 each head a counter (``wait_turn``, ``pass_turn``) and each key tile its turn, ascending, or for causal grids from
 the diagonal down, the grid then dispatching its shortest key tiles first: a block only ever waits for blocks that
 were dispatched before it, which are running or done, so the wait ends (the same argument as FlashAttention-3's
-deterministic backward).  "atomic" (``deterministic=False``) adds as the blocks arrive.  "separate" gives dQ a
+deterministic backward).  With a block mask only the key tiles in the query tile's list add to its dQ, so a key
+tile's turn is its place among them in the same order (``dq_turn``: the forward's list for that query tile, the
+transpose of the dK/dV kernel's, searched by bisection), and the argument holds as before.  "atomic" (``deterministic=False``) adds as the blocks arrive.  "separate" gives dQ a
 kernel of its own (``make_wgmma_dq``: a warpgroup per query tile streams K_j, V_j past it and computes S and dP
 again: seven products instead of five, no adds across blocks), kept for ``NUMBA_FLASH_WGMMA_DQ=separate``.
 
@@ -58,7 +73,10 @@ Departures from FlashAttention-3's backward, each a step still to take (and to m
 * NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
   0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
   there, not here;
-* no block masks, dropout or packed sequences yet.
+* block masks: simulator only, not yet run on a GPU (``tests/test_hopper.py``; ptxas only, sm_90a).  The grid
+  keeps its dense order (the forward's longest-first order applies to the dQ kernel only: the ordered adds need
+  the dispatch order of their turns);
+* no dropout or packed sequences yet.
 """
 import math
 import os
@@ -66,14 +84,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int64, uint32
 
 from ...runtime.arrays import placeholder
 from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
-from ..fast.common import LOG2_E, ceil_div, log2_lse, tile_coordinates, warp_lane, word_extent
+from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, log2_lse, partly_masked_tiles,
+                           tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
                                store_word, u32_as_f32)
@@ -183,9 +203,65 @@ def steps(HEAD_DIM, ELEMENT):
             row_store(HEAD_DIM, ELEMENT))
 
 
+#: A block mask's lists for these kernels are of 64 x 64 tiles (``sparsity/tile_lists.py``): query tiles per key tile
+#: for the dK/dV kernel ("dkdv"), key tiles per query tile for the dQ kernel and for the order of the dK/dV kernel's
+#: adds ("forward": the wgmma forward's lists at one warpgroup, and its order of the blocks, longest list first).
+MASK_TILES = (BLOCK_N, BLOCK_N)
+MASK_ARRAYS = dict(tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8)
+
+
+@lru_cache(maxsize=None)
+def tile_list(PARTLY_MASKED):
+    """(list_bounds, listed): how the kernels read a block mask's tile lists (``sparsity/tile_lists.py``, tiles of
+    BLOCK_N): where own tile ``tile`` of head bh finds its list, and entry ``index`` of a list.  PARTLY_MASKED
+    False (no listed tile only partly covered: the mask's blocks are whole tiles) makes every entry's flag a
+    constant False, which compiles the element test out."""
+
+    @inlined_device_function
+    def list_bounds(tile_offsets, bh, own_tiles, tile):
+        """(first, count): the list of own tile ``tile`` of head bh is entries first .. first + count - 1."""
+        at = bh * (own_tiles + 1) + tile
+        first = int64(tile_offsets[at])
+        return first, int64(tile_offsets[at + 1]) - first
+
+    @inlined_device_function
+    def listed(tile_entries, index):
+        """The listed tile's first row (or key), and whether the mask covers it only partly (``listed_tile``)."""
+        first_row, partly = listed_tile(tile_entries, index, BLOCK_N)
+        if not PARTLY_MASKED:   # a constant for the compiler
+            partly = False
+        return int64(first_row), partly
+
+    return list_bounds, listed
+
+
+@lru_cache(maxsize=None)
+def element_test(CAUSAL, TRANSPOSED):
+    """``hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t)``: bit i set where this lane's
+    register i of a 64 x 64 score tile (S: query rows, key columns; S^T where TRANSPOSED) holds an entry its query
+    may not see (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile the
+    block mask covers only partly, outside its blocks, read from the uint8 block layout); ``layout`` = (M, bh,
+    mask_rows, mask_cols, mask_t_r, mask_t_c).  One word, as the forward's ``hidden_entries``: the loop over the
+    registers that tests it then indexes S with constants only."""
+
+    @inlined_device_function
+    def hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t):
+        M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
+        bits = uint32(0)
+        for i in range(S_REGISTERS):
+            row, column = lane_entry(i, g, t, warp)
+            query, key = (q0 + column, k0 + row) if TRANSPOSED else (q0 + row, k0 + column)
+            if not allowed(query, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols,
+                           mask_t_r, mask_t_c):
+                bits |= uint32(1) << uint32(i)
+        return bits
+
+    return hidden_entries
+
+
 def _kernel(fn, name, results, scratch=None):
     """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32,
-    and ``scratch`` ({name: dtype})."""
+    and ``scratch`` ({name: dtype}: scratch arrays, and a block mask's lists and layout)."""
     return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
                                         D=np.float32, **{x: np.uint32 for x in results}, **(scratch or {})),
                   floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, 1))
@@ -280,16 +356,77 @@ def contributors(m, k_tiles, causal_offset):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
+def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=False, PARTLY_MASKED=True):
     """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring.  With DQ_MODE
     "ordered" or "atomic" it also adds each step's dS K into DQ_SUM (float32, (batch * heads, q_tiles * 64, d)):
     "ordered" in a fixed order of the key tiles per query tile, kept by the counters TURNS (one per query tile and
     head, zeroed): ascending, or for causal grids descending, the grid then running its shortest key tiles first,
-    so that a block only ever waits for blocks that started before it."""
+    so that a block only ever waits for blocks that started before it.
+
+    HAS_MASK: a block mask lists the query tiles each key tile's block visits, per query head (``MASK_TILES``,
+    ``query_steps``, ``listed_step``); "ordered" then gives a key tile the turn of its place among the key tiles
+    that visit the query tile, in the same order (``dq_turn``).  PARTLY_MASKED (with HAS_MASK): some listed tile
+    is only partly covered by the mask's blocks, and its P^T takes the element test (``element_test``); False
+    compiles the test out.  Without a mask every step compiles as before (the mask's arguments placeholders)."""
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
     SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
+    ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's P^T may need the block mask's element test
     stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
+    list_bounds, listed = tile_list(PARTLY_MASKED)
+    hidden_entries = element_test(CAUSAL, True)
+
+    # ---- which query tiles a block visits, in what order, and (ordered) when it adds to each one's dQ ----
+    @inlined_device_function
+    def query_steps(tile_offsets, bh0, group, tile, k_tiles, k0, q_tiles, causal_offset):
+        """(first_q_tile, per_head, steps): the block's steps.  Without a mask, every query tile of every query head
+        of the group that sees key tile ``tile`` (causal: from the tile holding row k0 - causal_offset, the first
+        that sees key k0), per_head a head; with one, the lists of the group's heads (bh0: the first's batch*heads
+        index) one after another (first_q_tile and per_head unused)."""
+        if HAS_MASK:
+            steps = int64(0)
+            for x in range(group):
+                steps += list_bounds(tile_offsets, bh0 + x, k_tiles, tile)[1]
+            return int64(0), int64(1), steps
+        first_q_tile = max(0, k0 - causal_offset) // BLOCK_N if CAUSAL else 0
+        per_head = max(0, q_tiles - first_q_tile)
+        return first_q_tile, per_head, group * per_head
+
+    @inlined_device_function
+    def listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, step):
+        """(HAS_MASK) (x, q_tile, partly): step ``step`` visits query tile q_tile of the group's query head x, a
+        tile the block mask covers only partly or not (a constant False without the element test): entry ``step``
+        of the heads' lists one after another (a walk over the group's heads, a few loads a step).  Without a mask,
+        step ``step`` is query tile first_q_tile + step % per_head of head step // per_head: the kernel computes
+        those where it did before the mask came (a division checks its divisor, so moving one changes the code)."""
+        rest = step
+        for x in range(group):
+            first, count = list_bounds(tile_offsets, bh0 + x, k_tiles, tile)
+            if rest < count:
+                q0, partly = listed(tile_entries, first + rest)
+                return int64(x), q0 // BLOCK_N, partly
+            rest -= count
+        return int64(group), int64(0), False   # past the last step: never asked for
+
+    @inlined_device_function
+    def dq_turn(row_offsets, row_entries, bh, q_tile, q_tiles, tile, k_tiles, causal_offset):
+        """(ORDERED) When key tile ``tile`` adds to query tile q_tile's dQ: after the key tiles before it in the
+        order of the grid's dispatch, ascending, or for causal grids from the diagonal down (``contributors``).
+        With a block mask only the key tiles in q_tile's list add (the key tiles per query tile: this kernel's lists
+        transposed, the same tiles), so its turn is its place in that list, found by bisection: a key tile waits
+        for no tile that never comes."""
+        if HAS_MASK:
+            first, count = list_bounds(row_offsets, bh, q_tiles, q_tile)
+            low, high = first, first + count
+            while low < high:
+                middle = (low + high) // 2
+                if (row_entries[middle] >> 1) < tile:
+                    low = middle + 1
+                else:
+                    high = middle
+            before = low - first   # listed key tiles before this one
+            return count - 1 - before if CAUSAL else before
+        return contributors(q_tile, k_tiles, causal_offset) - 1 - tile if CAUSAL else tile
 
     @inlined_device_function
     def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, tid):
@@ -306,13 +443,20 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
             store_word(smem, scalars_at + BLOCK_N + tid, f32_as_u32(D[lse_first + row] if inside else float32(0)))
 
     @inlined_device_function
-    def probabilities(st, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
+    def probabilities(st, smem, scalars_at, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
+                      t):
         """st: S^T -> P^T = exp2(c S^T - lse), 0 where the key may not be seen (``masked``, block-uniform: a tile
-        the causal diagonal crosses, or the last keys' ragged one)."""
+        the causal diagonal crosses, the last keys' ragged one, or one a block mask covers only partly, whose
+        entries take the element test: ``element_test``, gathered into one word first)."""
+        hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t) if masked
+                   else uint32(0)) if ELEMENT_TEST else uint32(0))
         for i in range(S_REGISTERS):
             key, column = lane_entry(i, g, t, warp)
             p = exp2(cuda.fma(st[i], c_log2, -u32_as_f32(load_word(smem, scalars_at + column))))
-            if masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + column + causal_offset)):
+            if ELEMENT_TEST:
+                if (hidden >> uint32(i)) & uint32(1):
+                    p = float32(0)
+            elif masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + column + causal_offset)):
                 p = float32(0)
             st[i] = p
 
@@ -353,10 +497,14 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
 
     def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
                do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
-               causal_offset, scale, scale_log2):
+               causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r,
+               mask_t_c, row_offsets, row_entries):
         # Q, K, V, dO, dK, dV: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte
         # aligned); LSE, D: (batch * heads, n_q) float32.  Query heads h_kv group .. h_kv group + group - 1 read
-        # key/value head h_kv.  DQ_SUM and TURNS: see above (unused when dQ has its own pass).
+        # key/value head h_kv.  DQ_SUM and TURNS: see above (unused when dQ has its own pass).  HAS_MASK: the query
+        # tiles of key tile kt of head bh are tile_entries[tile_offsets[bh (k_tiles + 1) + kt] ...], the key tiles
+        # of query tile qt row_entries[row_offsets[bh (q_tiles + 1) + qt] ...] (``MASK_TILES``), M the uint8
+        # (bh, mask_t_r, mask_t_c) block layout of blocks (mask_rows, mask_cols); placeholders without a mask.
         rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
         # Causal: rank 0 is key tile 0, the one the most query rows see (longest first), or when the adds are
         # ordered from the diagonal down, the last key tile (shortest first: every block it waits for started
@@ -379,11 +527,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
         dot_desc = mn_major_descriptor(base + (q_at + TILE_WORDS) * 4)
         kt_desc, ds_desc = mn_major_descriptor(base + k_at * 4), mn_major_descriptor(base + ds_at * 4)
 
-        # The steps: every query tile of every query head of the group that sees key tile j (causal: from the
-        # tile holding row k0 - causal_offset, the first that sees key k0), heads in order.
-        first_q_tile = max(0, k0 - causal_offset) // BLOCK_N if CAUSAL else 0
-        per_head = max(0, q_tiles - first_q_tile)
-        steps = group * per_head
+        # The steps: every query tile of every query head of the group that sees key tile j, heads in order.
+        bh0 = (b * kv_heads + h_kv) * group   # the group's first query head, as a batch*heads index
+        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, k0, q_tiles,
+                                                    causal_offset)
 
         dk_acc = cuda.local.array(ACC_REGISTERS, float32)
         dv_acc = cuda.local.array(ACC_REGISTERS, float32)
@@ -396,18 +543,26 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
             dk_acc[i] = float32(0)
             dv_acc[i] = float32(0)
 
-        start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + k0 * k_sn, k_sn, n_k - k0, tid)
-        start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + k0 * v_sn, v_sn, n_k - k0, tid)
+        if not HAS_MASK or steps > 0:   # (a key tile no listed query tile sees copies nothing: dK = dV = 0)
+            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + k0 * k_sn, k_sn, n_k - k0, tid)
+            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + k0 * v_sn, v_sn, n_k - k0, tid)
         if steps > 0:
-            h = h_kv * group
-            q0 = first_q_tile * BLOCK_N
+            if HAS_MASK:
+                x, q_tile, _ = listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, 0)
+            else:
+                x, q_tile = 0, first_q_tile
+            h = h_kv * group + x
+            q0 = q_tile * BLOCK_N
             start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh, b * do_sb + h * do_sh, q_sn, do_sn,
                        (b * kv_heads * group + h) * n_q, q0, n_q, tid)
         copy_async_commit()
         c_log2 = float32(scale_log2)
         for step in range(steps):
             stage = step & 1
-            q_tile = first_q_tile + step % per_head
+            if HAS_MASK:
+                x, q_tile, partly = listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, step)
+            else:
+                x, q_tile, partly = 0, first_q_tile + step % per_head, False   # (x: see below)
             q0 = q_tile * BLOCK_N
             # K_j, V_j (first step) and this step's tiles landed, for the tensor cores too, and its lse and D
             # stored; every warp done with the previous step's products, so their stage may be refilled.
@@ -415,20 +570,25 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
             fence_proxy_async()
             cuda.syncthreads()
             if step + 1 < steps:
-                h_next = h_kv * group + (step + 1) // per_head
+                if HAS_MASK:
+                    x_next, q_next, _ = listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, step + 1)
+                else:   # (q_next: below, where the dense kernel computed it)
+                    x_next, q_next = (step + 1) // per_head, 0
+                h_next = h_kv * group + x_next
                 start_step(smem, q_at + (stage ^ 1) * 2 * TILE_WORDS, scalars_at + (stage ^ 1) * 2 * BLOCK_N, Q, dO,
                            LSE, D, b * q_sb + h_next * q_sh, b * do_sb + h_next * do_sh, q_sn, do_sn,
-                           (b * kv_heads * group + h_next) * n_q, (first_q_tile + (step + 1) % per_head) * BLOCK_N,
-                           n_q, tid)
+                           (b * kv_heads * group + h_next) * n_q,
+                           (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, tid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             # The products in the order their inputs are ready, each waited for only when its result is needed:
             # P^T's exponentials run under dP^T's products, dS^T's under dV's.
             issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
             wait_all_but_one()   # S^T
-            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
+            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k or partly
             scalars = scalars_at + stage * 2 * BLOCK_N
-            probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t)
+            probabilities(st, smem, scalars, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly,
+                          (M, bh0 + x, mask_rows, mask_cols, mask_t_r, mask_t_c), warp, g, t)
             pack_pairs(p_words, st)
             wgmma_fence()   # P^T's registers, before the product reads them
             issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
@@ -442,8 +602,9 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
             issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
             wgmma_commit()
             if SUM_DQ:
-                h = h_kv * group + step // per_head
-                turn = contributors(q_tile, k_tiles, causal_offset) - 1 - tile if CAUSAL else tile
+                h = h_kv * group + (x if HAS_MASK else step // per_head)
+                turn = dq_turn(row_offsets, row_entries, b * kv_heads * group + h, q_tile, q_tiles, tile, k_tiles,
+                               causal_offset)
                 add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn, warp,
                        g, t, tid)
             wait_all_products()
@@ -452,8 +613,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate"):
         store_rows(dV, b * dv_sb + h_kv * dv_sh + k0 * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp, g, t)
 
     name = f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
-        "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE}")
-    return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32))
+        "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE}") + (
+        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "")
+    return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
+                                                    row_offsets=np.int32, row_entries=np.int32))
 
 
 @lru_cache(maxsize=None)
@@ -484,26 +647,72 @@ def make_dq_convert(HEAD_DIM, ELEMENT):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
-    """dQ: one warpgroup per (query tile, batch, query head); see the module docstring."""
+def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True):
+    """dQ: one warpgroup per (query tile, batch, query head); see the module docstring.  HAS_MASK: a block mask
+    lists the key tiles each query tile visits and the order of the blocks (the wgmma forward's lists at one
+    warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED as the dK/dV kernel's."""
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
+    ELEMENT_TEST = HAS_MASK and PARTLY_MASKED
+    list_bounds, listed = tile_list(PARTLY_MASKED)
+    hidden_entries = element_test(CAUSAL, False)
+
+    # ---- which query tile a block takes, and which key tiles it visits (the forward's steps of the same names) ----
+    @inlined_device_function
+    def block_tile(tile_order, q_tiles, heads):
+        """(q0, head, batch, batch*heads index): with a block mask, tile ``tile_order[block]`` (longest lists
+        first), else ``query_tile``'s."""
+        if HAS_MASK:
+            tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
+            return tile * BLOCK_N, h, b, bh
+        return query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, BLOCK_N)
 
     @inlined_device_function
-    def score_gradients(s, dp, lse2, d_i, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t):
-        """s: S -> P = exp2(c S - lse), dp: dP -> dS = P o (dP - D); both 0 where the key may not be seen."""
+    def key_tiles(tile_offsets, q0, bh, q_tiles, n_q, n_k, causal_offset):
+        """(first, n_tiles): with a block mask, entries first .. first + n_tiles - 1 of the lists; else key tiles
+        0 .. n_tiles - 1 (causal: none beyond the last row's diagonal)."""
+        if HAS_MASK:
+            return list_bounds(tile_offsets, bh, q_tiles, q0 // BLOCK_N)
+        n_tiles = ceil_div(n_k, BLOCK_N)
+        if CAUSAL:  # no key beyond the last row's diagonal
+            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_N, n_q) + causal_offset, BLOCK_N)))
+        return 0, n_tiles
+
+    @inlined_device_function
+    def key_tile(tile_entries, first, j, n_tiles):
+        """The first key of the j-th key tile visited, and whether the mask covers it only partly (key 0 past the
+        list's end, where nothing is copied)."""
+        if HAS_MASK:
+            if j >= n_tiles:
+                return int64(0), False
+            return listed(tile_entries, first + j)
+        return j * BLOCK_N, False
+
+    @inlined_device_function
+    def score_gradients(s, dp, lse2, d_i, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
+                        t):
+        """s: S -> P = exp2(c S - lse), dp: dP -> dS = P o (dP - D); both 0 where the key may not be seen (in a
+        tile a block mask covers only partly, by the element test)."""
+        hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t) if masked
+                   else uint32(0)) if ELEMENT_TEST else uint32(0))
         for i in range(S_REGISTERS):
             row, key = lane_entry(i, g, t, warp)
             r = (i % 4) // 2
             p = exp2(cuda.fma(s[i], c_log2, -lse2[r]))
-            if masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + row + causal_offset)):
+            if ELEMENT_TEST:
+                if (hidden >> uint32(i)) & uint32(1):
+                    p = float32(0)
+            elif masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + row + causal_offset)):
                 p = float32(0)
             dp[i] = p * (dp[i] - d_i[r])
 
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
-               dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2):
-        # As the dK/dV kernel's; key/value head h // group serves query head h.
-        q0, h, b, bh = query_tile(cuda.blockIdx.x, q_tiles, heads, CAUSAL, BLOCK_N)
+               dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2, tile_offsets,
+               tile_entries, tile_order, M, mask_rows, mask_cols, mask_t_r, mask_t_c):
+        # As the dK/dV kernel's; key/value head h // group serves query head h.  HAS_MASK: the key tiles of query
+        # tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...], block i runs tile
+        # tile_order[i]; placeholders without a mask.
+        q0, h, b, bh = block_tile(tile_order, q_tiles, heads)
         tid = cuda.threadIdx.x
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
@@ -520,9 +729,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
             row = q0 + 16 * warp + g + 8 * r
             lse2[r] = log2_lse(LSE[bh * n_q + row]) if row < n_q else float32(math.inf)
             d_i[r] = D[bh * n_q + row] if row < n_q else float32(0)
-        n_tiles = ceil_div(n_k, BLOCK_N)
-        if CAUSAL:  # no key beyond the last row's diagonal
-            n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_N, n_q) + causal_offset, BLOCK_N)))
+        first, n_tiles = key_tiles(tile_offsets, q0, bh, q_tiles, n_q, n_k, causal_offset)
         k_first = b * k_sb + (h // group) * k_sh
         v_first = b * v_sb + (h // group) * v_sh
 
@@ -533,16 +740,20 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
         for i in range(ACC_REGISTERS):
             dq_acc[i] = float32(0)
 
-        start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
-        start_tile(smem, do_at, dO, b * do_sb + h * do_sh + q0 * do_sn, do_sn, n_q - q0, tid)
+        if not HAS_MASK or n_tiles > 0:   # (a block mask may give a tile no key: dQ = 0, no copies)
+            start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
+            start_tile(smem, do_at, dO, b * do_sb + h * do_sh + q0 * do_sn, do_sn, n_q - q0, tid)
         if n_tiles > 0:
-            start_tile(smem, kv_at, K, k_first, k_sn, n_k, tid)
-            start_tile(smem, kv_at + TILE_WORDS, V, v_first, v_sn, n_k, tid)
+            k0 = key_tile(tile_entries, first, 0, n_tiles)[0]
+            start_tile(smem, kv_at, K, k_first + k0 * k_sn, k_sn, n_k - k0, tid)
+            start_tile(smem, kv_at + TILE_WORDS, V, v_first + k0 * v_sn, v_sn, n_k - k0, tid)
         copy_async_commit()
         c_log2 = float32(scale_log2)
+        layout = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
         for j in range(n_tiles):
             stage = j & 1
-            k0, k1 = j * BLOCK_N, (j + 1) * BLOCK_N
+            k0, partly = key_tile(tile_entries, first, j, n_tiles)
+            k1 = key_tile(tile_entries, first, j + 1, n_tiles)[0]   # the next tile's (if any)
             copy_async_wait_all()   # Q_i, dO_i and K_j, V_j landed, for the tensor cores too; every warp done
             fence_proxy_async()     # with tile j - 1's products, so their stage may be refilled
             cuda.syncthreads()
@@ -554,8 +765,9 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: K_j, then V_j
             issue_scores(s, q_desc, advanced_device(k_desc, offset), dp, do_desc, advanced_device(v_desc, offset))
             wait_all_products()
-            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k1 > n_k
-            score_gradients(s, dp, lse2, d_i, k0, q0, n_k, causal_offset, c_log2, masked, warp, g, t)
+            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k or partly
+            score_gradients(s, dp, lse2, d_i, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
+                            t)
             pack_pairs(ds_words, dp)
             wgmma_fence()   # dS's registers, before the product reads them
             issue_weighted(dq_acc, ds_words, advanced_device(kt_desc, offset))
@@ -564,7 +776,9 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL):
 
         store_rows(dQ, b * dq_sb + h * dq_sh + q0 * dq_sn, dq_sn, dq_acc, n_q - q0, float32(scale), warp, g, t)
 
-    return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else ""), ("dQ",))
+    return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
+        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else ""), ("dQ",),
+                   dict(MASK_ARRAYS, tile_order=np.int32))
 
 
 @dataclass(frozen=True)
@@ -593,14 +807,14 @@ def dq_mode(deterministic):
 
 
 def chosen_for(call, block_sizes):
-    """Whether ``algorithm="flash2"`` runs this call's backward on wgmma: on a Hopper GPU, for calls in its scope
-    whose caller named no tile sizes, at the (head dim, causal) pairs where flash2 takes the wgmma forward
-    (``forward.AUTOMATIC_SCOPE``: d = 64, 96 and 128), so that a call's two directions share a kernel family.  Not
-    yet timed against the mma.sync backward at any of them; the other head dims of its scope run when asked for
-    (``algorithm="wgmma"``)."""
-    return (forward.AUTOMATIC and block_sizes is None and not in_simulator()
-            and (call.head_dim, bool(call.causal)) in forward.AUTOMATIC_SCOPE
-            and out_of_scope(call, "backward") is None)
+    """Whether ``algorithm="flash2"`` runs this call's backward on wgmma: where it runs the forward
+    (``forward.chosen_for``, the one source of the pick, with this kernel's scope): on a Hopper GPU, for calls in
+    its scope whose caller named no tile sizes, at the (head dim, causal) pairs where flash2 takes the wgmma forward
+    (``forward.AUTOMATIC_SCOPE``: d = 64, 96 and 128), with no block mask or one of whole 64 x 64 tiles
+    (``forward.whole_tiles``: here too the element test compiled out), so that a call's two directions share a
+    kernel family.  Not yet timed against the mma.sync backward at any of them; the other head dims of its scope,
+    and other block masks, run when asked for (``algorithm="wgmma"``)."""
+    return forward.chosen_for(call, block_sizes, "backward")
 
 
 def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate"):
@@ -629,10 +843,17 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     inputs = ("Q", "K", "V", "dO", "LSE", "D")
     k_tiles, q_tiles = cdiv(call.n_k, BLOCK_N), cdiv(call.n_q, BLOCK_N)
     sum_words, turns = call.batch_heads * q_tiles * BLOCK_N * call.head_dim, call.batch_heads * q_tiles
+    # A block mask's lists (placeholders without one): query tiles per key tile for the dK/dV kernel, key tiles per
+    # query tile (the forward's) for the dQ kernel and for the order of the dK/dV kernel's adds ("ordered").
+    rows_lists = block_mask_arguments(call, MASK_TILES, "forward")
     dkdv_operands = dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch,
-                         dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles)
+                         dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles,
+                         **block_mask_arguments(call, MASK_TILES, "dkdv"), row_offsets=rows_lists["tile_offsets"],
+                         row_entries=rows_lists["tile_entries"])
     dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
-    dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode)
+    has_mask = call.block_mask is not None
+    dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode, has_mask,
+                                  partly_masked_tiles(call, MASK_TILES, "dkdv"))
     dkdv_grid = k_tiles * call.batch * call.kv_heads
     preprocess = preprocess_launch(call, o_strides, do_strides)
     if dq_mode != "separate":
@@ -647,8 +868,10 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     dkdv = Launch(dkdv_kernel, dkdv_grid, WARPGROUP, shared,
                   dict(dkdv_operands, DQ_SUM=placeholder(np.float32), TURNS=placeholder(np.int32)),
                   inputs + ("dK", "dV"), dkdv_extents)
-    dq = Launch(make_wgmma_dq(call.head_dim, call.precision, bool(call.causal)), q_tiles * call.batch_heads,
+    dq_kernel = make_wgmma_dq(call.head_dim, call.precision, bool(call.causal), has_mask,
+                              partly_masked_tiles(call, MASK_TILES, "forward"))
+    dq = Launch(dq_kernel, q_tiles * call.batch_heads,
                 WARPGROUP, shared, dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads,
-                                        q_tiles=q_tiles),
+                                        q_tiles=q_tiles, **rows_lists),
                 inputs + ("dQ",), dict(extents, dQ=words(q_shape, dq_s)))
     return preprocess, dkdv, dq

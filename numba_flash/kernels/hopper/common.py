@@ -143,9 +143,8 @@ def out_of_scope(call, kernel):
         return f"q, k and v must have rows that start on 16-byte boundaries for {name}"
     if not np.float32(call.scale * LOG2_E) > 0:
         return f"scale must be positive for {name}, not {call.scale}"
-    if call.dropout_p > 0 or call.varlen is not None or (call.block_mask is not None and kernel != "forward"):
-        missing = "dropout or packed sequences" if kernel == "forward" else "block masks, dropout or packed sequences"
-        return f"{name} has no {missing} yet"
+    if call.dropout_p > 0 or call.varlen is not None:
+        return f"{name} has no dropout or packed sequences yet"
     if not in_simulator() and device_limits().compute_capability != (9, 0):
         return f"{name} needs a GPU of compute capability 9.0 (H100, H200)"
     return None

@@ -626,12 +626,13 @@ def whole_tiles(block_mask):
     return rows % BLOCK_M == 0 and keys % BLOCK_N == 0
 
 
-def chosen_for(call, block_sizes):
-    """Whether ``algorithm="flash2"`` runs this call on the wgmma forward: on a Hopper GPU, for calls in its
-    scope and in ``AUTOMATIC_SCOPE`` whose caller named no tile sizes (explicit ``block_sizes`` are the mma.sync
-    kernel's), with no block mask or one of whole tiles (``whole_tiles``)."""
+def chosen_for(call, block_sizes, kernel="forward"):
+    """Whether ``algorithm="flash2"`` runs this call on the wgmma forward (or, ``kernel="backward"``, its backward:
+    ``backward.chosen_for``): on a Hopper GPU, for calls in its scope and in ``AUTOMATIC_SCOPE`` whose caller named
+    no tile sizes (explicit ``block_sizes`` are the mma.sync kernel's), with no block mask or one of whole tiles
+    (``whole_tiles``)."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
-            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, "forward") is None
+            and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, kernel) is None
             and (call.block_mask is None or whole_tiles(call.block_mask)))
 
 
