@@ -48,8 +48,9 @@ the query tiles that its key tile's list names ("for each query tile i that sees
 ``listed_step``), through the same two stages; the dQ kernel's block the key tiles of its query tile's list (the
 wgmma forward's lists at one warpgroup), its blocks in the forward's order (longest list first).  A tile the mask
 covers only partly takes the element test against the uint8 block layout (``element_test``, through
-``kernels/fast/common.allowed``, gathered into one word as in the forward), so that P^T (and with it dS^T) is 0
-outside the mask; a query row that sees no key has lse = -inf, so P = 0 and its gradients are 0; a block whose list
+``kernels/fast/common.allowed``, gathered into one word as in the forward; the dK/dV kernel finds it before the
+step's products are issued, so that its temporaries never sit beside S^T and dP^T), so that P^T (and with it dS^T)
+is 0 outside the mask; a query row that sees no key has lse = -inf, so P = 0 and its gradients are 0; a block whose list
 is empty copies nothing and writes zeros.  Both are compile-time flags (HAS_MASK, PARTLY_MASKED): a mask of whole
 tiles compiles the element test out, and without a mask the kernels compile to the PTX instructions they had before
 (sm_90a; the mask's placeholder arguments added at the end of the parameter list).
@@ -61,9 +62,10 @@ the diagonal down, the grid then dispatching its shortest key tiles first: a blo
 were dispatched before it, which are running or done, so the wait ends (the same argument as FlashAttention-3's
 deterministic backward).  With a block mask only the key tiles in the query tile's list add to its dQ, so a key
 tile's turn is its place among them in the same order (``dq_turn``: the forward's list for that query tile, the
-transpose of the dK/dV kernel's, searched by bisection), and the argument holds as before.  "atomic" (``deterministic=False``) adds as the blocks arrive.  "separate" gives dQ a
-kernel of its own (``make_wgmma_dq``: a warpgroup per query tile streams K_j, V_j past it and computes S and dP
-again: seven products instead of five, no adds across blocks), kept for ``NUMBA_FLASH_WGMMA_DQ=separate``.
+transpose of the dK/dV kernel's, searched by bisection), and the argument holds as before.  "atomic"
+(``deterministic=False``) adds as the blocks arrive.  "separate" gives dQ a kernel of its own (``make_wgmma_dq``: a
+warpgroup per query tile streams K_j, V_j past it and computes S and dP again: seven products instead of five, no
+adds across blocks), kept for ``NUMBA_FLASH_WGMMA_DQ=separate``.
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
@@ -443,13 +445,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             store_word(smem, scalars_at + BLOCK_N + tid, f32_as_u32(D[lse_first + row] if inside else float32(0)))
 
     @inlined_device_function
-    def probabilities(st, smem, scalars_at, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
-                      t):
+    def probabilities(st, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t):
         """st: S^T -> P^T = exp2(c S^T - lse), 0 where the key may not be seen (``masked``, block-uniform: a tile
-        the causal diagonal crosses, the last keys' ragged one, or one a block mask covers only partly, whose
-        entries take the element test: ``element_test``, gathered into one word first)."""
-        hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t) if masked
-                   else uint32(0)) if ELEMENT_TEST else uint32(0))
+        the causal diagonal crosses, or the last keys' ragged one); with the element test, where bit i of
+        ``hidden`` is set (``element_test``: a tile a block mask covers only partly too)."""
         for i in range(S_REGISTERS):
             key, column = lane_entry(i, g, t, warp)
             p = exp2(cuda.fma(st[i], c_log2, -u32_as_f32(load_word(smem, scalars_at + column))))
@@ -581,14 +580,19 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                            (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, tid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
+            # With the element test, the entries it hides, before the products are issued: its temporaries are
+            # then never live beside S^T and dP^T (found after them, at d = 128 they spilled 100-372 bytes).
+            hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, partly,
+                                     (M, bh0 + x, mask_rows, mask_cols, mask_t_r, mask_t_c), warp, g, t)
+                      if ELEMENT_TEST and (partly or (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset)
+                                           or k0 + BLOCK_N > n_k) else uint32(0))
             # The products in the order their inputs are ready, each waited for only when its result is needed:
             # P^T's exponentials run under dP^T's products, dS^T's under dV's.
             issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
             wait_all_but_one()   # S^T
-            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k or partly
+            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
             scalars = scalars_at + stage * 2 * BLOCK_N
-            probabilities(st, smem, scalars, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly,
-                          (M, bh0 + x, mask_rows, mask_cols, mask_t_r, mask_t_c), warp, g, t)
+            probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t)
             pack_pairs(p_words, st)
             wgmma_fence()   # P^T's registers, before the product reads them
             issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
