@@ -686,7 +686,7 @@ def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, block_mask=
         err = float(np.abs(got.astype(np.float64) - want).max())
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
     if block_mask is not None:
-        allowed = weights > 0   # (B, H, N_q, N_k): the entries a query may see (its weight, exp of a finite score)
+        allowed = reference.allowed_mask(n_q, n_k, causal=causal, mask=dense)   # (B, H, N_q, N_k)
         unseen_rows = ~allowed.any(-1)
         unseen_keys = ~allowed.reshape(q.shape[0], heads // group, group, n_q, n_k).any(axis=(2, 3))
         assert np.all(np.asarray(grads[0], np.float64)[unseen_rows] == 0), "dq: a row that sees no key"
