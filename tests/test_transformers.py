@@ -127,8 +127,10 @@ def test_greedy_generation_with_each_cache_gives_sdpas_tokens(cache, padded, mon
     monkeypatch.setattr(numba_flash_hf, "CHECK_STATIC_CACHE", True)
     reference, ours = pair("llama")
     ids, mask = prompts(3 if padded else 2, 6 if SMALL else 16, padded)
+    # disable_compile: on a GPU generate would torch.compile a static cache's forward, where numba-flash takes
+    # the general path.
     options = dict(attention_mask=mask, max_new_tokens=3 if SMALL else 24, do_sample=False, pad_token_id=0,
-                   cache_implementation=cache)
+                   cache_implementation=cache, disable_compile=True)
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **options), reference.generate(ids, **options))
 
@@ -146,7 +148,7 @@ def test_static_cache_steps_take_the_kv_cache_kernel(monkeypatch):
     new = 3
     with torch.no_grad():
         ours.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                      cache_implementation="static")
+                      cache_implementation="static", disable_compile=True)
     layers = ours.config.num_hidden_layers
     assert not block_masks
     assert calls == [(2, 4, 5, 8)] * layers + [(2, 4, 1, 8)] * (new - 1) * layers

@@ -33,6 +33,10 @@ backward is numba-flash's.  Masks, as transformers builds them for us (its
   no key gives zeros (transformers' SDPA path gives such padding rows other
   values; they are never read).
 
+The static-cache path runs eagerly: on a GPU, transformers' ``generate``
+compiles a static cache's forward with ``torch.compile`` unless given
+``disable_compile=True``, and a compiled forward takes the general path.
+
 Whether a static cache's rows are padded is on the GPU.  By default
 (``READ_PADDING = True``) ``attention_mask`` reads one boolean per forward
 (not per layer), only when a 2-D padding mask is given: padded batches (left
@@ -95,7 +99,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if attention_mask.dtype != torch.bool:
             raise ValueError(f"numba_flash attention takes boolean masks (transformers' sdpa_mask), got "
                              f"{attention_mask.dtype}")
-        lengths = getattr(attention_mask, _LENGTHS, None)
+        # Eager only: under torch.compile (transformers' generate compiles a static cache's forward on a GPU
+        # unless told disable_compile=True) the call takes the general path.
+        lengths = None if torch.compiler.is_compiling() else getattr(attention_mask, _LENGTHS, None)
         if lengths is not None and causal and not dropout and _fits_cache_call(query, key, value, attention_mask):
             return cache_attention(query, key, value, lengths, attention_mask, scaling), None
         if not _is_bottom_right_causal(attention_mask, n_q, n_k):
