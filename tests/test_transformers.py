@@ -149,9 +149,10 @@ def test_static_cache_steps_take_the_kv_cache_kernel(monkeypatch):
     with torch.no_grad():
         ours.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
                       cache_implementation="static", disable_compile=True)
-    layers = ours.config.num_hidden_layers
+    layers, heads = ours.config.num_hidden_layers, ours.config.num_attention_heads
+    d = ours.config.hidden_size // heads
     assert not block_masks
-    assert calls == [(2, 4, 5, 8)] * layers + [(2, 4, 1, 8)] * (new - 1) * layers
+    assert calls == [(2, heads, 5, d)] * layers + [(2, heads, 1, d)] * (new - 1) * layers
 
 
 def test_static_cache_mask_is_tagged_only_where_it_is_the_cache_pattern(monkeypatch):
