@@ -206,3 +206,13 @@ def test_cache_attention_matches_the_element_wise_path(n_q):
     else:
         out = numba_flash_hf.cache_attention(q, k, v, poisoned)
         assert not torch.isnan(out[0]).any() and torch.isnan(out[1]).all()
+
+
+def test_query_span_from_either_transformers_signature():
+    # Recent transformers pass q_length and q_offset (a static cache's length tensor); earlier ones the queries'
+    # positions, cache_position.  Either way L = the last query's position + 1, a tensor where it was one.
+    assert numba_flash_hf._query_span(dict(q_length=3, q_offset=4)) == (3, 7)
+    n_q, length = numba_flash_hf._query_span(dict(q_length=1, q_offset=torch.tensor(4)))
+    assert n_q == 1 and int(length) == 5
+    n_q, length = numba_flash_hf._query_span(dict(cache_position=torch.arange(4, 7), q_length=None))
+    assert n_q == 3 and length.tolist() == [7]

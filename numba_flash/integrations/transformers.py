@@ -52,6 +52,8 @@ Arguments numba-flash does not implement (``sliding_window``, ``softcap``,
 attention sinks, position biases, ``output_attentions``) raise a ValueError
 naming them.
 """
+import inspect
+
 from .._optional import require
 
 torch = require("torch", "transformers", "numba_flash.integrations.transformers")
@@ -156,8 +158,7 @@ def _is_bottom_right_causal(mask, n_q, n_k):
     return bool((mask == causal).all())
 
 
-def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-                   allow_is_causal_skip=True, **kwargs):
+def attention_mask(*args, **kwargs):
     """transformers' ``sdpa_mask`` (the boolean (B, 1, N_q, N_k) mask, or None for plain causal attention),
     with two differences:
 
@@ -167,18 +168,23 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     * a static cache's plain causal mask (``mask_function`` transformers' ``causal_mask_function``, no key
       offset, more keys than queries) is tagged with each row's L = q_offset + N_q (``_LENGTHS``), where no
       row is padded inside its L keys (``READ_PADDING``), for ``attention_forward``'s KV-cache path.
+
+    Takes sdpa_mask's arguments as the installed transformers names them: (batch_size, q_length, kv_length,
+    q_offset, ...) in recent releases, (batch_size, cache_position, kv_length, ...) in earlier ones.
     """
     masking_utils = require("transformers.masking_utils", "transformers", "attention_mask")
-    mask_function = mask_function or masking_utils.causal_mask_function
+    call = inspect.signature(masking_utils.sdpa_mask).bind(*args, **kwargs)
+    call.apply_defaults()
+    given = dict(call.arguments, **call.arguments.get("kwargs", {}))
+    q_length, length = _query_span(given)
+    kv_length, kv_offset = given["kv_length"], given.get("kv_offset", 0)
     if q_length != kv_length and q_length != 1:
-        allow_is_causal_skip = False
-    mask = masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                                   mask_function=mask_function, attention_mask=attention_mask,
-                                   allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-    if (mask is None or mask_function is not masking_utils.causal_mask_function or kv_offset != 0
+        call.arguments["allow_is_causal_skip"] = False
+    mask = masking_utils.sdpa_mask(*call.args, **call.kwargs)
+    if (mask is None or given.get("mask_function") is not masking_utils.causal_mask_function or kv_offset != 0
             or kv_length <= q_length or mask.dim() != 4 or mask.shape[1] != 1):
         return mask
-    lengths = _cache_lengths(batch_size, q_length, kv_length, q_offset, attention_mask, mask.device)
+    lengths = _cache_lengths(given["batch_size"], kv_length, length, given.get("attention_mask"), mask.device)
     if lengths is not None:
         # generate makes the mask contiguous, which copies sdpa_mask's expanded view and would lose the tag.
         mask = mask.contiguous()
@@ -186,11 +192,20 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     return mask
 
 
-def _cache_lengths(batch_size, q_length, kv_length, q_offset, padding, device):
-    """Each row's key count L = q_offset + N_q as int32 (B,) on ``device``, computed there (q_offset may be a
-    tensor on the GPU: a static cache's length); a row whose 2-D padding mask is not L ones then zeros gets -1.
+def _query_span(given):
+    """(N_q, L) from sdpa_mask's arguments: L = the cache's length before the call + N_q, the keys the call's
+    last query sees, an int or a tensor on the GPU (never read here).  Recent transformers pass q_length and
+    q_offset (a static cache's length tensor), earlier ones cache_position (the queries' positions)."""
+    if given.get("cache_position") is not None:
+        positions = given["cache_position"]
+        return positions.shape[0], positions[-1:] + 1
+    return given["q_length"], given.get("q_offset", 0) + given["q_length"]
+
+
+def _cache_lengths(batch_size, kv_length, length, padding, device):
+    """Each row's key count L as int32 (B,) on ``device``, computed there (``length`` may be a tensor on the
+    GPU: a static cache's length); a row whose 2-D padding mask hides one of its first L keys gets -1.
     None where ``READ_PADDING`` finds such a row (one host read)."""
-    length = q_offset + q_length
     if isinstance(length, torch.Tensor):
         lengths = length.to(device=device, dtype=torch.int32).reshape(1).expand(batch_size).contiguous()
     else:
