@@ -60,12 +60,13 @@ def models(transformers, torch, shape, dtype, device):
     numba_flash_hf.register()
     config = transformers.LlamaConfig(bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa",
-                                                           dtype=dtype)
-    ours = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=numba_flash_hf.NAME,
-                                                      dtype=dtype)
+    with torch.device(device):   # initialised where they run: a CPU takes minutes over 1.27 B random weights
+        reference = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa",
+                                                               dtype=dtype)
+        ours = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config),
+                                                          attn_implementation=numba_flash_hf.NAME, dtype=dtype)
     ours.load_state_dict(reference.state_dict())
-    return reference.to(device).eval(), ours.to(device).eval()
+    return reference.eval(), ours.eval()
 
 
 def greedy(model, ids, new, cache="static", compiled=False):
