@@ -39,7 +39,8 @@ compiles a static cache's forward with ``torch.compile`` unless given
 
 Whether a static cache's rows are padded is on the GPU.  By default
 (``READ_PADDING = True``) ``attention_mask`` reads one boolean per forward
-(not per layer), only when a 2-D padding mask is given: padded batches (left
+(not per layer), only when a 2-D padding mask is given (transformers 5.25's
+``generate`` gives none where its mask is all ones): padded batches (left
 padding) take the element-wise path, exactly.  With ``READ_PADDING = False``
 nothing is read: every row is assumed unpadded within its L keys, and the
 assumption is checked on the GPU: a row whose padding mask hides one of its
