@@ -10,7 +10,9 @@ static-cache steps call ``attention_with_kv_cache`` with the lengths on the GPU)
 
 Both sides run eagerly (``disable_compile=True``: on a GPU generate would otherwise torch.compile a static
 cache's decoding forward, where numba-flash's static-cache path does not run); ``--compiled-sdpa`` adds SDPA
-under that compilation (CUDA graphs, generate's default on a GPU) as a further row.
+under that compilation (CUDA graphs, generate's default on a GPU) as a further row, and ``--element-wise``
+numba-flash with its static-cache path off (every layer reads the mask on the host as a 1 x 1 BlockMask, as
+before that path).
 
 Decode time = (time of generate with NEW tokens) - (time of generate with 1 token, i.e. the prompt's forward
 and the first token), each the median of ``REPEATS`` whole generate calls after a warm-up (host clock after a
@@ -20,13 +22,14 @@ dtype (16-bit rounding may make greedy paths part ways; the exactness check is t
 timings, a small float32 model (``CHECK_MODEL``, batch 2) must give SDPA's tokens exactly, static and dynamic
 cache.
 
-    PYTHONPATH=$PWD python3 experiments/tuning/generate_bench.py [--compiled-sdpa]   # GPU: the table above
+    PYTHONPATH=$PWD python3 experiments/tuning/generate_bench.py [--element-wise] [--compiled-sdpa]   # GPU
     PYTHONPATH=$PWD python3 experiments/tuning/generate_bench.py --quick             # tiny, in the simulator
 
 Writes ``results/generate_bench_<device>.md`` (``generate_bench_quick.md`` with --quick) with the command,
 the device and the date, and prints the table.
 """
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -77,6 +80,21 @@ def greedy(model, ids, new, cache="static", compiled=False):
     return model.generate(ids, **options)
 
 
+@contextlib.contextmanager
+def element_wise_masks(active):
+    """With ``active``, numba-flash's static-cache path off: every layer reads the mask as a 1 x 1 BlockMask on
+    the host, as the integration did before that path (its first chunk's mask, None then, given as now)."""
+    import numba_flash.integrations.transformers as numba_flash_hf
+
+    saved = numba_flash_hf._cache_lengths
+    if active:
+        numba_flash_hf._cache_lengths = lambda *args: None
+    try:
+        yield
+    finally:
+        numba_flash_hf._cache_lengths = saved
+
+
 def seconds(run, repeats, synchronize):
     """Median wall time of ``run()`` over ``repeats`` calls after one warm-up (compiles, allocates)."""
     run()
@@ -113,6 +131,8 @@ def main(argv=None):
     parser.add_argument("--dtypes", help=f"comma-separated (default {','.join(DTYPES)})")
     parser.add_argument("--batches", help=f"comma-separated (default {','.join(map(str, BATCHES))})")
     parser.add_argument("--repeats", type=int, help=f"timed generate calls per point (default {REPEATS})")
+    parser.add_argument("--element-wise", action="store_true",
+                        help="also time numba-flash with its static-cache path off (the mask as a 1 x 1 BlockMask)")
     parser.add_argument("--compiled-sdpa", action="store_true",
                         help="also time SDPA under generate's own torch.compile of the static-cache forward (GPU)")
     parser.add_argument("--out", default=RESULTS)
@@ -149,10 +169,12 @@ def main(argv=None):
                                 generator=torch.Generator().manual_seed(batch)).to(device)
             tokens, times = {}, {}
             runs = [("sdpa", reference, False), ("numba-flash", ours, False)]
+            if args.element_wise:
+                runs.append(("numba-flash, element-wise mask", ours, False))
             if args.compiled_sdpa:
                 runs.append(("sdpa, torch.compile", reference, True))
             for name, model, compiled in runs:
-                with torch.no_grad():
+                with torch.no_grad(), element_wise_masks(name.endswith("element-wise mask")):
                     tokens[name] = greedy(model, ids, new, compiled=compiled)[:, prompt:]
                     first = seconds(lambda: greedy(model, ids, 1, compiled=compiled), repeats, synchronize)
                     whole = seconds(lambda: greedy(model, ids, new, compiled=compiled), repeats, synchronize)
@@ -179,7 +201,7 @@ def main(argv=None):
     for flag, given in (("--dtypes", args.dtypes), ("--batches", args.batches), ("--repeats", args.repeats)):
         if given:
             command += f" {flag} {given}"
-    command += " --compiled-sdpa" if args.compiled_sdpa else ""
+    command += (" --element-wise" if args.element_wise else "") + (" --compiled-sdpa" if args.compiled_sdpa else "")
     described = ", ".join(f"{key} {value}" for key, value in shape.items())
     table = markdown_table(rows)
     with open(path, "w") as f:
