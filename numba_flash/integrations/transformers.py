@@ -174,15 +174,17 @@ def attention_mask(*args, **kwargs):
     q_offset, ...) in recent releases, (batch_size, cache_position, kv_length, ...) in earlier ones.
     """
     masking_utils = require("transformers.masking_utils", "transformers", "attention_mask")
-    call = inspect.signature(masking_utils.sdpa_mask).bind(*args, **kwargs)
-    call.apply_defaults()
-    given = dict(call.arguments, **call.arguments.get("kwargs", {}))
+    given = kwargs   # transformers names every argument (no inspect on its path: torch.compile may trace it)
+    if args:
+        arguments = dict(inspect.signature(masking_utils.sdpa_mask).bind(*args, **kwargs).arguments)
+        given = dict(arguments, **arguments.pop("kwargs", {}))
     q_length, length = _query_span(given)
     kv_length, kv_offset = given["kv_length"], given.get("kv_offset", 0)
     if q_length != kv_length and q_length != 1:
-        call.arguments["allow_is_causal_skip"] = False
-    mask = masking_utils.sdpa_mask(*call.args, **call.kwargs)
-    if (mask is None or given.get("mask_function") is not masking_utils.causal_mask_function or kv_offset != 0
+        given = dict(given, allow_is_causal_skip=False)
+    mask = masking_utils.sdpa_mask(**given)
+    mask_function = given.get("mask_function", masking_utils.causal_mask_function)
+    if (mask is None or mask_function is not masking_utils.causal_mask_function or kv_offset != 0
             or kv_length <= q_length or mask.dim() != 4 or mask.shape[1] != 1):
         return mask
     lengths = _cache_lengths(given["batch_size"], kv_length, length, given.get("attention_mask"), mask.device)
