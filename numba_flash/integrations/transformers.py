@@ -105,7 +105,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # Eager only: under torch.compile (transformers' generate compiles a static cache's forward on a GPU
         # unless told disable_compile=True) the call takes the general path.
         lengths = None if torch.compiler.is_compiling() else getattr(attention_mask, _LENGTHS, None)
-        if lengths is not None and causal and not dropout and _fits_cache_call(query, key, value, attention_mask):
+        if (lengths is not None and causal and not dropout and lengths.device == query.device
+                and _fits_cache_call(query, key, value, attention_mask)):
             return cache_attention(query, key, value, lengths, attention_mask, scaling), None
         if not _is_bottom_right_causal(attention_mask, n_q, n_k):
             block_mask = BlockMask(attention_mask.detach().cpu().numpy(), (1, 1))
