@@ -169,12 +169,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     ``tiling.py``).
 
     deterministic: True (the default) gives the same bits on every run: every
-    sum in a fixed order (the mma.sync backward has no atomics; the Hopper
-    backward adds dQ's parts in an order kept by counters).  False lets the
-    Hopper backward add them in whatever order they arrive: faster, equally
-    accurate, but the last bits may differ from run to run (as
-    FlashAttention-2's and -3's defaults).  ``docs/performance.md`` gives the
-    cost of determinism.
+    sum in a fixed order (neither backward adds across thread blocks: dQ has
+    a pass of its own).  False allows sums whose last bits may differ from run
+    to run (FlashAttention-2's and -3's default); today it changes nothing,
+    because the Hopper backward's unordered dQ adds measured slower than its
+    deterministic pass (``docs/performance.md``: determinism costs nothing
+    here), so both values run the same kernels.
     """
     plan = _plan(_BackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, dropout_p, algorithm,
                                                         block_sizes, deterministic))

@@ -16,8 +16,8 @@ element test; the wgmma forward's are 64 x 64, which leave its blocks of two
 warpgroups, 128 rows, partly covered tiles), dropout, both, gqa (two query
 heads per key/value head, bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 (its blocks of two warpgroups), strided
-(q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), separate (the wgmma
-backward's dQ in a kernel of its own, ``NUMBA_FLASH_WGMMA_DQ=separate``), nan (NaN in a value row and a query row: the masked-tile sanitising
+(q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), ordered / separate (the
+wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
@@ -28,6 +28,7 @@ Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
 """
+import contextlib
 import sys
 
 import ml_dtypes
@@ -129,12 +130,13 @@ RUNS = [
     ("backward", "wgmma", np.float16, None, "unordered"),
     ("backward", "wgmma", BF16, None, "gqa_unordered"),
     # Its block masks: 16 x 16 blocks (partly covered tiles, tested element by element) and blocks of whole tiles
-    # (the element test compiled out), with dQ summed in each way (ordered, unordered, its own kernel).
+    # (the element test compiled out), with dQ in its own kernel (the default), and summed by the dK/dV kernel in
+    # either order.
     ("backward", "wgmma", np.float16, None, "sparse"),
     ("backward", "wgmma", BF16, None, "gqa_sparse_unordered"),
     ("backward", "wgmma", BF16, None, "sparse_whole"),
-    ("backward", "wgmma", np.float16, None, "sparse_separate"),
-    ("backward", "wgmma", BF16, None, "gqa_sparse_whole_separate"),
+    ("backward", "wgmma", np.float16, None, "sparse_ordered"),
+    ("backward", "wgmma", BF16, None, "gqa_sparse_whole_ordered"),
 ]
 #: The wgmma kernels' cases, forward and backward: d = 64 and 128, and d = 96 on the 128-column layout with its pad
 #: columns zero-filled (first, so that "quick" keeps the last case); ragged lengths of one to five 64-row tiles (five:
@@ -250,8 +252,10 @@ def main(selected=()):
             do_host = rng.standard_normal(q.shape).astype(dtype)
             do = torch.as_tensor(do_host.view(np.int16) if dtype == BF16 else do_host, device="cuda")
             do = do.view(torch.bfloat16) if dtype == BF16 else do
-            with wgmma_dq("separate" if "separate" in variant else "atomic" if "unordered" in variant
-                          else "ordered") as deterministic:
+            # The wgmma backward's dQ in the way the variant names, else its default (``DQ_MODE``).
+            named = next((mode for mode in ("unordered", "ordered", "separate") if mode in variant), None)
+            with (wgmma_dq({"unordered": "atomic"}.get(named, named)) if named
+                  else contextlib.nullcontext(True)) as deterministic:
                 grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm,
                                                        block_sizes=blocks, deterministic=deterministic, **kwargs)
             if variant == "nan":

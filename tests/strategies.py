@@ -315,20 +315,19 @@ def forward_warp_rows(rows):
 
 @contextlib.contextmanager
 def wgmma_dq(mode):
-    """The wgmma backward summing dQ in ``mode`` (one of its ``DQ_MODES``): yields the ``deterministic`` that asks for
-    it, with "separate" made the deterministic one for the while (``DETERMINISTIC_DQ``, which
-    ``NUMBA_FLASH_WGMMA_DQ`` sets for a process), plans rebuilt before and after."""
+    """The wgmma backward summing dQ in ``mode`` (one of its ``DQ_MODES``) for the while (``DQ_MODE``, which
+    ``NUMBA_FLASH_WGMMA_DQ`` sets for a process): yields the ``deterministic`` that asks for it; plans rebuilt before
+    and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
 
-    saved = hopper_backward.DETERMINISTIC_DQ
-    if mode != "atomic":
-        hopper_backward.DETERMINISTIC_DQ = mode
+    saved = hopper_backward.DQ_MODE
+    hopper_backward.DQ_MODE = mode
     api._PLANS.clear()
     try:
         yield mode != "atomic"
     finally:
-        hopper_backward.DETERMINISTIC_DQ = saved
+        hopper_backward.DQ_MODE = saved
         api._PLANS.clear()
 
 

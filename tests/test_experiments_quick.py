@@ -192,3 +192,11 @@ def test_causal_schedule_model_puts_rank_major_near_the_ideal(tmp_path):
     head_major, rank_major = schedule.orders(3, 4, 0.0)
     assert head_major[:5] == [4, 3, 2, 1, 4] and rank_major[:5] == [4, 4, 4, 3, 3]
     assert (schedule.makespan(head_major, 5), schedule.makespan(rank_major, 5)) == (8, 6)
+
+
+def test_generate_bench_quick_gives_sdpas_tokens_and_a_table(tmp_path):
+    bench = load_script("generate_bench")
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0   # 0: float32 tokens identical, both caches
+    text = (tmp_path / "generate_bench_quick.md").read_text()
+    assert "with a static cache: True, with a dynamic cache: True" in text
+    assert "| float32 | 2 | numba-flash |" in text and "experiments/tuning/generate_bench.py --quick" in text

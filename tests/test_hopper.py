@@ -344,9 +344,9 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
 def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch):
     """Which backward ``algorithm="flash2"`` lays out on a device made to look like an H200 (nothing launched): the
     wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), summing
-    dQ in its dK/dV kernel (ordered unless deterministic=False), with no block mask or one of whole 64 x 64 tiles
-    (the forward's pick); mma.sync outside the scope, at the scope's other head dims, for other block masks and
-    wherever the caller names tiles."""
+    dQ in a kernel of its own whether or not the caller asks for determinism (``DQ_MODE``), with no block mask or
+    one of whole 64 x 64 tiles (the forward's pick); mma.sync outside the scope, at the scope's other head dims, for
+    other block masks and wherever the caller names tiles."""
     from types import SimpleNamespace
 
     import numba_flash
@@ -371,11 +371,13 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
         dkdv = launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]
         return dkdv.kernel.name
 
-    assert kernel().startswith("wgmma") and kernel().endswith("_dq_ordered")
-    assert kernel(deterministic=False).endswith("_dq_atomic")
+    assert kernel() == kernel(deterministic=False) == "wgmma_backward_dkdv_d64_f16"
     assert kernel(d=128, causal="bottom_right", dtype=np.dtype("bfloat16")).startswith("wgmma")
-    assert kernel(d=96).startswith("wgmma_backward_dkdv_d96") and kernel(d=96).endswith("_dq_ordered")
-    assert kernel(d=96, causal=True, deterministic=False).endswith("_causal_dq_atomic")
+    assert kernel(d=96) == "wgmma_backward_dkdv_d96_f16"
+    assert kernel(d=96, causal=True, deterministic=False) == "wgmma_backward_dkdv_d96_f16_causal"
+    monkeypatch.setattr(hopper_backward, "DQ_MODE", "atomic")   # NUMBA_FLASH_WGMMA_DQ=atomic
+    assert kernel(deterministic=False).endswith("_dq_atomic") and kernel() == "wgmma_backward_dkdv_d64_f16"
+    monkeypatch.setattr(hopper_backward, "DQ_MODE", "separate")
     # d = 32 and 80 are in the wgmma backward's scope but not in AUTOMATIC_SCOPE; d = 72 in neither.
     for outside in (kernel(d=32), kernel(d=80), kernel(d=72), kernel(dtype=np.float32), kernel(dropout_p=0.1),
                     kernel(block_sizes=(64, 64))):
@@ -383,10 +385,10 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     # Block masks as the forward's pick takes them (``forward.whole_tiles``: blocks of multiples of 64 rows and keys,
     # the element test compiled out); other blocks stay on mma.sync (they run on wgmma when asked for by name).
     whole = numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))
-    assert kernel(block_mask=whole) == "wgmma_backward_dkdv_d64_f16_dq_ordered_sparse_whole_tiles"
+    assert kernel(block_mask=whole) == "wgmma_backward_dkdv_d64_f16_sparse_whole_tiles"
     assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))).startswith("wgmma")
     assert kernel(d=128, causal=True, block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 64)),
-                  deterministic=False).endswith("_causal_dq_atomic_sparse_whole_tiles")
+                  deterministic=False) == "wgmma_backward_dkdv_d128_f16_causal_sparse_whole_tiles"
     for outside in (kernel(block_mask=numba_flash.BlockMask(np.ones((5, 5), bool), (16, 16))),
                     kernel(block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 48))),
                     kernel(d=32, block_mask=whole), kernel(block_mask=whole, block_sizes=(64, 64))):

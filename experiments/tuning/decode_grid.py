@@ -15,13 +15,14 @@ same process.
     PYTHONPATH=$PWD python3 experiments/tuning/decode_grid.py [--dtype bfloat16] [--batches 1,4,16,64] ...
     PYTHONPATH=$PWD python3 experiments/tuning/decode_grid.py --quick    # a tiny grid (runs in the simulator)
 
-Writes ``results/decode_grid_<dtype>_h200.{md,csv,png}`` (``decode_grid_quick`` with --quick): the table, and a
+Writes ``results/decode_grid_<dtype>[_d<head dims>]_<card>.{md,csv,png}`` (``decode_grid_quick`` with --quick): the table, and a
 heat map of (fastest torch backend) / ours.  Targets (issue 47): >= 1.0x the fastest backend at every point, and
 >= 80% of the copy bandwidth where K and V exceed 64 MB.
 """
 import argparse
 import math
 import os
+import re
 
 import numpy as np
 
@@ -165,13 +166,18 @@ def main(argv=None):
     ratios = [float(r["best_over_ours"]) for r in timed]
     large = [r for r in timed if float(r["kv_mb"]) * 1e6 > BANDWIDTH_TARGET_BYTES and r.get("of_copy")]
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "decode_grid_quick" if args.quick else f"decode_grid_{args.dtype}_h200")
+    given = [f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
+             if key not in ("quick", "out", "dtype") and value]
+    command = " ".join(["python3 experiments/tuning/decode_grid.py"] + (["--quick"] if args.quick else
+                                                                        [f"--dtype {args.dtype}"]) + given)
+    device_name = "numba-cuda simulator" if simulator else numba_flash.device_limits().name
+    card = re.search(r"[A-Z]\d{3}", device_name)   # "NVIDIA H100 80GB HBM3" -> h100
+    dims = f"_d{args.head_dims.replace(',', '_')}" if args.head_dims else ""
+    stem = os.path.join(args.out, "decode_grid_quick" if args.quick else
+                        f"decode_grid_{args.dtype}{dims}_{card.group(0).lower() if card else 'gpu'}")
     write_csv(stem + ".csv", rows)
-    command = "python3 experiments/tuning/decode_grid.py" + (" --quick" if args.quick else f" --dtype {args.dtype}")
     with open(stem + ".md", "w") as f:
-        f.write(markdown_header("Decoding across serving shapes", command,
-                                "numba-cuda simulator" if simulator else numba_flash.device_limits().name,
-                                timer=timer_note(repeats)))
+        f.write(markdown_header("Decoding across serving shapes", command, device_name, timer=timer_note(repeats)))
         f.write(f"\n{dtype}; whole calls (host work included), lengths on the GPU, caches full; copy bandwidth "
                 f"(device to device, read + written): {copy_bandwidth / 1e9:.0f} GB/s.  best_over_ours: the fastest "
                 f"torch backend's time over ours (>= 1.0: ours at least as fast).  of_copy: our K/V bytes per second "
@@ -188,8 +194,7 @@ def main(argv=None):
         f.write(markdown_table(rows))
     plt = pyplot()
     if plt is not None and timed:
-        heat_map(plt, rows, stem + ".png", f"decoding, {dtype}: fastest torch backend / numba-flash "
-                                             f"({'simulator' if simulator else numba_flash.device_limits().name})")
+        heat_map(plt, rows, stem + ".png", f"decoding, {dtype}: fastest torch backend / numba-flash ({device_name})")
     print("wrote", stem + ".md")
     return 0
 

@@ -14,8 +14,9 @@ whose MN-major B is read only up to column d - 1, dQ's slices in the dK/dV kerne
 
 Three launches: the mma.sync backward's preprocess (D = rowsum(dO o O), ``fast/backward.preprocess_launch``),
 a dK/dV kernel of one warpgroup (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold accumulators
-in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns) that also sums dQ, and a kernel that converts the
-float32 sum of dQ to 16-bit.
+in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns), and a dQ kernel shaped like the forward
+(``make_wgmma_dq``; or, in the modes that sum dQ in the dK/dV kernel, one that converts that float32 sum to
+16-bit: see "Deterministic" below).
 
 A warpgroup per (key tile of 64, batch, key/value head) keeps K_j and V_j in shared memory and streams past them
 the query tiles of every query head of its group that see them, in a fixed order::
@@ -23,13 +24,18 @@ the query tiles of every query head of its group that see them, in a fixed order
     K_j, V_j -> shared (swizzled, once);  Q_i, dO_i of the first step, their rows' lse and D -> stage 0
     for each query head h of the group, for each query tile i that sees key tile j:
         land Q_i, dO_i; start the next step's into the other stage              cp.async, one barrier
-        S^T = K_j Q_i^T,  dP^T = V_j dO_i^T      wgmma m64n64k16 x d/16 each, both operands from shared memory
+        S^T = K_j Q_i^T,  dP^T = V_j dO_i^T      wgmma m64n64k16 x d/16 each, both operands from shared memory,
+                                                 each its own commit group, waited for only when read
         P^T = exp2(c S^T - lse),  dS^T = P^T o (dP^T - D)          0 where the key may not be seen
         dV += P^T dO_i,  dK += dS^T Q_i          wgmma m64n{d}k16 x 4 each, A from registers, B transposed
-        dS^T -> shared;  dQ_i += dS K_j          in slices (64 columns at d = 128, else all d), added to a
-                                                 float32 sum in L2
+        ("ordered", "atomic": dS^T -> shared;  dQ_i += dS K_j in slices (64 columns at d = 128, else all d),
+         added to a float32 sum in L2)
     dK = scale dK;  dK, dV -> 16-bit
-    (then, another launch: dQ = scale sum -> 16-bit)
+
+The products overlap the arithmetic where the data allow: P^T's exponentials run under dP^T's products, dS^T's
+under dV's, and accumulators that start a sum are written by the product itself (scale-d = 0,
+``wgmma_ss(fresh=True)``) rather than zeroed in registers, so that ptxas inserts no waits of its own (its C7517
+warning) in any dK/dV kernel.
 
 Every tile is the forward's (``common.py``): 64 rows in 128-byte-swizzled shared memory, read K-major by the
 score products and MN-major by the gradient products: the same bytes under two descriptors.  The transposed
@@ -55,23 +61,26 @@ is empty copies nothing and writes zeros.  Both are compile-time flags (HAS_MASK
 tiles compiles the element test out, and without a mask the kernels compile to the PTX instructions they had before
 (sm_90a; the mask's placeholder arguments added at the end of the parameter list).
 
-Deterministic by default.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so
-the order of the adds must not depend on timing (``DQ_MODES``): "ordered" (the default) gives each query tile of
-each head a counter (``wait_turn``, ``pass_turn``) and each key tile its turn, ascending, or for causal grids from
-the diagonal down, the grid then dispatching its shortest key tiles first: a block only ever waits for blocks that
-were dispatched before it, which are running or done, so the wait ends (the same argument as FlashAttention-3's
-deterministic backward).  With a block mask only the key tiles in the query tile's list add to its dQ, so a key
-tile's turn is its place among them in the same order (``dq_turn``: the forward's list for that query tile, the
-transpose of the dK/dV kernel's, searched by bisection), and the argument holds as before.  "atomic"
-(``deterministic=False``) adds as the blocks arrive.  "separate" gives dQ a kernel of its own (``make_wgmma_dq``: a
-warpgroup per query tile streams K_j, V_j past it and computes S and dP again: seven products instead of five, no
-adds across blocks), kept for ``NUMBA_FLASH_WGMMA_DQ=separate``.
+Deterministic.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so the order
+of the adds must not depend on timing.  Three ways of summing it are built (``DQ_MODES``), and the one that measured
+fastest is the default for every call (``DQ_MODE``; the others stay for ``NUMBA_FLASH_WGMMA_DQ``, to measure them):
+"separate" gives dQ a kernel of its own (``make_wgmma_dq``: a warpgroup per query tile streams K_j, V_j past it and
+computes S and dP again: seven products instead of five, but no adds across blocks), so the dK/dV kernel needs no dS
+tile in shared memory and no dQ registers.  "ordered" sums dQ in the dK/dV kernel, giving each query tile of each
+head a counter (``wait_turn``, ``pass_turn``) and each key tile its turn, ascending, or for causal grids from the
+diagonal down, the grid then dispatching its shortest key tiles first: a block only ever waits for blocks that were
+dispatched before it, which are running or done, so the wait ends (the argument of FlashAttention-3's deterministic
+backward).  With a block mask only the key tiles in the query tile's list add to its dQ, so a key tile's turn is its
+place among them in the same order (``dq_turn``: the forward's list for that query tile, the transpose of the dK/dV
+kernel's, searched by bisection), and the argument holds as before.  "atomic" adds as the blocks arrive (for ``deterministic=False`` only).  On an H100 (2026-12-05) the
+two summing modes lost to "separate" everywhere: the dK/dV kernel's extra registers and dS^T stores, the adds'
+traffic, and for "ordered" the waits for turns, cost more than two products (``docs/performance.md``).
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
-* each group of products is waited for before its accumulators are read: no producer warp, no products
-  overlapping the exponentials, two stages of cp.async copies instead of bulk copies, dQ's adds issued by the
-  warps that compute (FlashAttention-3 gives them a warp of their own and a bulk reduction from shared memory);
+* no producer warp: two stages of cp.async copies issued by the warps that compute, instead of bulk copies
+  (FlashAttention-3 also gives dQ's adds a warp of their own and a bulk reduction from shared memory, which is
+  what would make summing dQ in the dK/dV kernel pay);
 * NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
   0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
   there, not here;
@@ -797,17 +806,20 @@ class SummedDq:
     turns: int
 
 
-#: How the deterministic backward sums dQ: "ordered" (the dK/dV kernel's adds in a fixed order) or "separate" (a
-#: pass of its own); ``NUMBA_FLASH_WGMMA_DQ`` picks one (to measure them side by side).
-DETERMINISTIC_DQ = os.environ.get("NUMBA_FLASH_WGMMA_DQ", "ordered")
+#: How the backward sums dQ (``DQ_MODES``), for every call: "separate" by default, the fastest of the three at
+#: every shape timed (H100, 2026-12-05, d = 64, 96, 128, dense and causal, GQA: "atomic" took 1.10-1.89x its time
+#: in float16 and bfloat16, "ordered" 1.8-2.9x in float16; ``docs/performance.md``), and deterministic.  ``NUMBA_FLASH_WGMMA_DQ``
+#: picks another for a process, to measure them side by side; "atomic" then serves the calls that allow it
+#: (``deterministic=False``), the others staying on "separate".
+DQ_MODE = os.environ.get("NUMBA_FLASH_WGMMA_DQ", "separate")
 
 
 def dq_mode(deterministic):
-    """The ``DQ_MODES`` entry a call takes: unordered adds where the caller allows results that differ in the last
-    bits from run to run."""
-    if DETERMINISTIC_DQ not in DQ_MODES[:2]:
-        raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES[:2]}, not {DETERMINISTIC_DQ!r}")
-    return DETERMINISTIC_DQ if deterministic else "atomic"
+    """The ``DQ_MODES`` entry a call takes: ``DQ_MODE``, unless that is "atomic" (unordered adds, whose last bits
+    may differ from run to run) and the caller asked for the same bits on every run."""
+    if DQ_MODE not in DQ_MODES:
+        raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES}, not {DQ_MODE!r}")
+    return "separate" if DQ_MODE == "atomic" and deterministic else DQ_MODE
 
 
 def chosen_for(call, block_sizes):
