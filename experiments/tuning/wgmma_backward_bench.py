@@ -5,12 +5,16 @@
 each called twice, ``same`` saying whether the two gave the same bits.  ``bench``: at issue 45's shapes, the backward
 alone (ours with ``deterministic`` True and False) and a whole training step's attention through autograd
 (``numba_flash.torch.attention``) against torch's flash and cuDNN backends (``enable_gqa``), and the forward alone;
-CUDA events, median of ``REPEATS``.  ``quick``: the backward alone, float16, no peers.  ``NUMBA_FLASH_WGMMA_DQ``
+CUDA events, median of ``REPEATS``.  ``quick``: the backward alone, float16, no peers.  ``mask``: a random block
+mask of ``MASK_DENSITY`` (blocks of ``MASK_BLOCK``, FlexAttention's default) at ``MASK_SHAPES``: the backward alone
+on wgmma and on mma.sync, and forward + backward through autograd (ours with the backward on wgmma, and with flash2's
+pick) beside FlexAttention's with the same mask.  ``NUMBA_FLASH_WGMMA_DQ``
 (separate, ordered, atomic) picks how the backward sums dQ, ``NUMBA_FLASH_WGMMA=0`` the mma.sync backward.
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py check
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py bench [--dtypes float16,bfloat16]
     NUMBA_FLASH_WGMMA_DQ=atomic PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py quick
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py mask
 
 Prints one line per case; results read from those lines: results/bench_wgmma_backward_h100.md.
 """
@@ -28,6 +32,10 @@ CHECKS = [(1, 1, 1, 64, 64, 64, "float16", False), (1, 2, 1, 130, 200, 64, "floa
           (2, 4, 2, 300, 257, 128, "bfloat16", "bottom_right"), (1, 3, 1, 1, 70, 128, "float16", False),
           (2, 4, 4, 1000, 1000, 64, "bfloat16", True), (1, 8, 2, 777, 513, 128, "float16", False),
           (2, 4, 2, 333, 300, 96, "bfloat16", True)]
+#: The block-mask benchmark: issue 45's (B, H, N, d) for FlexAttention's 10%-dense mask, and a d = 128 one.
+MASK_SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128)]
+MASK_DENSITY = 0.1
+MASK_BLOCK = 128
 
 
 def reference_gradients(torch, q, k, v, grad_out, causal, group):
@@ -89,9 +97,33 @@ def bench(torch, batch, heads, kv_heads, n, d, dtype, causal, peers):
           flush=True)
 
 
+def bench_mask(torch, batch, heads, n, d, dtype):
+    from numba_flash import masks
+    from numba_flash.tools.bench import flex_attention
+    from numba_flash.tools.timing import time_ms
+
+    block_mask = masks.random(n, n, MASK_BLOCK, MASK_DENSITY, seed=0)
+    q, k, v, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in "qkvo")
+    out, lse = numba_flash.attention(q, k, v, block_mask=block_mask, return_lse=True)
+    timed = lambda run: time_ms(run, repeats=REPEATS, warmup=2)   # noqa: E731
+    times = {}
+    for name, options in (("bwd wgmma", dict(algorithm="wgmma")), ("bwd mma.sync", dict(block_sizes=(64, 64)))):
+        times[name] = timed(lambda: numba_flash.attention_backward(q, k, v, out, lse, grad_out, block_mask=block_mask,
+                                                                   **options))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    for name, algorithm in (("ours fwd+bwd (wgmma)", "wgmma"), ("ours fwd+bwd (flash2)", "flash2")):
+        times[name] = timed(lambda: torch.autograd.grad(
+            numba_flash_torch.attention(*leaves, block_mask=block_mask, algorithm=algorithm), leaves, grad_out))
+    flex = flex_attention(torch, False, n, n, d, block_mask=block_mask)
+    if flex is not None:
+        times["flex fwd+bwd"] = timed(lambda: torch.autograd.grad(flex(*leaves), leaves, grad_out))
+    print((batch, heads, n, d, str(dtype)[6:], f"density {float(block_mask.layout.mean()):.3f}"),
+          " ".join(f"{k}={v:.3f}" for k, v in times.items()), flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("check", "bench", "quick"))
+    parser.add_argument("what", choices=("check", "bench", "quick", "mask"))
     parser.add_argument("--dtypes", default="float16,bfloat16")
     args = parser.parse_args(argv)
     if numba_flash.in_simulator():
@@ -104,6 +136,11 @@ def main(argv=None):
             check(torch, *case)
         return 0
     dtypes = ["float16"] if args.what == "quick" else args.dtypes.split(",")
+    if args.what == "mask":
+        for dtype in dtypes:
+            for shape in MASK_SHAPES:
+                bench_mask(torch, *shape, getattr(torch, dtype))
+        return 0
     for dtype in dtypes:
         for shape in SHAPES:
             for causal in (False, True):
