@@ -156,9 +156,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     float32 or 16-bit; on a Hopper GPU (compute capability 9.0) it runs on
     the warpgroup instructions wherever the call is in their scope (16-bit,
     d = 64, 96 or 128 ("wgmma": any multiple of 16 up to 128), no dropout
-    or packed sequences, no ``block_sizes``, no block mask ("wgmma": any
-    block mask; flash2 takes masks of whole 64 x 64 tiles there once the
-    masked kernels have run on a GPU, ``PICK_BLOCK_MASKS``)), elsewhere on
+    or packed sequences, no ``block_sizes``, no block mask or one of whole
+    64 x 64 tiles ("wgmma": any block mask)), elsewhere on
     ``mma.sync``.  "wgmma" asks for the Hopper
     backward (``kernels/hopper/backward.py``; NaN is not confined to the
     entries that may see it there); "flash1" is Algorithm 4 written

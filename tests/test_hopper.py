@@ -385,8 +385,6 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     # Block masks as the forward's pick takes them (``forward.whole_tiles``: blocks of multiples of 64 rows and keys,
     # the element test compiled out); other blocks stay on mma.sync (they run on wgmma when asked for by name).
     whole = numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))
-    assert kernel(block_mask=whole).startswith("flash2")   # until the masked kernels have run on a GPU
-    monkeypatch.setattr(hopper_backward, "PICK_BLOCK_MASKS", True)
     assert kernel(block_mask=whole) == "wgmma_backward_dkdv_d64_f16_sparse_whole_tiles"
     assert kernel(block_mask=numba_flash.BlockMask(np.ones((1, 1), bool), (128, 128))).startswith("wgmma")
     assert kernel(d=128, causal=True, block_mask=numba_flash.BlockMask(np.ones((1, 2), bool), (128, 64)),

@@ -102,7 +102,7 @@ def bench_mask(torch, batch, heads, n, d, dtype):
     from numba_flash.tools.bench import flex_attention
     from numba_flash.tools.timing import time_ms
 
-    block_mask = masks.random(n, n, MASK_BLOCK, MASK_DENSITY, seed=0)
+    block_mask = masks.random(n, n, (MASK_BLOCK, MASK_BLOCK), MASK_DENSITY, seed=0)
     q, k, v, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in "qkvo")
     out, lse = numba_flash.attention(q, k, v, block_mask=block_mask, return_lse=True)
     timed = lambda run: time_ms(run, repeats=REPEATS, warmup=2)   # noqa: E731

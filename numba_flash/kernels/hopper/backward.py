@@ -84,8 +84,7 @@ Departures from FlashAttention-3's backward, each a step still to take (and to m
 * NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
   0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
   there, not here;
-* block masks: simulator only, not yet run on a GPU (``tests/test_hopper.py``; ptxas only, sm_90a).  The grid
-  keeps its dense order (the forward's longest-first order applies to the dQ kernel only: the ordered adds need
+* block masks: the grid keeps its dense order (the forward's longest-first order applies to the dQ kernel only: the ordered adds need
   the dispatch order of their turns);
 * no dropout or packed sequences yet.
 """
@@ -828,16 +827,10 @@ def chosen_for(call, block_sizes):
     its scope whose caller named no tile sizes, at the (head dim, causal) pairs where flash2 takes the wgmma forward
     (``forward.AUTOMATIC_SCOPE``: d = 64, 96 and 128), with no block mask or one of whole 64 x 64 tiles
     (``forward.whole_tiles``: here too the element test compiled out), so that a call's two directions share a
-    kernel family (1.32-1.97x the mma.sync backward on an H100, 2026-12-05); the other head dims of its scope, and
-    other block masks, run when asked for (``algorithm="wgmma"``).  Block-masked calls only once
-    ``PICK_BLOCK_MASKS``: until the masked kernels have run on a GPU, flash2 keeps those on mma.sync."""
-    return ((call.block_mask is None or PICK_BLOCK_MASKS)
-            and forward.chosen_for(call, block_sizes, "backward"))
-
-
-#: Whether flash2 picks this backward for block-masked calls.  False until the masked kernels (simulator-tested,
-#: 2026-12-05) have passed the GPU tests and sanitizers; ``algorithm="wgmma"`` runs them meanwhile.
-PICK_BLOCK_MASKS = False
+    kernel family (1.32-1.97x the mma.sync backward on an H100, 2026-12-05; with a 10%-dense mask of 128 x 128
+    blocks 2.1-3.9x, H200, 2026-12-05); the other head dims of its scope, and other block masks, run when asked
+    for (``algorithm="wgmma"``)."""
+    return forward.chosen_for(call, block_sizes, "backward")
 
 
 def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate"):
