@@ -140,6 +140,67 @@ def test_the_wgmma_forward_of_packed_sequences_covers_the_edges():
     check_forward(p, *run_forward(p))
 
 
+def check_backward(p, grads):
+    """(dQ, dK, dV) of a packed call against the float64 reference, sequence by sequence within
+    ``backward_tolerance`` (dK and dV summed over each group of query heads): a sequence in which no query sees a
+    key has gradients exactly 0."""
+    heads, d = p.q.shape[1], p.q.shape[2]
+    group = heads // p.k.shape[1]
+    for got, like in zip(grads, (p.q, p.k, p.v)):
+        assert got.shape == like.shape and got.dtype == p.dtype, (got.shape, got.dtype)
+    for b in range(p.batch):
+        rows, keys = p.rows(b), p.keys(b)
+        if rows.stop == rows.start or keys.stop == keys.start:
+            for grad, where in zip(grads, (rows, keys, keys)):
+                assert np.all(grad[where].astype(np.float32) == 0), f"sequence {b}: a gradient without attention"
+            continue
+        q, do = (np.swapaxes(x[rows], 0, 1).astype(np.float64) for x in (p.q, p.do))
+        k, v = (np.swapaxes(x[keys], 0, 1).astype(np.float64) for x in (p.k, p.v))
+        k_all, v_all = reference.repeat_kv(k, heads), reference.repeat_kv(v, heads)
+        out, _ = reference.attention(q, k_all, v_all, causal=alignment(p.causal))
+        expected = reference.attention_backward(q, k, v, do, causal=alignment(p.causal))
+        weights = reference.softmax(reference.masked_scores(q, k_all, causal=alignment(p.causal)))
+        tolerances = backward_tolerance(q, k_all, v_all, out.astype(p.dtype), do, 1 / np.sqrt(d), weights,
+                                        dtype=p.dtype, group=group)
+        for name, grad, where, want, tol in zip(("dq", "dk", "dv"), grads, (rows, keys, keys), expected, tolerances):
+            err = float(np.abs(np.swapaxes(grad[where], 0, 1).astype(np.float64) - want).max())
+            assert err <= tol, f"sequence {b} {name}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+def run_backward(p, dq_mode, algorithm="wgmma"):
+    """The packed backward of p with the wgmma backward's dQ summed in ``dq_mode`` (``strategies.wgmma_dq``), from
+    the float64 reference's O and lse rounded as the forward would give them."""
+    import numba_flash
+    from strategies import wgmma_dq
+
+    out, lse = reference.attention_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, causal=p.causal)
+    out, lse = out.astype(p.dtype), lse.astype(np.float32)
+    arguments = p.operands(p.q, p.k, p.v, out, lse, p.do)
+    with wgmma_dq(dq_mode) as deterministic:
+        grads = numba_flash.attention_varlen_backward(*arguments, p.cu_q, p.cu_k, causal=p.causal,
+                                                      algorithm=algorithm, deterministic=deterministic)
+    return tuple(to_host(x) for x in grads)
+
+
+@needs_wgmma
+@settings(max_examples=max(3, settings.default.max_examples // 4))   # each example: three kernels
+@given(p=packed_batches(), dq_mode=st.sampled_from(["separate", "ordered", "atomic"]))
+def test_the_wgmma_backward_of_packed_sequences_matches_the_float64_reference(p, dq_mode):
+    """Each way of summing dQ (``backward.DQ_MODES``): in a pass of its own, in the dK/dV kernel in the order of
+    the sequence's own key tiles (a turn counted wrong waits forever), or unordered."""
+    check_backward(p, run_backward(p, dq_mode))
+
+
+@needs_wgmma
+@pytest.mark.parametrize("dq_mode, causal", [("separate", True), ("ordered", "top_left")])
+def test_the_wgmma_backward_of_packed_sequences_covers_the_edges(dq_mode, causal):
+    """The forward's fixed edges (an empty sequence, one without keys, one without queries, a single query and
+    key, two query and key tiles with N_q != N_k), grouped heads, both alignments; dQ in its own pass, and summed
+    in the dK/dV kernel in the order of each sequence's key tiles."""
+    p = Packed([0, 3, 0, 1, 70], [4, 0, 5, 1, 66], 2, 1, 16, np.float16, causal, 2, strided=True)
+    check_backward(p, run_backward(p, dq_mode))
+
+
 def test_flash2_keeps_packed_sequences_on_mma_sync_until_pick_varlen(monkeypatch):
     """Which forward ``attention_varlen(..., algorithm="flash2")`` lays out on a device made to look like an H200
     (nothing launched): mma.sync while ``PICK_VARLEN`` is False; with it True, wgmma wherever the batched call of the
