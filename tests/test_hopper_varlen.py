@@ -237,7 +237,46 @@ def test_flash2_keeps_packed_sequences_on_mma_sync_until_pick_varlen(monkeypatch
     assert kernel().startswith("flash2_forward")
 
 
-def test_packed_calls_reject_what_the_wgmma_kernels_cannot_run():
+def test_flash2_keeps_packed_gradients_on_mma_sync_until_pick_varlen(monkeypatch):
+    """The backward's pick, the forward's (``backward.chosen_for``): mma.sync for packed sequences while
+    ``PICK_VARLEN`` is False, wgmma where the batched call would take it once it is True, summing dQ as the batched
+    call would (``DQ_MODE``, ``deterministic``)."""
+    from types import SimpleNamespace
+
+    from numba_flash import api
+    from numba_flash.kernels.hopper import backward as hopper_backward
+    from numba_flash.kernels.hopper import common
+    from numba_flash.kernels.hopper import forward as hopper
+
+    device = SimpleNamespace(compute_capability=(9, 0))
+    for module in (hopper_backward, hopper, common):
+        monkeypatch.setattr(module, "in_simulator", lambda: False)
+    monkeypatch.setattr(common, "device_limits", lambda: device)
+    monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
+
+    def kernel(d=64, causal=False, algorithm="flash2", deterministic=True):
+        x = np.zeros((70, 2, d), np.float16)
+        plan = api._VarlenBackwardPlan((x, x, x, x, np.zeros((2, 70), np.float32), x),
+                                       (causal, None, 0.0, None, algorithm, deterministic, (2, 40, 40)))
+        launches = plan.launches
+        return (launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]).kernel.name
+
+    monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (128, True)})
+    assert kernel().startswith("flash2_backward_dkdv") and "_varlen" in kernel()
+    assert kernel(d=128, causal=True).startswith("flash2_backward_dkdv")
+    assert kernel(algorithm="wgmma") == "wgmma_backward_dkdv_d64_f16_varlen"
+    monkeypatch.setattr(hopper, "PICK_VARLEN", True)
+    assert kernel() == "wgmma_backward_dkdv_d64_f16_varlen"
+    assert kernel(d=128, causal=True) == "wgmma_backward_dkdv_d128_f16_causal_varlen"
+    assert kernel(d=128).startswith("flash2_backward_dkdv") and kernel(d=32).startswith("flash2_backward_dkdv")
+    monkeypatch.setattr(hopper_backward, "DQ_MODE", "atomic")   # NUMBA_FLASH_WGMMA_DQ=atomic
+    assert kernel(deterministic=False) == "wgmma_backward_dkdv_d64_f16_dq_atomic_varlen"
+    assert kernel() == "wgmma_backward_dkdv_d64_f16_varlen"
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        kernel(deterministic=None)
+
+
+def test_packed_calls_reject_what_the_wgmma_kernels_cannot_run(no_launch):
     import numba_flash
 
     q = np.zeros((7, 2, 64), np.float16)
@@ -253,3 +292,9 @@ def test_packed_calls_reject_what_the_wgmma_kernels_cannot_run():
         numba_flash.attention_varlen(q, kv, kv, cu_q, cu_k, dropout_p=0.1, seed=1, algorithm="wgmma")
     with pytest.raises(ValueError, match="block_sizes must be None with algorithm='wgmma'"):
         numba_flash.attention_varlen(q, kv, kv, cu_q, cu_k, block_sizes=(64, 64), algorithm="wgmma")
+    lse = np.zeros((2, 7), np.float32)
+    with pytest.raises(ValueError, match=r"algorithm must be one of \('flash2', 'wgmma'\), got 'standard'"):
+        numba_flash.attention_varlen_backward(q, kv, kv, q, lse, q, cu_q, cu_k, algorithm="standard")
+    with pytest.raises(ValueError, match="algorithm='wgmma': the wgmma backward has no dropout yet"):
+        numba_flash.attention_varlen_backward(q, kv, kv, q, lse, q, cu_q, cu_k, dropout_p=0.1, seed=1,
+                                              algorithm="wgmma")
