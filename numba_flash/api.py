@@ -156,8 +156,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     algorithm: "flash2" (the default) is the fast backward on tensor cores,
     float32 or 16-bit; on a Hopper GPU (compute capability 9.0) it runs on
     the warpgroup instructions wherever the call is in their scope (16-bit,
-    d = 64, 96 or 128 ("wgmma": any multiple of 16 up to 128), no dropout
-    or packed sequences, no ``block_sizes``, no block mask or one of whole
+    d = 64, 96 or 128 ("wgmma": any multiple of 16 up to 128), no dropout,
+    no ``block_sizes``, no block mask or one of whole
     64 x 64 tiles ("wgmma": any block mask)), elsewhere on
     ``mma.sync``.  "wgmma" asks for the Hopper
     backward (``kernels/hopper/backward.py``; NaN is not confined to the

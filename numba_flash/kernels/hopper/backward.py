@@ -4,7 +4,10 @@
 backward of ``kernels/fast``, its reference), and ``algorithm="wgmma"`` asks for it.  Scope: as the wgmma forward's
 (``common.out_of_scope``): float16 and bfloat16, d a multiple of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it
 at d = 64, 96 and 128, where it takes the forward), dense or causal (either alignment), block masks (below; flash2
-takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows.
+takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows, packed
+sequences (``attention_varlen_backward``; every kernel's VARLEN, as the forward's: each block reads its sequence's
+bounds with ``fast.common.sequence_bounds`` first; in every way of summing dQ, the ordered turns over the sequence's
+own key tiles; flash2 takes them once ``forward.PICK_VARLEN`` is on).
 
 A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one, as in the forward (d = 96
 on d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the same cp.async
@@ -86,7 +89,9 @@ Departures from FlashAttention-3's backward, each a step still to take (and to m
   there, not here;
 * block masks: the grid keeps its dense order (the forward's longest-first order applies to the dQ kernel only: the ordered adds need
   the dispatch order of their turns);
-* no dropout or packed sequences yet.
+* packed sequences: the grid covers the longest sequence's tiles for every sequence, and the blocks past a sequence's
+  end leave at once (FlashAttention-3's scheduler visits only the tiles that exist);
+* no dropout yet.
 """
 import math
 import os

@@ -7,7 +7,8 @@ it outright; every other call, and every other GPU, stays on the ``mma.sync`` ke
 of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
 causal (top-left or bottom-right), block masks (below; flash2 takes those of whole 64 x 64 tiles,
 ``whole_tiles``), grouped heads, any strides with contiguous 16-byte rows, a positive scale, NaN
-propagated as on the other path; no dropout or packed sequences yet.  ``tests/test_hopper.py``
+propagated as on the other path, packed sequences (``attention_varlen``; below); no dropout yet.
+``tests/test_hopper.py````
 checks it against the float64 reference in the simulator (through ``wgmma.py``'s twins, which read
 operands by its layout table) and on a Hopper GPU, where
 ``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01; at d = 64 and 128 only:
@@ -70,6 +71,13 @@ tensor-core cycles of work, and every warp of it issues the whole loop.  So the 
 and advanced by constants (``tile_descriptors``, ``staged``, ``wgmma.advanced``), whole tiles are copied
 without row tests (``start_tile``), and the stage is a bit: a full tile's path is 336 instructions at d = 64
 and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``experiments/tuning/results/sass_counts_wgmma.md``).
+
+Packed sequences (``make_wgmma_forward``'s VARLEN): the block's first step reads its sequence's bounds with the
+mma.sync kernels' device function (``fast.common.sequence_bounds``), after which every step above runs on the
+sequence's lengths, causal offset and rows; the grid covers the longest sequence, and a block past its sequence's
+last query tile leaves before any barrier.  ``algorithm="wgmma"`` runs it; flash2 takes it only once
+``PICK_VARLEN`` is on (not before a GPU has run it).  Departure from the dense kernel: none in the loop; the flag
+compiles out of the kernels without it (their PTX instructions unchanged, sm_90a, 2026-12-05).
 
 Barriers and fences, each where it sits:
 
