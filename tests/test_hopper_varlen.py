@@ -115,20 +115,25 @@ def check_forward(p, out, lse):
                                   1 / np.sqrt(d), p.dtype)
 
 
-def run_forward(p, algorithm="wgmma"):
+def run_forward(p, overlap=False, warpgroups=1):
+    """The wgmma forward of p, its products waited for at once or overlapping the softmax, in blocks of one
+    warpgroup or two (``strategies.wgmma_loop``)."""
     import numba_flash
+    from strategies import wgmma_loop
 
     q, k, v = p.operands(p.q, p.k, p.v)
-    out, lse = numba_flash.attention_varlen(q, k, v, p.cu_q, p.cu_k, causal=p.causal, algorithm=algorithm,
-                                            return_lse=True)
+    with wgmma_loop(overlap, warpgroups):
+        out, lse = numba_flash.attention_varlen(q, k, v, p.cu_q, p.cu_k, causal=p.causal, algorithm="wgmma",
+                                                return_lse=True)
     return to_host(out), to_host(lse)
 
 
 @needs_wgmma
 @settings(max_examples=max(3, settings.default.max_examples // 2))
-@given(p=packed_batches())
-def test_the_wgmma_forward_of_packed_sequences_matches_the_float64_reference(p):
-    check_forward(p, *run_forward(p))
+@given(p=packed_batches(), overlap=st.booleans(), warpgroups=st.sampled_from([1, 2]))
+def test_the_wgmma_forward_of_packed_sequences_matches_the_float64_reference(p, overlap, warpgroups):
+    """Both loops and warpgroup counts (a block of two warpgroups: 128 query rows of one sequence)."""
+    check_forward(p, *run_forward(p, overlap, warpgroups))
 
 
 @needs_wgmma
@@ -199,6 +204,35 @@ def test_the_wgmma_backward_of_packed_sequences_covers_the_edges(dq_mode, causal
     in the dK/dV kernel in the order of each sequence's key tiles."""
     p = Packed([0, 3, 0, 1, 70], [4, 0, 5, 1, 66], 2, 1, 16, np.float16, causal, 2, strided=True)
     check_backward(p, run_backward(p, dq_mode))
+
+
+@needs_wgmma
+def test_packed_sequences_of_equal_lengths_give_the_bits_of_the_batched_wgmma_call():
+    """Sequences of one length are a (batch, H, N, d) batch: the wgmma kernels must give the same bits packed as
+    batched (O, lse, and the gradients: every sum in the same order), grouped heads, causal bottom-right."""
+    import numba_flash
+
+    batch, n_q, n_k = 2, 37, 45
+    p = Packed([n_q] * batch, [n_k] * batch, 2, 1, 16, np.float16, True, 3)
+
+    def batched(x, n):
+        return np.ascontiguousarray(np.swapaxes(x.reshape((batch, n) + x.shape[1:]), 1, 2))
+
+    def packed(x):
+        return np.ascontiguousarray(np.swapaxes(x, 1, 2)).reshape((-1,) + x.shape[1:2] + x.shape[3:])
+
+    out, lse = run_forward(p)
+    qb, kb, vb, dob = batched(p.q, n_q), batched(p.k, n_k), batched(p.v, n_k), batched(p.do, n_q)
+    out_b, lse_b = (to_host(x) for x in numba_flash.attention(*p.operands(qb, kb, vb), causal="bottom_right",
+                                                              algorithm="wgmma", return_lse=True))
+    np.testing.assert_array_equal(out.view(np.uint16), packed(out_b).view(np.uint16))
+    np.testing.assert_array_equal(lse, np.swapaxes(lse_b, 0, 1).reshape(lse.shape))
+    grads = numba_flash.attention_varlen_backward(*p.operands(p.q, p.k, p.v, out, lse, p.do), p.cu_q, p.cu_k,
+                                                  causal=True, algorithm="wgmma")
+    grads_b = numba_flash.attention_backward(*p.operands(qb, kb, vb, out_b, lse_b, dob), causal="bottom_right",
+                                             algorithm="wgmma")
+    for got, want in zip(grads, grads_b):
+        np.testing.assert_array_equal(to_host(got).view(np.uint16), packed(to_host(want)).view(np.uint16))
 
 
 def test_flash2_keeps_packed_sequences_on_mma_sync_until_pick_varlen(monkeypatch):
