@@ -8,9 +8,9 @@ of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), d
 causal (top-left or bottom-right), block masks (below; flash2 takes those of whole 64 x 64 tiles,
 ``whole_tiles``), grouped heads, any strides with contiguous 16-byte rows, a positive scale, NaN
 propagated as on the other path, packed sequences (``attention_varlen``; below); no dropout yet.
-``tests/test_hopper.py````
-checks it against the float64 reference in the simulator (through ``wgmma.py``'s twins, which read
-operands by its layout table) and on a Hopper GPU, where
+``tests/test_hopper.py`` (and ``tests/test_hopper_varlen.py``) checks it against the float64
+reference in the simulator (through ``wgmma.py``'s twins, which read operands by its layout table)
+and on a Hopper GPU, where
 ``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01; at d = 64 and 128 only:
 the m64n96 read of V below is the twins' so far, its cases there not yet run on a GPU).
 
