@@ -29,6 +29,9 @@ FORWARD_ALGORITHMS = ALGORITHMS + ("wgmma",)
 BACKWARD_ALGORITHMS = ("flash1", "flash2")
 #: The backward also takes "wgmma": flash2's backward on Hopper's warpgroup instructions (kernels/hopper), asked for.
 GRADIENT_ALGORITHMS = BACKWARD_ALGORITHMS + ("wgmma",)
+#: Packed sequences (``attention_varlen`` and its backward): flash2 (mma.sync, or on Hopper what its pick says) and
+#: "wgmma" asked for; the literal kernels read no sequence bounds.
+VARLEN_ALGORITHMS = ("flash2", "wgmma")
 #: dtypes each algorithm accepts (the fast kernel also takes the 16-bit types).
 DTYPES = {"standard": ("float32",), "flash1": ("float32",), "flash2": ("float32", "float16", "bfloat16")}
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -160,6 +163,23 @@ class AttentionCall:
 def check_algorithm(algorithm, algorithms=ALGORITHMS):
     if algorithm not in algorithms:
         raise ValueError(f"algorithm must be one of {algorithms}, got {algorithm!r}")
+
+
+def check_loop(algorithm, algorithms, block_sizes, wgmma_tiles):
+    """The algorithm whose checks the call takes, one of ``algorithms``: flash2's for "wgmma", which takes no
+    block_sizes (its tiles are ``wgmma_tiles``)."""
+    check_algorithm(algorithm, algorithms)
+    if algorithm != "wgmma":
+        return algorithm
+    if block_sizes is not None:
+        raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are {wgmma_tiles[0]} x "
+                         f"{wgmma_tiles[1]}), got {block_sizes!r}")
+    return "flash2"
+
+
+def check_deterministic(deterministic):
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
 
 
 def check_kinds_and_dtypes(q, k, v, algorithm):
@@ -689,7 +709,8 @@ def _packed_strides(name, x):
     return Strides(0, head if x.shape[1] > 1 else 0, rows)
 
 
-__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Paging", "Strides", "Varlen",
-           "check_attention_args", "check_backward_operands", "check_block_sizes", "check_block_table",
-           "check_block_table_pages", "check_cache_args", "check_cache_seqlens",
+__all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PRECISION", "Paging", "Strides",
+           "VARLEN_ALGORITHMS", "Varlen", "check_attention_args", "check_backward_operands", "check_block_sizes",
+           "check_block_table", "check_block_table_pages", "check_cache_args", "check_cache_seqlens",
+           "check_deterministic", "check_loop",
            "check_decode_layout", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]

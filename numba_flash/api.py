@@ -15,10 +15,11 @@ from dataclasses import replace
 import numpy as np
 from numba import cuda
 
-from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_block_table_pages, check_cache_args, check_cache_seqlens, check_cu_seqlens,
-                          check_decode_layout, check_device_cache_seqlens, check_dropout, check_new_keys,
-                          check_varlen_args, operand_strides, streamed)
+from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS, check_attention_args,
+                          check_backward_operands, check_block_table_pages, check_cache_args, check_cache_seqlens,
+                          check_cu_seqlens, check_decode_layout, check_deterministic,
+                          check_device_cache_seqlens, check_dropout, check_loop, check_new_keys, check_varlen_args,
+                          operand_strides, streamed)
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
@@ -155,8 +156,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     algorithm: "flash2" (the default) is the fast backward on tensor cores,
     float32 or 16-bit; on a Hopper GPU (compute capability 9.0) it runs on
     the warpgroup instructions wherever the call is in their scope (16-bit,
-    d = 64, 96 or 128 ("wgmma": any multiple of 16 up to 128), no dropout
-    or packed sequences, no ``block_sizes``, no block mask or one of whole
+    d = 64, 96 or 128 ("wgmma": any multiple of 16 up to 128), no dropout,
+    no ``block_sizes``, no block mask or one of whole
     64 x 64 tiles ("wgmma": any block mask)), elsewhere on
     ``mma.sync``.  "wgmma" asks for the Hopper
     backward (``kernels/hopper/backward.py``; NaN is not confined to the
@@ -184,7 +185,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
 
 @_frees_after_the_call
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
-                     block_sizes=None, return_lse=False):
+                     block_sizes=None, return_lse=False, algorithm="flash2"):
     """Attention over a batch of sequences of different lengths packed without padding (flash-attn's varlen).
 
     Parameters
@@ -211,6 +212,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
         exactly where ``attention`` on a (batch, H, N_q, N_k) batch would keep
         entry [b, h, i, j]: ``numba_flash.dropout_mask((batch, H, N_q, N_k), p,
         seed)[b, h, :N_q,b, :N_k,b]``.
+    algorithm : {"flash2", "wgmma"}
+        "flash2" (the default) runs the mma.sync kernel for packed sequences
+        on every GPU for now: its pick of the Hopper kernel (``attention``'s)
+        waits for ``kernels.hopper.forward.PICK_VARLEN``, off until the packed
+        Hopper kernels have run on a Hopper GPU.  "wgmma" asks for the Hopper
+        forward (16-bit, d a multiple of 16 up to 128, no dropout, no
+        ``block_sizes``; on a GPU of compute capability 9.0).
 
     Returns
     -------
@@ -218,21 +226,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     (H_q, total_q) float32 (flash-attn's varlen layout).
     """
     plan, sequences = _varlen_plan(_VarlenForwardPlan, (q, k, v), cu_seqlens_q, cu_seqlens_k,
-                                   (causal, scale, dropout_p, block_sizes))
+                                   (causal, scale, dropout_p, block_sizes, algorithm))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, seed, return_lse, sequences)
 
 
 @_frees_after_the_call
 def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              dropout_p=0.0, seed=0, block_sizes=None):
+                              dropout_p=0.0, seed=0, block_sizes=None, algorithm="flash2", deterministic=True):
     """Gradients (dq, dk, dv) of sum(O * do) for O = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...).
 
     ``o`` and ``lse`` are what ``attention_varlen(..., return_lse=True)`` returned for the same
     arguments; the other arguments must be the forward's.  Results are shaped like q, k and v.
+    ``algorithm``: "flash2" (the default: mma.sync for packed sequences, as the forward's pick, until
+    ``kernels.hopper.forward.PICK_VARLEN``) or "wgmma" (the Hopper backward, asked for; as
+    ``attention_backward``'s).  ``deterministic``: as ``attention_backward``'s.
     """
     plan, sequences = _varlen_plan(_VarlenBackwardPlan, (q, k, v, o, lse, do), cu_seqlens_q, cu_seqlens_k,
-                                   (causal, scale, dropout_p, block_sizes))
+                                   (causal, scale, dropout_p, block_sizes, algorithm, deterministic))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, o, lse, do, seed, sequences)
 
@@ -404,23 +415,11 @@ class _Plan:
         return tuple(_arrays.to_host(x, dtype) for x, dtype in zip(results, dtypes))
 
 
-def _checked_loop(algorithm, algorithms, block_sizes, wgmma_tiles):
-    """The algorithm whose checks the call takes: flash2's for "wgmma", which takes no block_sizes (its tiles are
-    ``wgmma_tiles``)."""
-    check_algorithm(algorithm, algorithms)
-    if algorithm != "wgmma":
-        return algorithm
-    if block_sizes is not None:
-        raise ValueError(f"block_sizes must be None with algorithm='wgmma' (its tiles are {wgmma_tiles[0]} x "
-                         f"{wgmma_tiles[1]}), got {block_sizes!r}")
-    return "flash2"
-
-
 class _ForwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
-        loop = _checked_loop(algorithm, FORWARD_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
+        loop = check_loop(algorithm, FORWARD_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
                                                  dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes))
@@ -470,12 +469,11 @@ class _BackwardPlan(_Plan):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes, deterministic = options
-        loop = _checked_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
+        loop = check_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
         super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
                                                  dropout_p=dropout_p, seed=0, algorithm=loop,
                                                  block_sizes=block_sizes, backward=True))
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+        check_deterministic(deterministic)
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
         if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
@@ -498,8 +496,8 @@ class _BackwardPlan(_Plan):
             dq_sum = _arrays.zeros(self.result_kind, (run.sum_words,), "float32", stream, self.device)
             turns = _arrays.zeros(self.result_kind, (run.turns,), "int32", stream, self.device)
             run.preprocess(stream, o, do, d_i)
-            run.dkdv(stream, q, k, v, do, lse, d_i, dk, dv, dq_sum, turns)
-            run.convert(stream, dq_sum, dq)
+            run.dkdv(stream, q, k, v, do, lse, d_i, dk, dv, dq_sum, turns, *sequences)
+            run.convert(stream, dq_sum, dq, *sequences)
         elif self.launches is not None:
             preprocess, dkdv, dq_pass = self.launches
             d_i = self.empty(self.lse_shape, "float32", stream)  # D_i = rowsum(dO o O)
@@ -543,10 +541,14 @@ class _VarlenForwardPlan(_ForwardPlan):
 
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
-        causal, scale, dropout_p, block_sizes, lengths = options
+        causal, scale, dropout_p, block_sizes, algorithm, lengths = options
+        check_loop(algorithm, VARLEN_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
         _Plan.__init__(self, q, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale, dropout_p=dropout_p,
                                                   seed=0, block_sizes=block_sizes))
-        self.launch = forward_launch(self.call)
+        if algorithm == "wgmma" or hopper.chosen_for(self.call, block_sizes):
+            self.launch = hopper.forward_launch(self.call)
+        else:
+            self.launch = forward_launch(self.call)
 
 
 class _VarlenBackwardPlan(_BackwardPlan):
@@ -555,11 +557,18 @@ class _VarlenBackwardPlan(_BackwardPlan):
     def __init__(self, arrays, options):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
-        causal, scale, dropout_p, block_sizes, lengths = options
+        causal, scale, dropout_p, block_sizes, algorithm, deterministic, lengths = options
+        check_loop(algorithm, VARLEN_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
+        check_deterministic(deterministic)
         _Plan.__init__(self, q, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale, dropout_p=dropout_p,
                                                   seed=0, block_sizes=block_sizes, backward=True))
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
-        self.launches = backward_launches(self.call, o_strides, do_strides, o.aligned and do.aligned)
+        aligned = o.aligned and do.aligned
+        if algorithm == "wgmma" or hopper_backward.chosen_for(self.call, block_sizes):
+            self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
+                                                              hopper_backward.dq_mode(deterministic))
+        else:
+            self.launches = backward_launches(self.call, o_strides, do_strides, aligned)
 
 
 class _CachePlan(_Plan):

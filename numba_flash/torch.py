@@ -137,24 +137,27 @@ def _op_backward(ctx, grad_out, grad_lse):
 _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _varlen_options(causal, scale, dropout_p, seed_low, seed_high, block_sizes):
+def _varlen_options(causal, scale, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic):
     causal = {"false": False, "true": True}.get(causal, causal)
     return dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed_low | (seed_high << 32),
-                block_sizes=None if block_sizes is None else tuple(block_sizes))
+                algorithm=algorithm, block_sizes=None if block_sizes is None else tuple(block_sizes),
+                deterministic=deterministic)
 
 
 @torch.library.custom_op("numba_flash::attention_varlen", mutates_args=())
 def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          cu_seqlens_k: torch.Tensor, causal: str, scale: float | None, dropout_p: float,
-                         seed_low: int, seed_high: int,
-                         block_sizes: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _forward(q, k, v, _varlen_options(causal, scale, dropout_p, seed_low, seed_high, block_sizes),
+                         seed_low: int, seed_high: int, algorithm: str, block_sizes: list[int] | None,
+                         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward(q, k, v, _varlen_options(causal, scale, dropout_p, seed_low, seed_high, algorithm,
+                                                 block_sizes, deterministic),
                         (cu_seqlens_q, cu_seqlens_k))
     return out, lse
 
 
 @_attention_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high, block_sizes):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high, algorithm, block_sizes,
+      deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -163,16 +166,17 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, s
 def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                   lse: torch.Tensor, grad_out: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                   cu_seqlens_k: torch.Tensor, causal: str, scale: float | None, dropout_p: float,
-                                  seed_low: int,
-                                  seed_high: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  seed_low: int, seed_high: int, algorithm: str,
+                                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _varlen_options(causal, scale, dropout_p, seed_low,
-                                                                        seed_high, None),
+                                                                        seed_high, algorithm, None, deterministic),
                            (cu_seqlens_q, cu_seqlens_k))
     return dq, dk, dv
 
 
 @_attention_varlen_backward_op.register_fake
-def _(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high):
+def _(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high,
+      algorithm, deterministic):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
@@ -184,10 +188,10 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_op_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    causal, scale, dropout_p, seed_low, seed_high, _ = ctx.options
+    causal, scale, dropout_p, seed_low, seed_high, algorithm, _, deterministic = ctx.options
     dq, dk, dv = _attention_varlen_backward_op(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal,
-                                               scale, dropout_p, seed_low, seed_high)
-    return (dq, dk, dv) + (None,) * 8
+                                               scale, dropout_p, seed_low, seed_high, algorithm, deterministic)
+    return (dq, dk, dv) + (None,) * 10
 
 
 _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
@@ -233,7 +237,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
-                     block_sizes=None):
+                     block_sizes=None, algorithm="flash2", deterministic=True):
     """Differentiable ``numba_flash.attention_varlen`` on torch tensors: sequences of different lengths packed
     without padding, q (total_q, H_q, d), k and v (total_k, H_kv, d), sequence b in rows cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1] - 1 (and cu_seqlens_k for keys), as flash-attn's ``flash_attn_varlen_func``.
@@ -242,14 +246,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     cu_seqlens_q, cu_seqlens_k: int32 tensors of batch + 1 entries on q's device; they are read on the host
     to be checked (one small copy per call).  ``causal=True`` aligns each sequence's mask bottom-right, as
     flash-attn does.  Returns O shaped like q; ``O.backward()`` gives q, k and v their gradients.
+    ``algorithm`` ("flash2" or "wgmma") and ``deterministic``: as for ``numba_flash.attention_varlen`` and
+    ``numba_flash.attention_varlen_backward`` (flash2 keeps packed sequences on mma.sync for now; "wgmma" runs the
+    forward and backward on Hopper's warpgroup instructions).
     """
     _check_tensors((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
     if in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.compiler.is_compiling():
         out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
-                                      float(dropout_p), seed & 0xFFFFFFFF, seed >> 32,
-                                      None if block_sizes is None else list(block_sizes))
+                                      float(dropout_p), seed & 0xFFFFFFFF, seed >> 32, algorithm,
+                                      None if block_sizes is None else list(block_sizes), bool(deterministic))
         return out
-    options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, block_sizes=block_sizes)
+    options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, algorithm=algorithm,
+                   block_sizes=block_sizes, deterministic=deterministic)
     return FlashAttentionFunction.apply(q, k, v, options, cu_seqlens_q, cu_seqlens_k)

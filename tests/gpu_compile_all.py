@@ -7,6 +7,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py             # every flag (varlen too), default tiles
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py tiles I/N   # every tile the GPU tests draw, shard I of N
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper      # the wgmma kernels (sm_90a), varlen too
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -52,9 +53,10 @@ failures = []
 PTX_DIR = None
 
 
-def check(name, py_func, sig, launch_bounds=None):
+def check(name, py_func, sig, launch_bounds=None, arch="sm_90"):
     try:  # as cuda_kernel compiles for a GPU
-        ptx, _ = cuda.compile_ptx(py_func, sig, cc=(9, 0), lineinfo=True, launch_bounds=launch_bounds)
+        ptx, _ = cuda.compile_ptx(py_func, sig, cc=(9, 0, "a") if arch == "sm_90a" else (9, 0), lineinfo=True,
+                                  launch_bounds=launch_bounds)
     except Exception as exc:  # report every specialisation that fails, not only the first
         failures.append(name)
         print(name, "FAILED:", str(exc).splitlines()[0], flush=True)
@@ -67,16 +69,34 @@ def check(name, py_func, sig, launch_bounds=None):
             # Without line info and mangled names only code differences remain.
             f.write("\n".join(line for line in re.sub(r"_ZN[0-9A-Za-z_]+", "SYM", ptx).splitlines()
                               if not line.strip().startswith((".loc", ".file", "//"))))
-    out = subprocess.run(["ptxas", "-arch=sm_90", "-v", path, "-o", "/dev/null"], capture_output=True, text=True)
+    out = subprocess.run(["ptxas", f"-arch={arch}", "-v", path, "-o", "/dev/null"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     info = [line.split("info    : ")[-1] for line in out.stderr.splitlines() if "Used" in line or "spill stores" in line]
     print(name, " | ".join(x.strip() for x in info), flush=True)
 
 
-def fast(kernel):
+def fast(kernel, arch="sm_90"):
     """A fast kernel (``runtime.launch.Kernel``) at its explicit signature."""
     check(kernel.name, kernel.dispatcher.py_func, tuple(kernel.param_type(p) for p in kernel.params),
-          kernel.launch_bounds)
+          kernel.launch_bounds, arch)
+
+
+def hopper(head_dims, elements=("f16", "bf16")):
+    """The wgmma kernels (``kernels/hopper``, sm_90a) as the API launches them by default (the forward's plain loop
+    in blocks of one warpgroup; the backward's dK/dV kernel in every way of summing dQ, its dQ kernel and the
+    convert kernel), dense and causal, without and with packed sequences (VARLEN): the flag must compile out of the
+    kernels without it (compare their ``--ptx`` with a run before a change), and the packed ones' registers and
+    spills are the ones to watch."""
+    from numba_flash.kernels.hopper.backward import DQ_MODES, make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.forward import make_wgmma_forward
+
+    for d, element, varlen in itertools.product(head_dims, elements, (False, True)):
+        for causal in (False, True):
+            fast(make_wgmma_forward(d, element, causal, VARLEN=varlen), "sm_90a")
+            for dq_mode in DQ_MODES:
+                fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")
+            fast(make_wgmma_dq(d, element, causal, VARLEN=varlen), "sm_90a")
+        fast(make_dq_convert(d, element, varlen), "sm_90a")
 
 
 def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varlen=False):
@@ -116,14 +136,19 @@ def decode(precision, head_dim):
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles"))
+    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96 and 128) unless given")
     args = parser.parse_args(argv)
+    head_dims = (args.head_dim,) if args.head_dim else (64, 96, 128)
+    args.head_dim = args.head_dim or 64
     PTX_DIR = args.ptx
     if PTX_DIR:
         os.makedirs(PTX_DIR, exist_ok=True)
+    if args.mode == "hopper":
+        hopper(head_dims)
+        return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "tiles":
         # Every tile shape of the GPU test profile (tests/strategies.py), with dropout alone and with
         # every flag on: NVVM's rejections have depended on the tile shape (B_c = 64 with dropout).

@@ -19,7 +19,8 @@ heads per key/value head, bottom-right causal), overlap (the wgmma forward's ove
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), ordered / separate (the
 wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
-bottom-right causal, dropout), decode (a KV cache with appends, entries of
+bottom-right causal, dropout; on the wgmma kernels longer ones over several 64-row tiles, no dropout, with the dQ
+variants above too), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
 three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
 a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled;
@@ -137,6 +138,13 @@ RUNS = [
     ("backward", "wgmma", BF16, None, "sparse_whole"),
     ("backward", "wgmma", np.float16, None, "sparse_ordered"),
     ("backward", "wgmma", BF16, None, "gqa_sparse_whole_ordered"),
+    # Packed sequences (VARLEN; WGMMA_VARLEN_LENGTHS, at each head dim of WGMMA_CASES), grouped heads or not, dQ
+    # in its own kernel and summed by the dK/dV kernel in either order.
+    ("forward", "wgmma", np.float16, None, "varlen"),
+    ("forward", "wgmma", BF16, None, "gqa_varlen"),
+    ("backward", "wgmma", BF16, None, "gqa_varlen"),
+    ("backward", "wgmma", np.float16, None, "varlen_ordered"),
+    ("backward", "wgmma", BF16, None, "gqa_varlen_unordered"),
 ]
 #: The wgmma kernels' cases, forward and backward: d = 64 and 128, and d = 96 on the 128-column layout with its pad
 #: columns zero-filled (first, so that "quick" keeps the last case); ragged lengths of one to five 64-row tiles (five:
@@ -230,9 +238,10 @@ def main(selected=()):
             worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, key_warps=key_warps,
                                       d=128 if wide else 40, page_size=32 if "paged" in variant else 0))
             continue
-        if variant == "varlen":
-            print(f"{run_name(run)} blocks={blocks} lengths={VARLEN_LENGTHS}", flush=True)
-            worst = max(worst, packed(direction, dtype, blocks, rng))
+        if "varlen" in variant:
+            for d in ([case[4] for case in cases] if algorithm == "wgmma" else [VARLEN_HEAD_DIM]):
+                print(f"{run_name(run)} blocks={blocks} d={d} lengths={packed_lengths(algorithm)}", flush=True)
+                worst = max(worst, packed(direction, algorithm, variant, dtype, blocks, d, rng))
             continue
         for case in cases:
             (q, k, v), (q64, k64, v64), kwargs, ref_kwargs = inputs(variant, dtype, blocks, case, rng)
@@ -252,10 +261,7 @@ def main(selected=()):
             do_host = rng.standard_normal(q.shape).astype(dtype)
             do = torch.as_tensor(do_host.view(np.int16) if dtype == BF16 else do_host, device="cuda")
             do = do.view(torch.bfloat16) if dtype == BF16 else do
-            # The wgmma backward's dQ in the way the variant names, else its default (``DQ_MODE``).
-            named = next((mode for mode in ("unordered", "ordered", "separate") if mode in variant), None)
-            with (wgmma_dq({"unordered": "atomic"}.get(named, named)) if named
-                  else contextlib.nullcontext(True)) as deterministic:
+            with named_dq(variant) as deterministic:
                 grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm,
                                                        block_sizes=blocks, deterministic=deterministic, **kwargs)
             if variant == "nan":
@@ -268,14 +274,32 @@ def main(selected=()):
     print("all kernels ran; worst relative error", worst)
 
 
-#: Packed sequences (query lengths, key lengths): empty, one-row and ragged ones, causal bottom-right.
-VARLEN_LENGTHS = ([5, 0, 37, 1], [9, 3, 33, 1])
+def named_dq(variant):
+    """The wgmma backward's dQ in the way the variant names, else its default (``DQ_MODE``): a context that yields
+    the ``deterministic`` to pass."""
+    named = next((mode for mode in ("unordered", "ordered", "separate") if mode in variant), None)
+    return wgmma_dq({"unordered": "atomic"}.get(named, named)) if named else contextlib.nullcontext(True)
 
 
-def packed(direction, dtype, blocks, rng):
-    """attention_varlen (or its backward) on torch tensors, grouped heads, dropout; the worst relative error."""
-    heads, kv_heads, d = 4, 2, 24
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in VARLEN_LENGTHS)
+#: Packed sequences (query lengths, key lengths): empty, one-row and ragged ones, causal bottom-right; d = 24.
+VARLEN_LENGTHS, VARLEN_HEAD_DIM = ([5, 0, 37, 1], [9, 3, 33, 1]), 24
+#: The wgmma kernels': longer ones, over one to three 64-row tiles (a sequence without keys, one without queries).
+WGMMA_VARLEN_LENGTHS = ([5, 0, 130, 1, 3, 70], [9, 3, 150, 1, 0, 64])
+
+
+def packed_lengths(algorithm):
+    return WGMMA_VARLEN_LENGTHS if algorithm == "wgmma" else VARLEN_LENGTHS
+
+
+def packed(direction, algorithm, variant, dtype, blocks, d, rng):
+    """attention_varlen (or its backward) on torch tensors, causal bottom-right: on flash2 grouped heads and dropout,
+    on wgmma (no dropout) grouped heads where the variant says "gqa", dQ as it names (``named_dq``); the worst
+    relative error."""
+    wgmma = algorithm == "wgmma"
+    heads, kv_heads = (4, 2) if "gqa" in variant or not wgmma else (2, 2)
+    dropout_p = 0.0 if wgmma else DROPOUT_P
+    lengths = packed_lengths(algorithm)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in lengths)
     host = [rng.standard_normal((total, h, d)).astype(dtype)
             for total, h in ((cu_q[-1], heads), (cu_k[-1], kv_heads), (cu_k[-1], kv_heads))]
 
@@ -284,19 +308,22 @@ def packed(direction, dtype, blocks, rng):
         return t.view(torch.bfloat16) if dtype == BF16 else t
 
     q, k, v = (device(x) for x in host)
-    longest = (max(VARLEN_LENGTHS[0]), max(VARLEN_LENGTHS[1]))
-    keep = numba_flash.dropout_mask((len(cu_q) - 1, heads) + longest, DROPOUT_P, seed=7)
-    options = dict(causal=True, dropout_p=DROPOUT_P, seed=7)
+    longest = (max(lengths[0]), max(lengths[1]))
+    keep = numba_flash.dropout_mask((len(cu_q) - 1, heads) + longest, dropout_p, seed=7) if dropout_p else None
+    options = dict(causal=True, dropout_p=dropout_p, seed=7)
     cu = (torch.as_tensor(cu_q, device="cuda"), torch.as_tensor(cu_k, device="cuda"))
-    o, lse = numba_flash.attention_varlen(q, k, v, *cu, return_lse=True, block_sizes=blocks, **options)
-    ref, _ = reference.attention_varlen(*host, cu_q, cu_k, causal=True, dropout_keep=keep, dropout_p=DROPOUT_P)
+    # The backward starts from flash2's forward (the wgmma forward is the forward runs' subject).
+    o, lse = numba_flash.attention_varlen(q, k, v, *cu, return_lse=True, block_sizes=blocks,
+                                          algorithm=algorithm if direction == "forward" else "flash2", **options)
+    ref, _ = reference.attention_varlen(*host, cu_q, cu_k, causal=True, dropout_keep=keep, dropout_p=dropout_p)
     if direction == "forward":
         return check("O", o, ref, dtype)
     do_host = rng.standard_normal(host[0].shape).astype(dtype)
-    grads = numba_flash.attention_varlen_backward(q, k, v, o, lse, device(do_host), *cu, block_sizes=blocks,
-                                                  **options)
+    with named_dq(variant) as deterministic:
+        grads = numba_flash.attention_varlen_backward(q, k, v, o, lse, device(do_host), *cu, block_sizes=blocks,
+                                                      algorithm=algorithm, deterministic=deterministic, **options)
     want = reference.attention_varlen_backward(*host, do_host, cu_q, cu_k, causal=True, dropout_keep=keep,
-                                               dropout_p=DROPOUT_P)
+                                               dropout_p=dropout_p)
     return max(check(label, got, expected, dtype) for label, got, expected in zip(("dq", "dk", "dv"), grads, want))
 
 

@@ -59,8 +59,8 @@ from ...sparsity.tile_lists import listed_tile
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
                        padded_head_dim)
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
-                     lane_flags, log2_lse, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates,
-                     tile_copier, tile_movers, warp_lane, word_extent)
+                     lane_flags, log2_lse, lse_slabs, operand_extent, sequence_arguments, sequence_arrays,
+                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
 from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
@@ -512,7 +512,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     words = word_extent(call)
     rows = lse_slabs(call) * call.n_q   # of lse and D
     sizes = dict(heads=call.heads, n_q=call.n_q, head_dim=call.head_dim)
-    sequences = ("q_bounds", "k_bounds") if varlen else ()
+    sequences, bounds_extents = sequence_arrays(call)
 
     operands = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
@@ -521,8 +521,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
                     **sequence_arguments(call))
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs),
                    dO=words(q_shape, do_strides), LSE=rows, D=rows)
-    if varlen:
-        extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
+    extents.update(bounds_extents)
     threads = flash2_threads(own)
 
     k_tiles = cdiv(call.longest_k, own)
@@ -548,12 +547,6 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
         ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + ("seed0", "seed1"),
         dict(extents, dQ=words(q_shape, dq_s)))
     return preprocess_launch(call, o_strides, do_strides), dkdv_launch, dq_launch
-
-
-def lse_slabs(call):
-    """Slabs of N_q rows of lse and D: one per (batch, head); a packed call has one per head over all its
-    sequences."""
-    return call.heads if call.varlen is not None and call.varlen.packed else call.batch_heads
 
 
 def preprocess_launch(call, o_strides, do_strides):

@@ -127,6 +127,22 @@ def sequence_arguments(call):
     return fixed
 
 
+def sequence_arrays(call):
+    """(names, extents): a call's per-batch bounds arrays (``sequence_bounds``), which its launches take per call
+    after their operands: q_bounds and k_bounds for packed sequences, k_bounds alone for a KV cache (its queries'
+    bounds are the call's own), none without per-batch lengths."""
+    if call.varlen is None:
+        return (), {}
+    names = ("k_bounds",) if call.varlen.kv_cache else ("q_bounds", "k_bounds")
+    return names, dict(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
+
+
+def lse_slabs(call):
+    """Slabs of N_q rows of lse (and the backward's D): one per (batch, head); a packed call has one per head over
+    all its sequences (flash-attn's (H_q, total_q))."""
+    return call.heads if call.varlen is not None and call.varlen.packed else call.batch_heads
+
+
 def paging_arguments(paging):
     """A paged cache's ``Paging`` as the kernels' fixed arguments (``cache_rows``; the block table comes per call as
     PAGES), or placeholders for contiguous operands (None)."""
@@ -619,6 +635,6 @@ def warp_lane(tid):
 
 __all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "cache_rows",
            "ceil_div", "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "entry_fits",
-           "kernel_name", "operand_extent", "pair_has_nan", "paging_arguments", "partly_masked_tiles", "row_lse",
-           "sequence_arguments", "sequence_bounds", "sequence_mode", "tile_coordinates", "tile_copier", "tile_movers",
-           "warp_lane", "word_extent", "words_per_chunk_row"]
+           "kernel_name", "lse_slabs", "operand_extent", "pair_has_nan", "paging_arguments", "partly_masked_tiles",
+           "row_lse", "sequence_arguments", "sequence_arrays", "sequence_bounds", "sequence_mode", "tile_coordinates",
+           "tile_copier", "tile_movers", "warp_lane", "word_extent", "words_per_chunk_row"]

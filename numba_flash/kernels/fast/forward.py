@@ -107,9 +107,9 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .cache import last_to_arrive, output_element, tile_merger
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache_rows, ceil_div, dropout_arguments,
-                     dropout_words, kernel_name, keys_end, lane_flags, paging_arguments, partly_masked_tiles, row_lse,
-                     sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers,
-                     warp_lane, word_extent)
+                     dropout_words, kernel_name, keys_end, lane_flags, lse_slabs, paging_arguments,
+                     partly_masked_tiles, row_lse, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
+                     tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
@@ -744,7 +744,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     qs, ks, vs = call.strides
     words = word_extent(call)
     q_shape, kv_shape = call.kernel_shapes
-    rows = (call.heads if call.varlen and call.varlen.packed else call.batch_heads) * call.n_q
+    rows = lse_slabs(call) * call.n_q
     merged = ("MERGED_O", "MERGED_LSE", "ARRIVALS")
     if splits > 1:   # partial results, one (rows, d_pad) float32 slab per split
         os_ = Strides(call.heads * call.n_q * d_pad, call.n_q * d_pad, d_pad)
@@ -769,10 +769,9 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
     # Per-batch bounds come per call: a cache's lengths alone (its queries' bounds are the call's own), and a paged
     # cache's block table.
-    bounds = {False: (), True: ("q_bounds", "k_bounds"), "cache": ("k_bounds",)}[mode] + (("PAGES",) if paging else ())
-    per_call = ("Q", "K", "V", "O", "LSE") + bounds + merged + ("seed0", "seed1")
-    if call.varlen:
-        extents.update(q_bounds=call.varlen.q_bounds_size, k_bounds=call.varlen.k_bounds_size)
+    bounds, bounds_extents = sequence_arrays(call)
+    per_call = ("Q", "K", "V", "O", "LSE") + bounds + (("PAGES",) if paging else ()) + merged + ("seed0", "seed1")
+    extents.update(bounds_extents)
     if paging:
         extents.update(PAGES=paging.table_extent)
     return Launch(kernel, q_tiles * splits * call.batch_heads, flash2_threads(block_m, warp_rows) * key_warps,

@@ -4,7 +4,10 @@
 backward of ``kernels/fast``, its reference), and ``algorithm="wgmma"`` asks for it.  Scope: as the wgmma forward's
 (``common.out_of_scope``): float16 and bfloat16, d a multiple of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it
 at d = 64, 96 and 128, where it takes the forward), dense or causal (either alignment), block masks (below; flash2
-takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows.
+takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows, packed
+sequences (``attention_varlen_backward``; every kernel's VARLEN, as the forward's: each block reads its sequence's
+bounds with ``fast.common.sequence_bounds`` first; in every way of summing dQ, the ordered turns over the sequence's
+own key tiles; flash2 takes them once ``forward.PICK_VARLEN`` is on).
 
 A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one, as in the forward (d = 96
 on d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the same cp.async
@@ -86,7 +89,9 @@ Departures from FlashAttention-3's backward, each a step still to take (and to m
   there, not here;
 * block masks: the grid keeps its dense order (the forward's longest-first order applies to the dQ kernel only: the ordered adds need
   the dispatch order of their turns);
-* no dropout or packed sequences yet.
+* packed sequences: the grid covers the longest sequence's tiles for every sequence, and the blocks past a sequence's
+  end leave at once (FlashAttention-3's scheduler visits only the tiles that exist);
+* no dropout yet.
 """
 import math
 import os
@@ -102,8 +107,9 @@ from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
-from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, log2_lse, partly_masked_tiles,
-                           tile_coordinates, warp_lane, word_extent)
+from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, log2_lse, lse_slabs, partly_masked_tiles,
+                           sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode, tile_coordinates,
+                           warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
                                store_word, u32_as_f32)
@@ -218,6 +224,8 @@ def steps(HEAD_DIM, ELEMENT):
 #: adds ("forward": the wgmma forward's lists at one warpgroup, and its order of the blocks, longest list first).
 MASK_TILES = (BLOCK_N, BLOCK_N)
 MASK_ARRAYS = dict(tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8)
+#: Packed sequences' bounds (``fast.common.sequence_bounds``; placeholders without).
+BOUNDS_ARRAYS = dict(q_bounds=np.int32, k_bounds=np.int32)
 
 
 @lru_cache(maxsize=None)
@@ -366,7 +374,7 @@ def contributors(m, k_tiles, causal_offset):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=False, PARTLY_MASKED=True):
+def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False):
     """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring.  With DQ_MODE
     "ordered" or "atomic" it also adds each step's dS K into DQ_SUM (float32, (batch * heads, q_tiles * 64, d)):
     "ordered" in a fixed order of the key tiles per query tile, kept by the counters TURNS (one per query tile and
@@ -377,7 +385,16 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     ``query_steps``, ``listed_step``); "ordered" then gives a key tile the turn of its place among the key tiles
     that visit the query tile, in the same order (``dq_turn``).  PARTLY_MASKED (with HAS_MASK): some listed tile
     is only partly covered by the mask's blocks, and its P^T takes the element test (``element_test``); False
-    compiles the test out.  Without a mask every step compiles as before (the mask's arguments placeholders)."""
+    compiles the test out.  Without a mask every step compiles as before (the mask's arguments placeholders).
+
+    VARLEN: packed sequences (``fast.common.sequence_bounds``, as the forward's VARLEN): the block's first step
+    reads its sequence's bounds, and from then on n_q, n_k, causal_offset and the query and key tiles are the
+    sequence's (the grid covers the longest: a block past its sequence's keys leaves before any barrier), its rows
+    offset by the sequence's first query and key, lse and D where ``lse_row`` puts them.  dQ's float32 sum and its
+    turns keep their layout (a slab of the longest sequence's query tiles per (sequence, head)), the ordered turns
+    counted over the sequence's own key tiles."""
+    assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    sequence, lse_row = sequence_bounds(VARLEN)
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
     SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
@@ -505,19 +522,27 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
                do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
                causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r,
-               mask_t_c, row_offsets, row_entries):
+               mask_t_c, row_offsets, row_entries, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh):
         # Q, K, V, dO, dK, dV: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte
         # aligned); LSE, D: (batch * heads, n_q) float32.  Query heads h_kv group .. h_kv group + group - 1 read
         # key/value head h_kv.  DQ_SUM and TURNS: see above (unused when dQ has its own pass).  HAS_MASK: the query
         # tiles of key tile kt of head bh are tile_entries[tile_offsets[bh (k_tiles + 1) + kt] ...], the key tiles
         # of query tile qt row_entries[row_offsets[bh (q_tiles + 1) + qt] ...] (``MASK_TILES``), M the uint8
         # (bh, mask_t_r, mask_t_c) block layout of blocks (mask_rows, mask_cols); placeholders without a mask.
+        # VARLEN: q_bounds, k_bounds bound each sequence's rows (``sequence_bounds``; placeholders without).
         rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
         # Causal: rank 0 is key tile 0, the one the most query rows see (longest first), or when the adds are
         # ordered from the diagonal down, the last key tile (shortest first: every block it waits for started
         # before it).
         tile = k_tiles - 1 - rank if CAUSAL and ORDERED else rank
         k0 = tile * BLOCK_N
+        lse_rows = n_q   # of lse and D per (batch, head), or per head over the packed sequences (VARLEN)
+        first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                                   causal_offset, bottom_right, 0)
+        if VARLEN and k0 >= n_k:   # the grid covers the longest sequence; the whole block leaves, before any barrier
+            return
+        # The sequence's query and key tiles (the grid's k_tiles and q_tiles still lay out the lists and dQ's sum).
+        own_q_tiles, own_k_tiles = (ceil_div(n_q, BLOCK_N), ceil_div(n_k, BLOCK_N)) if VARLEN else (q_tiles, k_tiles)
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
         smem = cuda.shared.array(0, uint32)
@@ -536,7 +561,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
 
         # The steps: every query tile of every query head of the group that sees key tile j, heads in order.
         bh0 = (b * kv_heads + h_kv) * group   # the group's first query head, as a batch*heads index
-        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, k0, q_tiles,
+        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, k0, own_q_tiles,
                                                     causal_offset)
 
         dk_acc = cuda.local.array(ACC_REGISTERS, float32)
@@ -550,9 +575,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             dk_acc[i] = float32(0)
             dv_acc[i] = float32(0)
 
-        if not HAS_MASK or steps > 0:   # (a key tile no listed query tile sees copies nothing: dK = dV = 0)
-            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + k0 * k_sn, k_sn, n_k - k0, tid)
-            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + k0 * v_sn, v_sn, n_k - k0, tid)
+        # (a key tile no listed query tile sees, or a sequence without queries, copies nothing: dK = dV = 0)
+        if steps > 0 or not (HAS_MASK or VARLEN):
+            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + (first_key + k0) * k_sn, k_sn, n_k - k0, tid)
+            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + (first_key + k0) * v_sn, v_sn, n_k - k0, tid)
         if steps > 0:
             if HAS_MASK:
                 x, q_tile, _ = listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, 0)
@@ -560,8 +586,9 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                 x, q_tile = 0, first_q_tile
             h = h_kv * group + x
             q0 = q_tile * BLOCK_N
-            start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh, b * do_sb + h * do_sh, q_sn, do_sn,
-                       (b * kv_heads * group + h) * n_q, q0, n_q, tid)
+            start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh + first_query * q_sn,
+                       b * do_sb + h * do_sh + first_query * do_sn, q_sn, do_sn,
+                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, tid)
         copy_async_commit()
         c_log2 = float32(scale_log2)
         for step in range(steps):
@@ -583,8 +610,9 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                     x_next, q_next = (step + 1) // per_head, 0
                 h_next = h_kv * group + x_next
                 start_step(smem, q_at + (stage ^ 1) * 2 * TILE_WORDS, scalars_at + (stage ^ 1) * 2 * BLOCK_N, Q, dO,
-                           LSE, D, b * q_sb + h_next * q_sh, b * do_sb + h_next * do_sh, q_sn, do_sn,
-                           (b * kv_heads * group + h_next) * n_q,
+                           LSE, D, b * q_sb + h_next * q_sh + first_query * q_sn,
+                           b * do_sb + h_next * do_sh + first_query * do_sn, q_sn, do_sn,
+                           lse_row(b * kv_heads * group + h_next, b, h_next, first_query, lse_rows, lse_sb, lse_sh),
                            (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, tid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
@@ -615,26 +643,31 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             wgmma_commit()
             if SUM_DQ:
                 h = h_kv * group + (x if HAS_MASK else step // per_head)
-                turn = dq_turn(row_offsets, row_entries, b * kv_heads * group + h, q_tile, q_tiles, tile, k_tiles,
+                turn = dq_turn(row_offsets, row_entries, b * kv_heads * group + h, q_tile, q_tiles, tile, own_k_tiles,
                                causal_offset)
                 add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn, warp,
                        g, t, tid)
             wait_all_products()
 
-        store_rows(dK, b * dk_sb + h_kv * dk_sh + k0 * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp, g, t)
-        store_rows(dV, b * dv_sb + h_kv * dv_sh + k0 * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp, g, t)
+        store_rows(dK, b * dk_sb + h_kv * dk_sh + (first_key + k0) * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp,
+                   g, t)
+        store_rows(dV, b * dv_sb + h_kv * dv_sh + (first_key + k0) * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp,
+                   g, t)
 
     name = f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
         "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE}") + (
-        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "")
+        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "")
     return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
-                                                    row_offsets=np.int32, row_entries=np.int32))
+                                                    row_offsets=np.int32, row_entries=np.int32, **BOUNDS_ARRAYS))
 
 
 @lru_cache(maxsize=None)
-def make_dq_convert(HEAD_DIM, ELEMENT):
+def make_dq_convert(HEAD_DIM, ELEMENT, VARLEN=False):
     """dQ = scale DQ_SUM in 16-bit: one block of 128 threads per (query tile, batch * head), each thread a column
-    pair of every ROWS_AT_ONCE-th row (consecutive threads, consecutive words: coalesced both ways)."""
+    pair of every ROWS_AT_ONCE-th row (consecutive threads, consecutive words: coalesced both ways).  VARLEN: batch
+    entry b is packed sequence b, its rows of dQ from its first query on (``sequence_bounds``), its sum's slab laid
+    out as a batch entry's."""
+    sequence = sequence_bounds(VARLEN)[0]
     _, pack = sixteen_bit_ops(ELEMENT)
     PAIRS = HEAD_DIM // 2
     ROWS_AT_ONCE = WARPGROUP // PAIRS
@@ -642,8 +675,9 @@ def make_dq_convert(HEAD_DIM, ELEMENT):
     # row have none; the test is not compiled where they do (d = 16, 32, 64, 128).
     ALL_BUSY = ROWS_AT_ONCE * PAIRS == WARPGROUP
 
-    def kernel(DQ_SUM, dQ, dq_sb, dq_sh, dq_sn, heads, n_q, q_tiles, scale):
+    def kernel(DQ_SUM, dQ, dq_sb, dq_sh, dq_sn, heads, n_q, q_tiles, scale, q_bounds, q_step, k_bounds, k_step):
         q_tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads)
+        first_query, _, n_q, _, _ = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_q, 0, 0, 0)
         tid = cuda.threadIdx.x
         column = 2 * (tid % PAIRS)
         first_row = tid // PAIRS if ALL_BUSY or tid < ROWS_AT_ONCE * PAIRS else BLOCK_N
@@ -651,18 +685,22 @@ def make_dq_convert(HEAD_DIM, ELEMENT):
             row = q_tile * BLOCK_N + r
             if row < n_q:
                 at = (bh * q_tiles * BLOCK_N + row) * HEAD_DIM + column
-                store_word(dQ, (b * dq_sb + h * dq_sh + row * dq_sn + column) // 2,
+                store_word(dQ, (b * dq_sb + h * dq_sh + (first_query + row) * dq_sn + column) // 2,
                            pack(DQ_SUM[at] * float32(scale), DQ_SUM[at + 1] * float32(scale)))
 
-    return Kernel(kernel, f"wgmma_backward_dq_convert_d{HEAD_DIM}_{ELEMENT}",
-                  arrays=dict(DQ_SUM=np.float32, dQ=np.uint32), floats=("scale",), launch_bounds=(WARPGROUP, 1))
+    return Kernel(kernel, f"wgmma_backward_dq_convert_d{HEAD_DIM}_{ELEMENT}" + ("_varlen" if VARLEN else ""),
+                  arrays=dict(DQ_SUM=np.float32, dQ=np.uint32, **BOUNDS_ARRAYS), floats=("scale",),
+                  launch_bounds=(WARPGROUP, 1))
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True):
+def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False):
     """dQ: one warpgroup per (query tile, batch, query head); see the module docstring.  HAS_MASK: a block mask
     lists the key tiles each query tile visits and the order of the blocks (the wgmma forward's lists at one
-    warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED as the dK/dV kernel's."""
+    warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED and VARLEN as the dK/dV kernel's (a block past
+    its sequence's queries leaves before any barrier)."""
+    assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    sequence, lse_row = sequence_bounds(VARLEN)
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED
@@ -720,11 +758,17 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True)
 
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
                dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2, tile_offsets,
-               tile_entries, tile_order, M, mask_rows, mask_cols, mask_t_r, mask_t_c):
+               tile_entries, tile_order, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds,
+               k_step, bottom_right, lse_sb, lse_sh):
         # As the dK/dV kernel's; key/value head h // group serves query head h.  HAS_MASK: the key tiles of query
         # tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...], block i runs tile
-        # tile_order[i]; placeholders without a mask.
+        # tile_order[i]; placeholders without a mask.  VARLEN: the sequences' bounds, as the dK/dV kernel's.
         q0, h, b, bh = block_tile(tile_order, q_tiles, heads)
+        lse_rows = n_q   # of lse and D per (batch, head), or per head over the packed sequences (VARLEN)
+        first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                                   causal_offset, bottom_right, 0)
+        if VARLEN and q0 >= n_q:   # the grid covers the longest sequence; the whole block leaves, before any barrier
+            return
         tid = cuda.threadIdx.x
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
@@ -737,13 +781,14 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True)
         warp, g, t = warp_lane(tid)
         lse2 = cuda.local.array(2, float32)   # this lane's rows g and g + 8 (of its warp's 16): lse in log2 units
         d_i = cuda.local.array(2, float32)
+        lse_first = lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh)   # this head's lse (and D) row 0
         for r in range(2):
             row = q0 + 16 * warp + g + 8 * r
-            lse2[r] = log2_lse(LSE[bh * n_q + row]) if row < n_q else float32(math.inf)
-            d_i[r] = D[bh * n_q + row] if row < n_q else float32(0)
+            lse2[r] = log2_lse(LSE[lse_first + row]) if row < n_q else float32(math.inf)
+            d_i[r] = D[lse_first + row] if row < n_q else float32(0)
         first, n_tiles = key_tiles(tile_offsets, q0, bh, q_tiles, n_q, n_k, causal_offset)
-        k_first = b * k_sb + (h // group) * k_sh
-        v_first = b * v_sb + (h // group) * v_sh
+        k_first = b * k_sb + (h // group) * k_sh + first_key * k_sn
+        v_first = b * v_sb + (h // group) * v_sh + first_key * v_sn
 
         dq_acc = cuda.local.array(ACC_REGISTERS, float32)
         s = cuda.local.array(S_REGISTERS, float32)
@@ -752,9 +797,9 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True)
         for i in range(ACC_REGISTERS):
             dq_acc[i] = float32(0)
 
-        if not HAS_MASK or n_tiles > 0:   # (a block mask may give a tile no key: dQ = 0, no copies)
-            start_tile(smem, q_at, Q, b * q_sb + h * q_sh + q0 * q_sn, q_sn, n_q - q0, tid)
-            start_tile(smem, do_at, dO, b * do_sb + h * do_sh + q0 * do_sn, do_sn, n_q - q0, tid)
+        if n_tiles > 0 or not (HAS_MASK or VARLEN):   # (a block mask, or a sequence without keys: dQ = 0, no copies)
+            start_tile(smem, q_at, Q, b * q_sb + h * q_sh + (first_query + q0) * q_sn, q_sn, n_q - q0, tid)
+            start_tile(smem, do_at, dO, b * do_sb + h * do_sh + (first_query + q0) * do_sn, do_sn, n_q - q0, tid)
         if n_tiles > 0:
             k0 = key_tile(tile_entries, first, 0, n_tiles)[0]
             start_tile(smem, kv_at, K, k_first + k0 * k_sn, k_sn, n_k - k0, tid)
@@ -786,18 +831,20 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True)
             wgmma_commit()
             wait_all_products()
 
-        store_rows(dQ, b * dq_sb + h * dq_sh + q0 * dq_sn, dq_sn, dq_acc, n_q - q0, float32(scale), warp, g, t)
+        store_rows(dQ, b * dq_sb + h * dq_sh + (first_query + q0) * dq_sn, dq_sn, dq_acc, n_q - q0, float32(scale),
+                   warp, g, t)
 
     return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
-        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else ""), ("dQ",),
-                   dict(MASK_ARRAYS, tile_order=np.int32))
+        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else ""),
+                   ("dQ",), dict(MASK_ARRAYS, tile_order=np.int32, **BOUNDS_ARRAYS))
 
 
 @dataclass(frozen=True)
 class SummedDq:
     """The launches of a backward whose dK/dV kernel sums dQ: per call, ``preprocess(stream, O, dO, D)``,
     ``dkdv(stream, Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS)`` with DQ_SUM (``sum_words`` float32) and TURNS
-    (``turns`` int32) zeroed, then ``convert(stream, DQ_SUM, dQ)``."""
+    (``turns`` int32) zeroed, then ``convert(stream, DQ_SUM, dQ)``; packed sequences add their bounds to both,
+    ``(..., q_bounds, k_bounds)``."""
     preprocess: Launch
     dkdv: Launch
     convert: Launch
@@ -849,15 +896,19 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     words = word_extent(call)
     (qs, ks, vs), dq_s, dkv_s = call.strides, call.result_strides("q"), call.result_strides("kv")
     q_shape, kv_shape = call.kernel_shapes
-    rows = call.batch_heads * call.n_q   # of lse and D
+    rows = lse_slabs(call) * call.n_q   # of lse and D
     operands = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
                     do_sn=do_strides.row, group=call.group, n_q=call.n_q, n_k=call.n_k,
-                    causal_offset=call.causal_offset, scale=call.scale, scale_log2=call.scale * LOG2_E)
+                    causal_offset=call.causal_offset, scale=call.scale, scale_log2=call.scale * LOG2_E,
+                    **sequence_arguments(call))
+    bounds, bounds_extents = sequence_arrays(call)   # (packed sequences: cu_seqlens_q and _k, after the rest)
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), dO=words(q_shape, do_strides),
-                   LSE=rows, D=rows)
+                   LSE=rows, D=rows, **bounds_extents)
     inputs = ("Q", "K", "V", "dO", "LSE", "D")
-    k_tiles, q_tiles = cdiv(call.n_k, BLOCK_N), cdiv(call.n_q, BLOCK_N)
+    varlen = sequence_mode(call)
+    # Packed sequences: the longest one's tiles for every sequence (the blocks past a sequence's end leave at once).
+    k_tiles, q_tiles = cdiv(call.longest_k, BLOCK_N), cdiv(call.longest_q, BLOCK_N)
     sum_words, turns = call.batch_heads * q_tiles * BLOCK_N * call.head_dim, call.batch_heads * q_tiles
     # A block mask's lists (placeholders without one): query tiles per key tile for the dK/dV kernel, key tiles per
     # query tile (the forward's) for the dQ kernel and for the order of the dK/dV kernel's adds ("ordered").
@@ -869,25 +920,25 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
     has_mask = call.block_mask is not None
     dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode, has_mask,
-                                  partly_masked_tiles(call, MASK_TILES, "dkdv"))
+                                  partly_masked_tiles(call, MASK_TILES, "dkdv"), varlen)
     dkdv_grid = k_tiles * call.batch * call.kv_heads
     preprocess = preprocess_launch(call, o_strides, do_strides)
     if dq_mode != "separate":
         dkdv = Launch(dkdv_kernel, dkdv_grid, WARPGROUP, shared_bytes(call.head_dim, dq_mode), dkdv_operands,
-                      inputs + ("dK", "dV", "DQ_SUM", "TURNS"), dkdv_extents)
-        convert = Launch(make_dq_convert(call.head_dim, call.precision), q_tiles * call.batch_heads, WARPGROUP, 0,
-                         dict(dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads, n_q=call.n_q,
-                              q_tiles=q_tiles, scale=call.scale),
-                         ("DQ_SUM", "dQ"), dict(DQ_SUM=sum_words, dQ=words(q_shape, dq_s)))
+                      inputs + ("dK", "dV", "DQ_SUM", "TURNS") + bounds, dkdv_extents)
+        convert = Launch(make_dq_convert(call.head_dim, call.precision, varlen), q_tiles * call.batch_heads, WARPGROUP,
+                         0, dict(dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads, n_q=call.n_q,
+                                 q_tiles=q_tiles, scale=call.scale, **sequence_arguments(call)),
+                         ("DQ_SUM", "dQ") + bounds, dict(DQ_SUM=sum_words, dQ=words(q_shape, dq_s), **bounds_extents))
         return SummedDq(preprocess, dkdv, convert, sum_words, turns)
     shared = shared_bytes(call.head_dim)
     dkdv = Launch(dkdv_kernel, dkdv_grid, WARPGROUP, shared,
                   dict(dkdv_operands, DQ_SUM=placeholder(np.float32), TURNS=placeholder(np.int32)),
-                  inputs + ("dK", "dV"), dkdv_extents)
+                  inputs + ("dK", "dV") + bounds, dkdv_extents)
     dq_kernel = make_wgmma_dq(call.head_dim, call.precision, bool(call.causal), has_mask,
-                              partly_masked_tiles(call, MASK_TILES, "forward"))
+                              partly_masked_tiles(call, MASK_TILES, "forward"), varlen)
     dq = Launch(dq_kernel, q_tiles * call.batch_heads,
                 WARPGROUP, shared, dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads,
                                         q_tiles=q_tiles, **rows_lists),
-                inputs + ("dQ",), dict(extents, dQ=words(q_shape, dq_s)))
+                inputs + ("dQ",) + bounds, dict(extents, dQ=words(q_shape, dq_s)))
     return preprocess, dkdv, dq

@@ -143,8 +143,10 @@ def out_of_scope(call, kernel):
         return f"q, k and v must have rows that start on 16-byte boundaries for {name}"
     if not np.float32(call.scale * LOG2_E) > 0:
         return f"scale must be positive for {name}, not {call.scale}"
-    if call.dropout_p > 0 or call.varlen is not None:
-        return f"{name} has no dropout or packed sequences yet"
+    if call.dropout_p > 0:
+        return f"{name} has no dropout yet"
+    if call.varlen is not None and (call.varlen.kv_cache or not call.varlen.packed):
+        return f"{name} takes packed sequences (attention_varlen), not a KV cache"
     if not in_simulator() and device_limits().compute_capability != (9, 0):
         return f"{name} needs a GPU of compute capability 9.0 (H100, H200)"
     return None

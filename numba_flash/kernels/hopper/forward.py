@@ -7,9 +7,10 @@ it outright; every other call, and every other GPU, stays on the ``mma.sync`` ke
 of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
 causal (top-left or bottom-right), block masks (below; flash2 takes those of whole 64 x 64 tiles,
 ``whole_tiles``), grouped heads, any strides with contiguous 16-byte rows, a positive scale, NaN
-propagated as on the other path; no dropout or packed sequences yet.  ``tests/test_hopper.py``
-checks it against the float64 reference in the simulator (through ``wgmma.py``'s twins, which read
-operands by its layout table) and on a Hopper GPU, where
+propagated as on the other path, packed sequences (``attention_varlen``; below); no dropout yet.
+``tests/test_hopper.py`` (and ``tests/test_hopper_varlen.py``) checks it against the float64
+reference in the simulator (through ``wgmma.py``'s twins, which read operands by its layout table)
+and on a Hopper GPU, where
 ``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01; at d = 64 and 128 only:
 the m64n96 read of V below is the twins' so far, its cases there not yet run on a GPU).
 
@@ -71,6 +72,13 @@ and advanced by constants (``tile_descriptors``, ``staged``, ``wgmma.advanced``)
 without row tests (``start_tile``), and the stage is a bit: a full tile's path is 336 instructions at d = 64
 and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``experiments/tuning/results/sass_counts_wgmma.md``).
 
+Packed sequences (``make_wgmma_forward``'s VARLEN): the block's first step reads its sequence's bounds with the
+mma.sync kernels' device function (``fast.common.sequence_bounds``), after which every step above runs on the
+sequence's lengths, causal offset and rows; the grid covers the longest sequence, and a block past its sequence's
+last query tile leaves before any barrier.  ``algorithm="wgmma"`` runs it; flash2 takes it only once
+``PICK_VARLEN`` is on (not before a GPU has run it).  Departure from the dense kernel: none in the loop; the flag
+compiles out of the kernels without it (their PTX instructions unchanged, sm_90a, 2026-12-05).
+
 Barriers and fences, each where it sits:
 
 * after a thread's ``cp.async`` copies land (``land_tiles``), ``fence_proxy_async``: the copies are
@@ -101,8 +109,9 @@ from ...runtime.device import in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
-from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, lane_flags, nan_cleaner,
-                           pair_has_nan, partly_masked_tiles, row_lse, tile_coordinates, warp_lane, word_extent)
+from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, lane_flags, lse_slabs,
+                           nan_cleaner, pair_has_nan, partly_masked_tiles, row_lse, sequence_arguments, sequence_arrays,
+                           sequence_bounds, sequence_mode, tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
@@ -139,7 +148,8 @@ def shared_bytes(head_dim, warpgroups=1, overlap=False):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK=False, PARTLY_MASKED=True):
+def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK=False, PARTLY_MASKED=True,
+                       VARLEN=False):
     """The kernel for head dim D (``common.HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
     "bf16", causal or not, with a block mask or not.
 
@@ -177,7 +187,18 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     diagonal crosses); False when the mask's blocks are unions of whole tiles, which compiles the test out.
     Without a mask every step compiles as before: the PTX of the dense and causal kernels is the same but for the
     mask's arguments in the parameter list (unused placeholders, ``block_mask_arguments``).
+
+    VARLEN: packed sequences of their own lengths (``fast.common.sequence_bounds``, the mma.sync kernels' step):
+    batch entry b is sequence b, its rows read from the bounds arrays q_bounds and k_bounds, and from then on n_q,
+    n_k and causal_offset are the sequence's (``sequence``, the block's first step), its rows offset by its first
+    query and key, its lse rows where ``lse_row`` puts them.  A block past its sequence's last query tile leaves
+    before its first copy (the grid covers the longest sequence), and one whose sequence has no key copies nothing
+    and writes O = 0, lse = -inf.  Without it ``sequence`` returns the call's own lengths and rows 0, which the
+    compiler folds away (the bounds' placeholder arguments added to the parameter list).
     """
+    assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    assert VARLEN in (False, True), "the wgmma forward reads packed sequences, not a KV cache"
+    sequence, lse_row = sequence_bounds(VARLEN)
     THREADS = WARPGROUP * WARPGROUPS
     ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
@@ -402,13 +423,20 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M, mask_rows,
-               mask_cols, mask_t_r, mask_t_c):
+               mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys, lse_sb,
+               lse_sh):
         # Q, K, V, O: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte aligned);
         # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.  HAS_MASK: the key tiles
         # of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...] (``key_tile``),
         # block i runs tile tile_order[i], and M is the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks of
-        # (mask_rows, mask_cols) (``block_mask_arguments``; placeholders without a mask).
+        # (mask_rows, mask_cols) (``block_mask_arguments``; placeholders without a mask).  VARLEN: q_bounds,
+        # k_bounds bound each sequence's rows (``sequence_bounds``; placeholders without).
         q0, h, b, bh = block_tile(tile_order, q_tiles, heads)
+        lse_rows = n_q   # of lse per (batch, head), or per head over the packed sequences (VARLEN)
+        first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                                   causal_offset, bottom_right, new_keys)
+        if VARLEN and q0 >= n_q:   # the grid covers the longest sequence; the whole block leaves, before any barrier
+            return
         layout = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
@@ -425,8 +453,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         q_desc, k_desc, v_desc = tile_descriptors(q_address, base + k_at * 4, base + v_at * 4)
 
         first, n_tiles = key_tiles(tile_offsets, q0, bh, q_tiles, n_q, n_k, causal_offset)
-        k_first = b * k_sb + (h // group) * k_sh      # key 0 of this head's K (and V below)
-        v_first = b * v_sb + (h // group) * v_sh
+        k_first = b * k_sb + (h // group) * k_sh + first_key * k_sn   # key 0 of this head's K (and V below)
+        v_first = b * v_sb + (h // group) * v_sh + first_key * v_sn
 
         m_i = cuda.local.array(2, float32)                # this lane's rows g and g + 8 (of 16 warp)
         l_i = cuda.local.array(2, float32)
@@ -443,8 +471,10 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
 
         for w in range(WARPGROUPS):
             q_w = q0 + w * BLOCK_M
-            if not HAS_MASK or n_tiles > 0:   # (a block mask may give a tile no key: O = 0, lse = -inf, no copies)
-                start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + q_w * q_sn, q_sn, n_q - q_w, tid)
+            # (a block mask, or a sequence without keys, may give a tile no key: O = 0, lse = -inf, no copies)
+            if n_tiles > 0 or not (HAS_MASK or VARLEN):
+                start_tile(smem, q_at + w * TILE_WORDS, Q, b * q_sb + h * q_sh + (first_query + q_w) * q_sn, q_sn,
+                           n_q - q_w, tid)
         if not OVERLAP:
             # K_0 (with Q: one commit group) and V_0; then each tile's copies a group (an empty one past the last
             # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (d > 64), K_{j+1} where
@@ -533,6 +563,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                         s[i] = s_next[i]
 
         # ---- O / l and lse, once ----
+        lse_first = lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh)   # this head's lse row 0
         for r in range(2):
             l_row = l_i[r]
             l_row += shfl_xor(l_row, 1)
@@ -542,16 +573,18 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             if row < n_q:
                 for block in range(D // 8):
                     i = 4 * block + 2 * r
-                    store_word(O, (b * o_sb + h * o_sh + row * o_sn + 8 * block + 2 * t) // 2,
+                    store_word(O, (b * o_sb + h * o_sh + (first_query + row) * o_sn + 8 * block + 2 * t) // 2,
                                pack(acc[i] * inv_l, acc[i + 1] * inv_l))
                 if t == 0:
-                    LSE[bh * n_q + row] = row_lse(m_i[r], l_row)
+                    LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
     return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
                   + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}")
-                  + (("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else ""),
+                  + (("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "")
+                  + ("_varlen" if VARLEN else ""),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32, tile_offsets=np.int32,
-                              tile_entries=np.int32, tile_order=np.int32, M=np.uint8),
+                              tile_entries=np.int32, tile_order=np.int32, M=np.uint8, q_bounds=np.int32,
+                              k_bounds=np.int32),
                   floats=("scale_log2",),
                   launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS, ELEMENT_TEST)))
 
@@ -613,6 +646,13 @@ WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True)}
 
 
+#: Whether ``algorithm="flash2"`` takes packed sequences (``attention_varlen``) to this kernel (and their backward to
+#: ``backward.py``'s, whose pick is this one's) where it takes the batched calls of the same head dim and causality.
+#: False until the VARLEN kernels have run on a Hopper GPU (the simulator's twins alone have checked them): until
+#: then packed calls stay on mma.sync under flash2, and ``algorithm="wgmma"`` runs them here.
+PICK_VARLEN = False
+
+
 def whole_tiles(block_mask):
     """Whether a block mask's blocks are whole multiples of the kernel's tiles (B_r and B_c multiples of 64:
     BLOCK_M and BLOCK_N), the masks ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles'
@@ -630,10 +670,10 @@ def chosen_for(call, block_sizes, kernel="forward"):
     """Whether ``algorithm="flash2"`` runs this call on the wgmma forward (or, ``kernel="backward"``, its backward:
     ``backward.chosen_for``): on a Hopper GPU, for calls in its scope and in ``AUTOMATIC_SCOPE`` whose caller named
     no tile sizes (explicit ``block_sizes`` are the mma.sync kernel's), with no block mask or one of whole tiles
-    (``whole_tiles``)."""
+    (``whole_tiles``), and packed sequences only once ``PICK_VARLEN`` says so."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
             and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, kernel) is None
-            and (call.block_mask is None or whole_tiles(call.block_mask)))
+            and (call.block_mask is None or whole_tiles(call.block_mask)) and (call.varlen is None or PICK_VARLEN))
 
 
 def forward_launch(call):
@@ -649,17 +689,20 @@ def forward_launch(call):
     # A block mask's lists are of the block's query tiles (64 rows a warpgroup) and of BLOCK_N keys.
     tiles = (BLOCK_M * warpgroups, BLOCK_N)
     kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
-                                call.block_mask is not None, partly_masked_tiles(call, tiles, "forward"))
+                                call.block_mask is not None, partly_masked_tiles(call, tiles, "forward"),
+                                sequence_mode(call))
     words = word_extent(call)
     (qs, ks, vs), os_ = call.strides, call.result_strides("q")
-    q_tiles = cdiv(call.n_q, tiles[0])
+    q_shape, kv_shape = call.kernel_shapes
+    q_tiles = cdiv(call.longest_q, tiles[0])   # packed sequences: the longest one's tiles, per sequence
     fixed = dict(q_sb=qs.batch, q_sh=qs.head, q_sn=qs.row, k_sb=ks.batch, k_sh=ks.head, k_sn=ks.row,
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, q_tiles=q_tiles,
                  causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
-                 **block_mask_arguments(call, tiles, "forward"))
-    extents = dict(Q=words(call.q_shape, qs), K=words(call.kv_shape, ks), V=words(call.kv_shape, vs),
-                   O=words(call.q_shape, os_), LSE=call.batch_heads * call.n_q)
+                 **block_mask_arguments(call, tiles, "forward"), **sequence_arguments(call))
+    bounds, bounds_extents = sequence_arrays(call)   # (packed sequences: cu_seqlens_q and _k, per call)
+    extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), O=words(q_shape, os_),
+                   LSE=lse_slabs(call) * call.n_q, **bounds_extents)
     return Launch(kernel, q_tiles * call.batch_heads, WARPGROUP * warpgroups,
                   shared_bytes(call.head_dim, warpgroups, OVERLAP_PRODUCTS),
-                  fixed, ("Q", "K", "V", "O", "LSE"), extents)
+                  fixed, ("Q", "K", "V", "O", "LSE") + bounds, extents)
