@@ -416,7 +416,7 @@ def decode_block_sizes(n_q, head_dim, precision):
 #: split, (16, 32) took 0.1301, 0.1301, 0.1270, 0.1290 and 0.1268 ms against (16, 16)'s 0.1320, 0.1320, 0.1283, 0.1308
 #: and 0.1285 in five runs (1.01-1.02x); ncu: the wider tile's warps wait on memory where (16, 16)'s wait on their own
 #: instructions.  With splits it once lost ((1, 32, 8, 1, 8192): 0.0390 against 0.0334 ms at 24 splits, each block a few
-#: rounds of the wider tile); since the default split fills one block per multiprocessor (``decode_splits``), it is as
+#: rounds of the wider tile); since the default split fills one block per multiprocessor (``decode_splits`` then, ``decode_plan`` now), it is as
 #: fast or faster there too (2026-12-03, experiments/tuning/results/decode_breakdown_h200.md: (4, 32, 8, 1, 32768)
 #: 0.1277 against 0.1291 at 4 splits, (1, 32, 8, 1, 2048) 0.0120 against 0.0121 at 16).  ptxas: 255 registers at d =
 #: 128.
