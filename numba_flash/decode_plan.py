@@ -25,19 +25,20 @@ The decisions, in order
 3. **The splits**, from an estimate of the call's time (``estimate``), the S in 1 .. ``MOST_SPLITS`` that
    minimises
 
-       T(S) = waves * (WAVE_FIXED_S + max(memory, compute)) + (S > 1) * (SPLIT_FIXED_S + merge(S))
+       T(S) = ceil(waves) * WAVE_FIXED_S + max(memory, compute) + (S > 1) * (SPLIT_FIXED_S + merge(S))
 
    * blocks = B * H_kv' * q_tiles * S (H_kv' = H_q unpacked); a multiprocessor holds as many at once as its
      shared memory (228 KB on the H200, 1 KB reserved per block), its 2048 threads and its 64K registers (255
-     per thread assumed) allow: slots = 132 x that; waves = ceil(blocks / slots).
-   * memory: a wave's K/V bytes over the rate its bytes in flight sustain.  Each block keeps (buffers - 1)
+     per thread assumed) allow: slots = 132 x that; waves = blocks / slots.
+   * memory: the K/V bytes over the rate that a wave's bytes in flight sustain.  Each block keeps (buffers - 1)
      rounds of key_warps x B_c keys in flight (2 d bytes each per key and element size); Little's law makes the
      rate rise with the bytes in flight, modelled as COPY_BANDWIDTH x q / (1 + q), q = in flight /
      HALF_RATE_BYTES.  HALF_RATE_BYTES = 1.3 MB fits two H200 measurements: 128 blocks of four key warps
      (16.8 MB in flight) at 0.93-1.0 of the copy rate, 792 one-warp blocks with one 8 KB tile each in flight
-     (6.5 MB) at 0.84 (``experiments/tuning/results/decode_key_warps_h200.md``, ``decode_h200.md``).
+     (6.5 MB) at 0.84 (``experiments/tuning/results/decode_key_warps_h200.md``, ``decode_h200.md``); and no faster
+     than the bytes in flight over DRAM_LATENCY_S (what bounds a few blocks).
    * compute: per key and 16-row fragment, d / 64 mma.m16n8k16 of MMA_CYCLES each plus SOFTMAX_CYCLES, on
-     min(4, warps resident) of a multiprocessor's four schedulers at CLOCK_HZ.  Small for R <= 16; it is what
+     min(4, warps resident) of a multiprocessor's four schedulers at CLOCK_HZ, the blocks spread evenly.  Small for R <= 16; it is what
      bounds a tile of many rows (MQA with N_q = 4: 128 rows, 128 multiply-adds per K/V element).
    * merge: the last split block of a tile reads every split's partial O and lse, MERGE_GROUP splits' loads
      of 16 bytes in flight per thread (``cache.tile_merger``), each group one L2_LATENCY_S: a merge of many
@@ -74,6 +75,9 @@ REGISTERS_PER_THREAD = 255
 COPY_BANDWIDTH = 4.24e12
 #: Bytes in flight at which a stream of cp.async reaches half the copy rate (the module docstring's fit).
 HALF_RATE_BYTES = 1.3e6
+#: Latency of a DRAM read with the memory otherwise idle, seconds (an estimate): few bytes in flight stream no faster
+#: than they come back.
+DRAM_LATENCY_S = 0.8e-6
 #: SM clock of the H200 (boost), Hz.
 CLOCK_HZ = 1.98e9
 #: Cycles of one mma.m16n8k16 (2048 multiply-adds) on one of a multiprocessor's four schedulers (an estimate:
@@ -179,19 +183,21 @@ def estimate(splits, *, tiles, n_k, head_dim, dtype_bytes, block_sizes, warp_row
     shared = flash2_forward_smem(block_m, block_n, d_pad, precision, stages=stages, key_warps=key_warps).bytes
     slots = multiprocessors * resident_blocks(shared, threads)
     blocks = tiles * splits
-    waves = cdiv(blocks, slots)
-    active = min(blocks, slots)
+    active = min(blocks, slots)                           # blocks at work at once (a wave)
     key_bytes = 2 * head_dim * dtype_bytes                # a key's K and V rows
     block_bytes = cdiv(n_k, splits) * key_bytes
     in_flight = min(block_bytes, max(1, stages - 1) * key_warps * block_n * key_bytes)
     q = active * in_flight / HALF_RATE_BYTES
-    memory = active * block_bytes / (COPY_BANDWIDTH * q / (1 + q))
+    rate = min(COPY_BANDWIDTH * q / (1 + q), active * in_flight / DRAM_LATENCY_S)   # Little's law: no faster than
+    memory = blocks * block_bytes / rate                                             # one latency per bytes in flight
+    # (A block that ends makes room for the next: past the first wave the multiprocessors stay busy, so the
+    # stream's time counts waves as fractions; each started wave pays its fixed time.)
     per_multiprocessor = cdiv(active, multiprocessors)
     warps = per_multiprocessor * threads // 32
     fragment_cycles = head_dim / 64 * MMA_CYCLES + SOFTMAX_CYCLES
-    compute = (per_multiprocessor * cdiv(n_k, splits) * (block_m // ROWS_PER_WARP) * fragment_cycles
+    compute = (blocks / multiprocessors * cdiv(n_k, splits) * (block_m // ROWS_PER_WARP) * fragment_cycles
                / (min(4, warps) * CLOCK_HZ))
-    time = waves * (WAVE_FIXED_S + max(memory, compute))
+    time = cdiv(blocks, slots) * WAVE_FIXED_S + max(memory, compute)
     if splits > 1:
         tile_rows = min(block_m, rows)
         loads = cdiv(splits, MERGE_LOADS) * MERGE_LOADS * tile_rows * (d_pad // 4)   # 16-byte loads of the merge
