@@ -18,9 +18,12 @@ The decisions, in order
    by cp.async (``streamed``): up to 16 rows, one warp owns the rows and ``DECODE_KEY_WARPS`` warps of the block
    take turns along the keys (cuDNN's layout; ``tiling.DECODE_KEY_WARPS``), B_c = 32 up to d = 128
    (``tiling.DECODE_STREAMED_KEYS``).  More rows: one block of ceil(R / 16) * 16 rows (at most 128: more rows
-   take several tiles, each reading the group's K/V), B_c = 32 up to d = 128, warps of 16 rows up to 64 rows
-   (every warp of an SM's four schedulers issuing copies and products; 32-row warps above, the forward's
-   rule).  float32 and unaligned rows: ``tiling.decode_block_sizes`` (their tiles wait in registers).
+   take several tiles, each reading the group's K/V), in warps of 16 rows (more warps to issue copies and
+   products on a multiprocessor's four schedulers), B_c = 32 at d = 128 and 64 at d <= 64.  ptxas (13.0,
+   sm_90, 2026-12-06; ``tests/gpu_compile_all.py decode``) at d = 128, causal query groups, split: (128, 64)
+   in 32-row warps 255 registers and 96 bytes of spills, in 16-row warps 4 bytes; (128, 32) in 16-row warps
+   188 registers and none; (32, 32) 176.  float32 and unaligned rows: ``tiling.decode_block_sizes`` (their
+   tiles wait in registers).
    A paged cache takes the widest B_c that divides its page.
 3. **The splits**, from an estimate of the call's time (``estimate``), the S in 1 .. ``MOST_SPLITS`` that
    minimises
@@ -58,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, DECODE_STREAMED_KEYS, ROWS_PER_WARP, cdiv, decode_block_sizes,
-                     flash2_forward_smem, flash2_forward_warp_rows, padded_head_dim, page_key_tile)
+                     flash2_forward_smem, padded_head_dim, page_key_tile)
 
 #: Multiprocessors of the H200 (and H100 SXM).
 MULTIPROCESSORS = 132
@@ -145,11 +148,11 @@ def default_tile(rows, head_dim, dtype_bytes, streamed, page_size=None):
     d_pad = padded_head_dim(head_dim, precision)
     block_m, block_n = decode_block_sizes(rows, head_dim, precision)
     if streamed and d_pad <= 128:
-        block_n = max(block_n, DECODE_STREAMED_KEYS)
+        block_n = max(block_n, DECODE_STREAMED_KEYS) if block_m <= ROWS_PER_WARP else \
+            min(block_n, DECODE_STREAMED_KEYS if d_pad > 64 else 64)
     if page_size is not None:
         block_n = page_key_tile(block_n, page_size, precision)
-    warp_rows = ROWS_PER_WARP if block_m <= 64 else flash2_forward_warp_rows(block_m, d_pad, precision)
-    return block_m, block_n, warp_rows
+    return block_m, block_n, ROWS_PER_WARP
 
 
 def fitting_key_warps(block_sizes, head_dim, dtype_bytes, stages, shared_bytes=SHARED_BYTES_PER_BLOCK):
@@ -225,9 +228,6 @@ def decode_plan(batch, q_heads, kv_heads, n_q, n_k_max, head_dim, dtype_bytes, *
     tile_rows, tile_keys, warp_rows = default_tile(rows, head_dim, dtype_bytes, streamed, page_size)
     if block_sizes is not None:
         tile_rows, tile_keys = block_sizes
-        precision = _precision(dtype_bytes)
-        warp_rows = (ROWS_PER_WARP if tile_rows <= 64 else
-                     flash2_forward_warp_rows(tile_rows, padded_head_dim(head_dim, precision), precision))
     stages = (kv_stages or DECODE_KV_STAGES) if streamed else 1
     one_warp = tile_rows <= ROWS_PER_WARP
     if key_warps:
@@ -235,8 +235,6 @@ def decode_plan(batch, q_heads, kv_heads, n_q, n_k_max, head_dim, dtype_bytes, *
     else:
         warps = fitting_key_warps((tile_rows, tile_keys), head_dim, dtype_bytes, stages, shared_bytes) \
             if streamed and one_warp else 1
-    if warps > 1:
-        warp_rows = ROWS_PER_WARP
     tiles = batch * heads * cdiv(rows, tile_rows)
     key_tiles = cdiv(n_k_max, tile_keys)
     most = max(1, cdiv(key_tiles, warps))          # every warp of every split has a key tile

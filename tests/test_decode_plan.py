@@ -61,8 +61,8 @@ def test_speculative_decoding_packs_query_groups_when_q_allows_it():
     assert not unpacked.packed and unpacked.rows == 4
     assert not plan(16, 32, 32, 4, 8192, 128).packed
     assert packs(32, 8, 1, packable=False)   # one query per head: the heads are the rows, whatever the strides
-    big = plan(4, 32, 1, 4, 16384, 128)        # MQA, 128 rows: one tile of four 32-row warps
-    assert big.block_sizes[0] == 128 and big.warp_rows == 32 and big.warps == 4
+    big = plan(4, 32, 1, 4, 16384, 128)        # MQA, 128 rows: one tile of eight 16-row warps, 32 keys (no spills)
+    assert big.block_sizes == (128, 32) and big.warp_rows == 16 and big.warps == 8
 
 
 def test_user_choices_are_kept():
