@@ -58,6 +58,7 @@ not predict times to better than some tens of percent.  What is measured of the 
 """
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional, Tuple
 
 from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, DECODE_STREAMED_KEYS, ROWS_PER_WARP, cdiv, decode_block_sizes,
@@ -174,17 +175,24 @@ def resident_blocks(shared_bytes, threads):
     return max(1, min(by_shared, by_threads, by_registers, 32))
 
 
+@lru_cache(maxsize=256)
+def _block(block_sizes, head_dim, dtype_bytes, warp_rows, key_warps, stages):
+    """(padded d, threads, blocks resident per multiprocessor) of a decoding block."""
+    precision = _precision(dtype_bytes)
+    d_pad = padded_head_dim(head_dim, precision)
+    threads = 32 * (block_sizes[0] // warp_rows) * key_warps
+    shared = flash2_forward_smem(*block_sizes, d_pad, precision, stages=stages, key_warps=key_warps).bytes
+    return d_pad, threads, resident_blocks(shared, threads)
+
+
 def estimate(splits, *, tiles, n_k, head_dim, dtype_bytes, block_sizes, warp_rows, key_warps, stages, rows,
              multiprocessors=MULTIPROCESSORS):
     """The model's time of a decoding call in seconds (the module docstring, 3): ``tiles`` query tiles (batch x
     heads of tiles x tiles per head), each split into ``splits`` blocks over ``n_k`` keys; ``rows`` query rows per
     head (those of a tile: min(B_r, rows))."""
     block_m, block_n = block_sizes
-    precision = _precision(dtype_bytes)
-    d_pad = padded_head_dim(head_dim, precision)
-    threads = 32 * (block_m // warp_rows) * key_warps
-    shared = flash2_forward_smem(block_m, block_n, d_pad, precision, stages=stages, key_warps=key_warps).bytes
-    slots = multiprocessors * resident_blocks(shared, threads)
+    d_pad, threads, resident = _block(block_sizes, head_dim, dtype_bytes, warp_rows, key_warps, stages)
+    slots = multiprocessors * resident
     blocks = tiles * splits
     active = min(blocks, slots)                           # blocks at work at once (a wave)
     key_bytes = 2 * head_dim * dtype_bytes                # a key's K and V rows
