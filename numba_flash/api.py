@@ -274,9 +274,9 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         Key j of entry b is visible iff j < L_b = cache_seqlens[b] + N_new and, when causal (True means
         bottom-right, as flash-attn), j <= i + L_b - N_q for query i.
     scale, block_sizes, return_lse
-        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs,
-        and is wider along the keys where a block's warps take turns along them, or its blocks fill the GPU
-        without splits (``tiling.decode_streamed_block_sizes``).
+        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs
+        (a packed group's: up to 128), and is wider along the keys where its K/V travel by cp.async
+        (``numba_flash.decode_plan``).
     num_splits : int
         Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
         flash-attn's ``num_splits``); 0 (default): ``numba_flash.decode_plan``'s model of the GPU chooses.
