@@ -36,13 +36,15 @@ The decisions, in order
    * memory: the K/V bytes over the rate that a wave's bytes in flight sustain.  Each block keeps (buffers - 1)
      rounds of key_warps x B_c keys in flight (2 d bytes each per key and element size); Little's law makes the
      rate rise with the bytes in flight, modelled as COPY_BANDWIDTH x q / (1 + q), q = in flight /
-     HALF_RATE_BYTES.  HALF_RATE_BYTES = 1.3 MB fits two H200 measurements: 128 blocks of four key warps
-     (16.8 MB in flight) at 0.93-1.0 of the copy rate, 792 one-warp blocks with one 8 KB tile each in flight
-     (6.5 MB) at 0.84 (``experiments/tuning/results/decode_key_warps_h200.md``, ``decode_h200.md``); and no faster
-     than the bytes in flight over DRAM_LATENCY_S (what bounds a few blocks).
+     HALF_RATE_BYTES.  HALF_RATE_BYTES = 1.3 MB fits two H200 measurements at (B, H_q, H_kv, N, d) = (16, 32,
+     8, 8192, 128): 128 blocks of four key warps (16.8 MB in flight) at 0.96-1.02 of the copy rate (the fit:
+     0.93; ``docs/decoding.md``), 768 one-warp blocks with one 8 KB tile each in flight (6.3 MB) at 0.84 (the
+     fit: 0.83; ``experiments/tuning/results/decode_h200.md``); and no faster than the bytes in flight over
+     DRAM_LATENCY_S (what bounds a few blocks).
    * compute: per key and 16-row fragment, d / 64 mma.m16n8k16 of MMA_CYCLES each plus SOFTMAX_CYCLES, on
-     min(4, warps resident) of a multiprocessor's four schedulers at CLOCK_HZ, the blocks spread evenly.  Small for R <= 16; it is what
-     bounds a tile of many rows (MQA with N_q = 4: 128 rows, 128 multiply-adds per K/V element).
+     min(4, warps resident) of a multiprocessor's four schedulers at CLOCK_HZ, the blocks spread evenly.  Small
+     for R <= 16; it is what bounds a tile of many rows (MQA with N_q = 4: 128 rows, 128 multiply-adds per K/V
+     element).
    * merge: the last split block of a tile reads every split's partial O and lse, MERGE_GROUP splits' loads
      of 16 bytes in flight per thread (``cache.tile_merger``), each group one L2_LATENCY_S: a merge of many
      splits of many rows is slow, so big groups take fewer splits.
@@ -128,7 +130,8 @@ class DecodePlan:
     def __str__(self):
         """A short description for tables: ``packed 32 rows, 32x32 tile, 2 warps, 12 splits``."""
         rows = f"{'packed ' if self.packed else ''}{self.rows} row{'s' if self.rows > 1 else ''}"
-        warps = f"{self.key_warps} key warps" if self.key_warps > 1 else f"{self.warps} warp{'s' if self.warps > 1 else ''}"
+        warps = (f"{self.key_warps} key warps" if self.key_warps > 1 else
+                 f"{self.warps} warp{'s' if self.warps > 1 else ''}")
         return (f"{rows}, {self.block_sizes[0]}x{self.block_sizes[1]} tile, {warps}, {self.splits} "
                 f"split{'s' if self.splits > 1 else ''}")
 
