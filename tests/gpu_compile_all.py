@@ -42,8 +42,9 @@ from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
 from numba_flash.kernels.literal.standard_attention import make_batched_matmul, make_row_softmax  # noqa: E402
+from numba_flash.decode_plan import default_tile  # noqa: E402
 from numba_flash.tiling import (FORWARD_BLOCK_SIZES, PRECISIONS, ROWS_PER_WARP, decode_block_sizes,  # noqa: E402
-                                decode_streamed_block_sizes, flash2_forward_warp_rows, tiles_for_head_dim)
+                                flash2_forward_warp_rows, tiles_for_head_dim)
 
 a3 = T.Array(T.float32, 3, "C")
 l2 = T.Array(T.float32, 2, "C")
@@ -109,7 +110,7 @@ def decode(precision, head_dim):
                           "cache", split, PAGED=True))
     if precision != "tf32x3":   # warps taking turns along the keys: one warp's rows, tiles by cp.async
         for causal, split, paged in itertools.product((False, True), (False, True), (False, True)):
-            tiles = decode_streamed_block_sizes(decode_block_sizes(1, head_dim, precision), head_dim, precision)
+            tiles = default_tile(1, head_dim, 2, True)[:2]
             fast(make_forward(*tiles, head_dim, precision, True, causal, False, False, "cache", split, KEY_WARPS=4,
                               PAGED=paged))
 
