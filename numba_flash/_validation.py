@@ -497,7 +497,7 @@ def check_block_table_pages(block_table, lengths, paging):
 
 
 def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_sizes, num_splits, kv_stages=0,
-                     block_table=None, pack=True):
+                     block_table=None):
     """Validate a decoding call's arrays and options (``attention_with_kv_cache``): q (B, H_q, N_q, d), the caches
     (B, H_kv, N_max, d), or with ``block_table`` (an ``Operand``, ``check_block_table``) pools (pages, H_kv,
     page_size, d), k_new and v_new (B, H_kv, N_new, d) or None (``Operand``s), ``num_splits`` a non-negative int (0:
@@ -505,8 +505,8 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     buffers and key warps fit the call is ``check_decode_layout``'s question.  The lengths (and a host table's
     pages) are checked per call by ``check_cache_seqlens`` (and ``check_block_table_pages``).
 
-    Returns the call the kernels run.  Grouped heads (``pack``, and ``decode_plan.packs``: one query per head, or
-    q's heads N_q rows apart) run as H_kv heads of group * N_q query rows each (q viewed as (B, H_kv, group * N_q,
+    Returns the call the kernels run.  Grouped heads (``decode_plan.packs``: one query per head, or q's heads N_q
+    rows apart) run as H_kv heads of group * N_q query rows each (q viewed as (B, H_kv, group * N_q,
     d): row g N_q + i is query i of the group's head g; with one query the heads are the rows, ``q_sh`` apart), so
     that each key/value tile is read once per group; ``call.q_shape`` is that view (its C order is q's), and
     ``call.varlen.head_queries`` is N_q.  Other strides keep a tile per query head (each reads the group's K/V).
@@ -556,7 +556,7 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     if n_q == 1 and (bottom_right or not is_causal):
         is_causal = False   # one query at the end of the cache sees every key
     head_queries = 0
-    if pack and packs(heads, kv_heads, n_q, strides[0].head == n_q * strides[0].row):
+    if packs(heads, kv_heads, n_q, strides[0].head == n_q * strides[0].row):
         # the group's queries share the rows of one tile: row g N_q + i at g q_sh + i q_sn = (g N_q + i) q_sn
         head_queries = n_q
         row = strides[0].head if n_q == 1 else strides[0].row
