@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._checks import positive_int_pair
+from .decode_plan import packs
 from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_strides
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
@@ -82,6 +83,9 @@ class Varlen:
     kv_cache: bool = False      # the key bounds are a KV cache's lengths before the call's new keys
     new_keys: int = 0           # ... and each entry gains this many
     paging: Optional[Paging] = None   # a KV cache in pages (else each entry's rows are contiguous)
+    #: A KV cache's query heads packed as rows (``decode_plan.py``): the rows of a (batch, key/value head) are its
+    #: group's queries, row g * head_queries + i query i of the group's head g; 0: the rows are one head's queries.
+    head_queries: int = 0
 
 
 @dataclass(frozen=True)
@@ -521,9 +525,11 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     buffers and key warps fit the call is ``check_decode_layout``'s question.  The lengths (and a host table's
     pages) are checked per call by ``check_cache_seqlens`` (and ``check_block_table_pages``).
 
-    Returns the call the kernels run.  One query per head (N_q = 1) with grouped heads runs as H_kv heads of
-    ``group`` query rows each (q viewed as (B, H_kv, group, d): the heads of a group are rows ``q_sh`` apart),
-    so that each key/value tile is read once per group; ``call.q_shape`` is that view (its C order is q's).
+    Returns the call the kernels run.  Grouped heads (``decode_plan.packs``: one query per head, or q's heads N_q
+    rows apart) run as H_kv heads of group * N_q query rows each (q viewed as (B, H_kv, group * N_q,
+    d): row g N_q + i is query i of the group's head g; with one query the heads are the rows, ``q_sh`` apart), so
+    that each key/value tile is read once per group; ``call.q_shape`` is that view (its C order is q's), and
+    ``call.varlen.head_queries`` is N_q.  Other strides keep a tile per query head (each reads the group's K/V).
     """
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k_new is not None:
@@ -569,9 +575,13 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     q_shape = (batch, heads, n_q, head_dim)
     if n_q == 1 and (bottom_right or not is_causal):
         is_causal = False   # one query at the end of the cache sees every key
-        if group > 1:       # so the group's queries can share the rows of one tile
-            q_shape, n_q, heads = (batch, kv_heads, group, head_dim), group, kv_heads
-            strides[0] = Strides(strides[0].batch, strides[0].head * group, strides[0].head)
+    head_queries = 0
+    if packs(heads, kv_heads, n_q, strides[0].head == n_q * strides[0].row):
+        # the group's queries share the rows of one tile: row g N_q + i at g q_sh + i q_sn = (g N_q + i) q_sn
+        head_queries = n_q
+        row = strides[0].head if n_q == 1 else strides[0].row
+        q_shape, n_q, heads = (batch, kv_heads, group * n_q, head_dim), group * n_q, kv_heads
+        strides[0] = Strides(strides[0].batch, strides[0].head * group, row)
     if head_dim > FLASH2_MAX_HEAD_DIM:
         raise ValueError(f"head dim d={head_dim} exceeds flash2's maximum of {FLASH2_MAX_HEAD_DIM}")
     if block_sizes is None:
@@ -585,7 +595,7 @@ def check_cache_args(q, k_cache, v_cache, k_new, v_new, *, causal, scale, block_
     vec = sixteen_byte_rows((q, k_cache, v_cache), strides, head_dim, q.dtype)
     sequences = Varlen(batch, n_q, n_max, bottom_right, q_step=0, k_step=0, lse_strides=(heads * n_q, n_q),
                        k_bounds_size=batch, packed=False, kv_cache=True,
-                       new_keys=0 if k_new is None else k_new.shape[2], paging=paging)
+                       new_keys=0 if k_new is None else k_new.shape[2], paging=paging, head_queries=head_queries)
     return AttentionCall("flash2", (batch,), heads, kv_heads, n_q, n_max, head_dim, q.dtype, scale, is_causal, 0,
                          block_sizes, q.kind, q_shape, tuple(k_cache.shape), tuple(strides), vec, None, 0.0,
                          sequences)

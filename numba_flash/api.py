@@ -15,15 +15,16 @@ from dataclasses import replace
 import numpy as np
 from numba import cuda
 
-from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS, check_attention_args,
-                          check_backward_operands, check_block_table_pages, check_cache_args, check_cache_seqlens,
-                          check_cu_seqlens, check_decode_layout, check_deterministic,
+from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS, check_algorithm,
+                          check_attention_args, check_backward_operands, check_block_table_pages, check_cache_args,
+                          check_cache_seqlens, check_cu_seqlens, check_decode_layout, check_deterministic,
                           check_device_cache_seqlens, check_dropout, check_loop, check_new_keys, check_varlen_args,
                           operand_strides, streamed)
+from .decode_plan import decode_plan
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
 from .kernels.fast.backward import backward_launches
-from .kernels.fast.cache import append_launch, decode_splits
+from .kernels.fast.cache import append_launch
 from .kernels.fast.forward import forward_launch
 from .kernels.hopper import backward as hopper_backward
 from .kernels.hopper import forward as hopper
@@ -33,7 +34,7 @@ from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import current_context, device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import cdiv, decode_streamed_block_sizes, padded_head_dim, page_key_tile
+from .tiling import padded_head_dim
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -284,12 +285,12 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         Key j of entry b is visible iff j < L_b = cache_seqlens[b] + N_new and, when causal (True means
         bottom-right, as flash-attn), j <= i + L_b - N_q for query i.
     scale, block_sizes, return_lse
-        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs,
-        and is wider along the keys where a block's warps take turns along them, or its blocks fill the GPU
-        without splits (``tiling.decode_streamed_block_sizes``).
+        As ``attention``; lse is (B, H_q, N_q).  The default tile has as few query rows as the call needs
+        (a packed group's: up to 128), and is wider along the keys where its K/V travel by cp.async
+        (``numba_flash.decode_plan``).
     num_splits : int
         Thread blocks that share each query tile's keys, their results merged by lse (flash-decoding, as
-        flash-attn's ``num_splits``); 0 (default) chooses from the grid and the GPU (``decode_splits``).
+        flash-attn's ``num_splits``); 0 (default): ``numba_flash.decode_plan``'s model of the GPU chooses.
         Capped so that every warp of every split has a key tile.
     kv_stages : int
         Shared buffers for the streamed K and V tiles, so that ``kv_stages - 1`` tiles are in flight while
@@ -301,8 +302,11 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         shared memory at the end (a tuning knob); 0 (default): ``tiling.DECODE_KEY_WARPS`` where the tile is
         one warp's 16 rows and its tiles travel by ``cp.async`` (fewer where their buffers do not fit), else 1.
 
-    One query per head against a grouped cache runs the group's query heads as the rows of one tile, so
-    each key and value is read once per group, not once per query head.
+    Grouped heads run the group's queries as the rows of one tile (row g N_q + i: query i of the group's head
+    g), so each key and value is read once per group, not once per query head; with N_q > 1 this needs q's
+    heads N_q rows apart (C order; other strides run a tile per query head).  The layout (tile, warps,
+    splits) comes from ``numba_flash.decode_plan`` (a model of the GPU); ``numba_flash.api._PLANS`` keeps
+    each call's ``plan``.
 
     Returns
     -------
@@ -586,26 +590,23 @@ class _CachePlan(_Plan):
         call = self.call
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]
-        # flash-decoding: with few query tiles, blocks (and the warps of a block) share each tile's keys, and a
-        # merge combines the blocks' results.
+        # The layout from decode_plan's model of the GPU: flash-decoding's splits (blocks sharing each tile's keys,
+        # merged by lse), the key warps (the warps of a block sharing them) and the tile.  The user's kv_stages and
+        # key_warps are checked at the library's narrow tile, and the plan's tile taken where they fit it alike.
         stages, self.key_warps = check_decode_layout(call, kv_stages, key_warps)
-        paging = call.varlen.paging
-        if block_sizes is None and streamed(call) and not device_limits().simulated:
-            # Key warps stream the keys in wider tiles (tiling.DECODE_STREAMED_KEYS), where the buffers of the
-            # layout chosen above still fit (and, paged, a page holds whole tiles); one-warp blocks too where they
-            # fill the GPU without splits.
-            wide_tiles = decode_streamed_block_sizes(call.block_sizes, call.head_dim, call.precision)
-            if paging is not None:
-                wide_tiles = (wide_tiles[0], page_key_tile(wide_tiles[1], paging.page_size, call.precision))
-            wide = replace(call, block_sizes=wide_tiles)
-            try:
-                fits = check_decode_layout(wide, kv_stages, key_warps) == (stages, self.key_warps)
-            except ValueError:   # the kv_stages / key_warps asked for fit the library's narrower tile only
-                fits = False
-            if fits and (self.key_warps > 1 or self._splits(wide, num_splits) == 1):
-                call = self.call = wide
-        self.splits = self._splits(call, num_splits)
-        self.launch = forward_launch(call, self.splits, stages, self.key_warps)
+        if block_sizes is None and streamed(call) and not device_limits().simulated:   # (others: the narrow tile)
+            tile = self._decode_plan(call, None, num_splits, kv_stages, key_warps).block_sizes
+            if tile != call.block_sizes:
+                planned = replace(call, block_sizes=tile)
+                try:
+                    fits = check_decode_layout(planned, kv_stages, key_warps) == (stages, self.key_warps)
+                except ValueError:   # the kv_stages / key_warps asked for fit the library's narrower tile only
+                    fits = False
+                if fits:
+                    call = self.call = planned
+        self.plan = self._decode_plan(call, call.block_sizes, num_splits, stages, self.key_warps)
+        self.splits = self.plan.splits
+        self.launch = forward_launch(call, self.splits, stages, self.key_warps, self.plan.warp_rows)
         self.rows = call.batch_heads * call.n_q      # of the partial results, one per (batch, head, query)
         self.d_pad = padded_head_dim(call.head_dim, call.precision)
         # With splits, each query tile's blocks count their arrivals (the last merges): counts per stream, so
@@ -614,19 +615,24 @@ class _CachePlan(_Plan):
         self.appends = None
         if k_new is not None and self.call.on_device:
             self.appends = tuple(append_launch(cache.shape, operand_strides(name, cache, "flash2"), new.shape,
-                                               operand_strides(new_name, new, "flash2"), self.call.dtype, paging)
+                                               operand_strides(new_name, new, "flash2"), self.call.dtype,
+                                               call.varlen.paging)
                                  for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
                                                                     ("v_cache", v_cache, "v_new", v_new)))
 
-    def _splits(self, call, num_splits):
-        """Blocks per query tile sharing its keys: ``num_splits`` (capped so that every warp of every split has a
-        key tile), or the library's choice (``decode_splits``)."""
-        block_m, block_n = call.block_sizes
-        key_tiles = cdiv(call.n_k, block_n)
-        if num_splits:
-            return min(num_splits, cdiv(key_tiles, self.key_warps))
-        return decode_splits(cdiv(call.n_q, block_m) * call.batch_heads, key_tiles, device_limits().multiprocessors,
-                             self.key_warps)
+    @staticmethod
+    def _decode_plan(call, block_sizes, num_splits, kv_stages, key_warps):
+        """``decode_plan`` for a call checked by ``check_cache_args`` (packed or not as it decided), on this GPU."""
+        limits = device_limits()
+        head_queries = call.varlen.head_queries
+        n_q = head_queries or call.n_q
+        q_heads = call.heads * call.n_q // head_queries if head_queries else call.heads
+        paging = call.varlen.paging
+        return decode_plan(call.batch, q_heads, call.kv_heads, n_q, call.n_k, call.head_dim,
+                           4 if call.precision == "tf32x3" else 2, multiprocessors=limits.multiprocessors,
+                           shared_bytes=limits.shared_bytes_per_block_optin, packable=head_queries > 0,
+                           aligned=call.vec, page_size=None if paging is None else paging.page_size,
+                           block_sizes=block_sizes, num_splits=num_splits, key_warps=key_warps, kv_stages=kv_stages)
 
     def arrival_counts(self, stream):
         """The split blocks' arrival counts for calls on ``stream`` (int32, which the kernel reads as uint32):

@@ -401,7 +401,7 @@ def decode_block_sizes(n_q, head_dim, precision):
     (16, 32) 0.63 ms, (16, 64) 1.49 ms: wider key tiles spill (ptxas: 3.4 KB at (16, 64)).  Those
     numbers predate cp.async: aligned 16-bit tiles now travel without registers, and ptxas fits
     (16, 32) at d = 128 in 251 registers and (16, 64) in 255 with 20 bytes of spills (to be re-timed).
-    Tiles of key warps whose blocks need no split are widened (``decode_streamed_block_sizes``).
+    Tiles of one warp's rows whose K/V travel by cp.async are widened (``decode_plan.default_tile``).
     """
     rows = min(128, cdiv(n_q, ROWS_PER_WARP) * ROWS_PER_WARP)
     chunk = 4 if precision == "tf32x3" else 8        # elements per 16-byte chunk
@@ -410,28 +410,17 @@ def decode_block_sizes(n_q, head_dim, precision):
     return rows, max(step, min(64, fitting // step * step))
 
 
-#: The key tile of decoding's key warps where the library picks the tiles (``decode_streamed_block_sizes``).  On the
+#: The key tile of decoding's key warps where the library picks the tiles (``decode_plan.default_tile``).  On the
 #: H200 (GPU time, four warps, three buffers, swizzled rows, float16;
 #: experiments/tuning/results/decode_key_warps_h200.md): at (B, H_q, H_kv, N_q, N, d) = (16, 32, 8, 1, 8192, 128), one
 #: split, (16, 32) took 0.1301, 0.1301, 0.1270, 0.1290 and 0.1268 ms against (16, 16)'s 0.1320, 0.1320, 0.1283, 0.1308
 #: and 0.1285 in five runs (1.01-1.02x); ncu: the wider tile's warps wait on memory where (16, 16)'s wait on their own
 #: instructions.  With splits it once lost ((1, 32, 8, 1, 8192): 0.0390 against 0.0334 ms at 24 splits, each block a few
-#: rounds of the wider tile); since the default split fills one block per multiprocessor (``decode_splits``), it is as
+#: rounds of the wider tile); since the default split fills one block per multiprocessor (``decode_plan``), it is as
 #: fast or faster there too (2026-12-03, experiments/tuning/results/decode_breakdown_h200.md: (4, 32, 8, 1, 32768)
 #: 0.1277 against 0.1291 at 4 splits, (1, 32, 8, 1, 2048) 0.0120 against 0.0121 at 16).  ptxas: 255 registers at d =
 #: 128.
 DECODE_STREAMED_KEYS = 32
-
-
-def decode_streamed_block_sizes(block_sizes, head_dim, precision):
-    """``decode_block_sizes``' tiles for a decoding call whose K/V tiles travel by cp.async (no register
-    prefetch bounds their width) and whose block's warps take turns along the keys, or whose one-warp blocks
-    fill the GPU without splitting them (the caller's checks): a tile of one warp's rows, the key warps'
-    (``DECODE_KEY_WARPS``), at least ``DECODE_STREAMED_KEYS`` keys wide up to d = 128; other tiles as they are."""
-    rows, keys = block_sizes
-    if rows == ROWS_PER_WARP and precision != "tf32x3" and padded_head_dim(head_dim, precision) <= 128:
-        return rows, max(keys, DECODE_STREAMED_KEYS)
-    return rows, keys
 
 
 def page_key_tile(keys, page_size, precision):

@@ -8,6 +8,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py tiles I/N   # every tile the GPU tests draw, shard I of N
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper      # the wgmma kernels (sm_90a), varlen too
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py decode      # decode_plan's layouts of issue 47's grid
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -42,8 +43,9 @@ from numba_flash.kernels.fast.forward import make_forward  # noqa: E402
 from numba_flash.kernels.literal.flash1_backward import make_flash1_backward  # noqa: E402
 from numba_flash.kernels.literal.flash1_forward import make_flash1_forward  # noqa: E402
 from numba_flash.kernels.literal.standard_attention import make_batched_matmul, make_row_softmax  # noqa: E402
+from numba_flash.decode_plan import default_tile  # noqa: E402
 from numba_flash.tiling import (FORWARD_BLOCK_SIZES, PRECISIONS, ROWS_PER_WARP, decode_block_sizes,  # noqa: E402
-                                decode_streamed_block_sizes, flash2_forward_warp_rows, tiles_for_head_dim)
+                                flash2_forward_warp_rows, tiles_for_head_dim)
 
 a3 = T.Array(T.float32, 3, "C")
 l2 = T.Array(T.float32, 2, "C")
@@ -128,15 +130,37 @@ def decode(precision, head_dim):
                           "cache", split, PAGED=True))
     if precision != "tf32x3":   # warps taking turns along the keys: one warp's rows, tiles by cp.async
         for causal, split, paged in itertools.product((False, True), (False, True), (False, True)):
-            tiles = decode_streamed_block_sizes(decode_block_sizes(1, head_dim, precision), head_dim, precision)
+            tiles = default_tile(1, head_dim, 2, True)[:2]
             fast(make_forward(*tiles, head_dim, precision, True, causal, False, False, "cache", split, KEY_WARPS=4,
                               PAGED=paged))
+
+
+def planned_decoding(precisions=("f16",), head_dims=(64, 128)):
+    """The decoding kernels ``decode_plan`` picks over issue 47's grid (``experiments/tuning/decode_grid.py``) that
+    ``decode`` does not compile, once each: packed query groups (MQA's 32 and 128 rows, causal rows of N_q = 4),
+    their split and paged forms."""
+    from numba_flash.decode_plan import decode_plan
+
+    seen = set()
+    for precision, d, n_q, (heads, kv_heads), batch, n, paged in itertools.product(
+            precisions, head_dims, (1, 4), ((32, 32), (32, 8), (64, 8), (32, 1)), (1, 4, 16, 64),
+            (2048, 8192, 32768, 131072), (False, True)):
+        plan = decode_plan(batch, heads, kv_heads, n_q, n, d, 2, page_size=64 if paged else None)
+        causal = n_q > 1   # bottom-right: one query sees every key
+        key = (precision, d, plan.block_sizes, plan.warp_rows, plan.key_warps, plan.kv_stages, plan.splits > 1, causal,
+               plan.packed and causal, paged)
+        if key in seen or (plan.block_sizes[0] <= ROWS_PER_WARP and not (plan.packed and causal)):
+            continue   # (a tile of one warp's rows without query groups: ``decode``'s)
+        seen.add(key)
+        fast(make_forward(*plan.block_sizes, d, precision, True, causal, False, False, "cache", plan.splits > 1,
+                          WARP_ROWS=plan.warp_rows, KV_STAGES=plan.kv_stages, KEY_WARPS=plan.key_warps, PAGED=paged,
+                          QUERY_GROUPS=plan.packed and causal))
 
 
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper"))
+    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper", "decode"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
     parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96 and 128) unless given")
@@ -148,6 +172,9 @@ def main(argv):
         os.makedirs(PTX_DIR, exist_ok=True)
     if args.mode == "hopper":
         hopper(head_dims)
+        return f"{len(failures)} failed: {failures}" if failures else 0
+    if args.mode == "decode":
+        planned_decoding(head_dims=(args.head_dim,) if "--head-dim" in argv else (64, 128))
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "tiles":
         # Every tile shape of the GPU test profile (tests/strategies.py), with dropout alone and with

@@ -24,7 +24,8 @@ variants above too), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
 three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
 a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled;
-decode_paged: a paged cache, with its block table).
+decode_paged: a paged cache, with its block table; decode_mqa, decode_many_splits, decode_paged_gqa: decode_plan's
+packed query groups and many splits).
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -92,6 +93,13 @@ RUNS = [
     # d = 128 (a round of tiles spans pages).
     ("forward", "flash2", np.float16, None, "decode_paged"),
     ("forward", "flash2", BF16, (16, 16), "decode_paged_key_warps4"),
+    # The layouts of decode_plan.py, library's tiles: multi-query attention (32 query heads on one K/V head: one
+    # tile of 32 packed rows, two warps, splits; then 3 causal queries each, 96 rows in one tile of 32-row warps,
+    # each row its own diagonal); more splits than the merge loads at once (20, key warps of one warp); a paged
+    # cache under grouped heads of 8 (8 and 24 packed rows).
+    ("forward", "flash2", np.float16, None, "decode_mqa"),
+    ("forward", "flash2", BF16, (16, 16), "decode_many_splits"),
+    ("forward", "flash2", np.float16, None, "decode_paged_gqa"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -234,9 +242,13 @@ def main(selected=()):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
             key_warps = int(variant[-1]) if "key_warps" in variant else 4 if variant == "decode_swizzled" else 0
             stages = {"decode_stages4": 4, "decode_key_warps3": 3, "decode_swizzled": 3}.get(variant, 0)
-            wide = variant in ("decode_swizzled", "decode_paged_key_warps4")
-            worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, key_warps=key_warps,
-                                      d=128 if wide else 40, page_size=32 if "paged" in variant else 0))
+            wide = variant in ("decode_swizzled", "decode_paged_key_warps4", "decode_mqa")
+            layout = dict(key_warps=key_warps)
+            layout.update({"decode_mqa": dict(heads=32, kv_heads=1),
+                           "decode_many_splits": dict(num_splits=20, key_warps=1, rows=640),
+                           "decode_paged_gqa": dict(heads=32, kv_heads=4)}.get(variant, {}))
+            worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, d=128 if wide else 40,
+                                      page_size=32 if "paged" in variant else 0, **layout))
             continue
         if "varlen" in variant:
             for d in ([case[4] for case in cases] if algorithm == "wgmma" else [VARLEN_HEAD_DIM]):
@@ -331,14 +343,15 @@ def packed(direction, algorithm, variant, dtype, blocks, d, rng):
 DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
-def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
+def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0, heads=8, kv_heads=2, num_splits=0,
+           rows=DECODE_ROWS):
     """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), its lengths on
     the GPU (read by the forward itself), then three queries (causal), lengths on the host; each
     appends as many keys.  ``page_size``: the caches are pools of that many rows a page, the entries' pages
-    scattered through them (two spare), the table with the lengths (on the GPU, then the host).  Returns the worst
-    relative error."""
-    heads, kv_heads = 8, 2
+    scattered through them (two spare), the table with the lengths (on the GPU, then the host).  ``rows``: of
+    each entry's cache.  Returns the worst relative error."""
     batch = len(DECODE_LENGTHS)
+    group = heads // kv_heads
 
     def device(x):
         t = torch.as_tensor(x.view(np.int16) if dtype == BF16 else x, device="cuda")
@@ -347,11 +360,11 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
     def host(t):
         return (t.view(torch.int16).cpu().numpy().view(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy())
 
-    caches = [rng.standard_normal((batch, kv_heads, DECODE_ROWS, d)).astype(dtype) for _ in range(2)]
+    caches = [rng.standard_normal((batch, kv_heads, rows, d)).astype(dtype) for _ in range(2)]
     k_cache, v_cache = (device(x) for x in caches)
     table = None
     if page_size:
-        per_entry = DECODE_ROWS // page_size
+        per_entry = rows // page_size
         table = rng.permutation(batch * per_entry + 2)[:batch * per_entry].reshape(batch, per_entry).astype(np.int32)
         pools = []
         for cache in caches:    # (pages, page_size, H_kv, d), as vLLM keeps it; the kernels see its transpose
@@ -365,9 +378,9 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
     def gathered(cache):     # (B, H_kv, DECODE_ROWS, d): a paged cache's pool read through the table
         if table is None:
             return cache
-        rows = cache[torch.as_tensor(table.reshape(-1), device="cuda", dtype=torch.int64)]
-        rows = rows.reshape(batch, DECODE_ROWS // page_size, kv_heads, page_size, d)
-        return rows.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, DECODE_ROWS, d)
+        pages = cache[torch.as_tensor(table.reshape(-1), device="cuda", dtype=torch.int64)]
+        pages = pages.reshape(batch, rows // page_size, kv_heads, page_size, d)
+        return pages.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, rows, d)
 
     lengths = np.array(DECODE_LENGTHS, np.int32)
     worst = 0.0
@@ -378,13 +391,14 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0):
         paged = {} if table is None else dict(block_table=torch.as_tensor(table, device="cuda") if n_q == 1 else table)
         out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, held,
                                                   k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks,
-                                                  kv_stages=kv_stages, key_warps=key_warps, **paged)
+                                                  kv_stages=kv_stages, key_warps=key_warps, num_splits=num_splits,
+                                                  **paged)
         lengths = lengths + n_q
         k64, v64 = (host(gathered(x)).astype(np.float64) for x in (k_cache, v_cache))
         ref = np.zeros(q.shape)
         for b, length in enumerate(lengths):
-            ref[b], _ = reference.attention(q[b].astype(np.float64), np.repeat(k64[b, :, :length], 4, axis=0),
-                                            np.repeat(v64[b, :, :length], 4, axis=0), causal="bottom_right")
+            ref[b], _ = reference.attention(q[b].astype(np.float64), np.repeat(k64[b, :, :length], group, axis=0),
+                                            np.repeat(v64[b, :, :length], group, axis=0), causal="bottom_right")
         worst = max(worst, check(f"O (N_q = {n_q})", out, ref, dtype))
     return worst
 

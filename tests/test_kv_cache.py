@@ -10,9 +10,9 @@ from numba import cuda
 import numba_flash
 import reference
 from strategies import SIZES, VARLEN_DTYPES, arrays, block_sizes, dtype_name, head_dims
+from test_paged_cache import device_view, logical_rows, paged_copy
 from tolerances import assert_close_to_reference
 
-from numba_flash.kernels.fast.cache import decode_splits
 from numba_flash.runtime.device import device_limits
 from numba_flash.tiling import DECODE_STREAMED_KEYS, PRECISION, cdiv, decode_default_block_sizes
 
@@ -250,17 +250,6 @@ def test_the_merge_combines_more_splits_than_one_group_of_loads(dtype):
     np.testing.assert_array_equal(nan_lse[1], lse[1])
 
 
-def test_the_default_split_fills_one_wave():
-    # Blocks of key warps: one per multiprocessor (132 on an H200: (B, H_kv) = (1, 8) gets 16 splits, (16, 8)
-    # none); one-warp blocks: six per multiprocessor; never more splits than leave each warp a tile, nor 32.
-    assert decode_splits(8, 512, 132, key_warps=4) == 16
-    assert decode_splits(32, 2048, 132, key_warps=4) == 4
-    assert decode_splits(128, 512, 132, key_warps=4) == decode_splits(200, 512, 132, key_warps=4) == 1
-    assert decode_splits(8, 40, 132, key_warps=4) == 10
-    assert decode_splits(128, 512, 132) == 6
-    assert decode_splits(8, 512, 132) == 32
-
-
 @pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
 def test_one_plan_decodes_call_after_call_as_lengths_change(dtype):
     # Three splits take turns along the key tiles (split s: tiles s, s + 3, ...), so entries of 1, 17 or 33
@@ -448,3 +437,114 @@ def test_split_decoding_on_two_streams_at_once_and_in_a_cuda_graph():
         eager = step(q)
     torch.cuda.synchronize()
     assert torch.equal(graph_out, want) and torch.equal(eager, want)
+
+
+# ---- query groups packed as rows (decode_plan.py): each key/value tile read once per group ----
+
+#: (H_q, H_kv): MHA, GQA of 4 and 8, MQA of 32.
+GROUPS = ((2, 2), (4, 1), (8, 2), (8, 1), (32, 1))
+
+
+@st.composite
+def grouped_problems(draw):
+    """A decoding call with query heads grouped on key/value heads, N_q 1 or 4: lengths 0, 1, full or ragged, new keys
+    or none, any causal alignment, a contiguous or paged cache, the library's choices or the user's; tiles of 16 rows
+    (the simulator's) or one tile of the whole packed group (at most 128 rows, as the library's on a GPU)."""
+    dtype = draw(st.sampled_from(VARLEN_DTYPES))
+    batch = draw(st.integers(1, 2))
+    heads, kv_heads = draw(st.sampled_from(GROUPS))
+    n_q = draw(st.sampled_from((1, 4)))
+    d = 16
+    n_new = draw(st.integers(0, 1))
+    n_max = draw(st.sampled_from((16, 40)))
+    lengths = st.one_of(st.sampled_from((0, 1, n_max - n_new)), st.integers(0, n_max - n_new))
+    seqlens = np.array([draw(lengths) for _ in range(batch)], np.int32)
+    q = arrays(draw, (batch, heads, n_q, d), dtype)
+    k_cache, v_cache = (arrays(draw, (batch, kv_heads, n_max, d), dtype) for _ in range(2))
+    new = (None, None) if n_new == 0 else tuple(arrays(draw, (batch, kv_heads, n_new, d), dtype) for _ in range(2))
+    causal = draw(st.sampled_from((True, False, "top_left")))
+    rows = heads // kv_heads * n_q
+    whole = min(128, cdiv(rows, 16) * 16)
+    tiles = draw(st.sampled_from((None, (whole, 16)) if whole > 16 else (None,)))
+    splits = draw(st.sampled_from((0, 1, 3)))
+    streamed = dtype != np.float32
+    key_warps = draw(st.sampled_from((0, 1, 4) if streamed and (tiles is None or tiles[0] == 16) else (0, 1)))
+    paged = draw(st.booleans())
+    return q, k_cache, v_cache, seqlens, new, causal, tiles, splits, key_warps, paged
+
+
+@given(problem=grouped_problems(), seed=st.integers(0, 2 ** 16))
+def test_query_groups_read_as_rows_match_the_float64_reference(problem, seed):
+    # Every query head of a group (and each of its N_q queries) gets its own causal diagonal, whether the group's
+    # queries are one tile's rows or several tiles', through a contiguous cache or shuffled pages.
+    check_grouped(problem, seed)
+
+
+@pytest.mark.parametrize("heads, kv_heads, n_q, causal, tiles, splits, paged", [
+    (32, 1, 4, True, (128, 16), 0, True),       # MQA, 4 new queries: 128 packed rows in one tile, shuffled pages
+    (8, 2, 4, "top_left", (32, 16), 3, False),  # GQA of 4, top-left: 16 rows of each group in a 32-row tile, splits
+    (32, 1, 1, True, None, 2, False),           # MQA, one query: 32 rows in two of the simulator's 16-row tiles
+], ids=["mqa 128 rows paged", "gqa top-left split", "mqa two tiles"])
+def test_query_groups_of_the_serving_shapes(heads, kv_heads, n_q, causal, tiles, splits, paged):
+    # Entries full, empty and ragged, one new key each (bottom-right: the new key is on every query's diagonal).
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((3, heads, n_q, 16)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((3, kv_heads, 48, 16)).astype(np.float16) for _ in range(2))
+    new = tuple(rng.standard_normal((3, kv_heads, 1, 16)).astype(np.float16) for _ in range(2))
+    seqlens = np.array([47, 0, 13], np.int32)
+    check_grouped((q, k_cache, v_cache, seqlens, new, causal, tiles, splits, 0, paged), 7)
+
+
+def check_grouped(problem, seed):
+    """``grouped_problems``' call against the float64 reference (the pages' appended rows too), and packed."""
+    q, k_cache, v_cache, seqlens, (k_new, v_new), causal, tiles, splits, key_warps, paged = problem
+    n_new = 0 if k_new is None else k_new.shape[2]
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    for b, start in enumerate(seqlens):
+        if n_new:
+            expected_k[b, :, start:start + n_new] = k_new[b]
+            expected_v[b, :, start:start + n_new] = v_new[b]
+    options = dict(k_new=k_new, v_new=v_new, causal=causal, block_sizes=tiles, num_splits=splits, key_warps=key_warps,
+                   return_lse=True)
+    if paged:
+        (k_cache, table), (v_cache, _) = (paged_copy(x, 16, np.random.default_rng(seed)) for x in (k_cache, v_cache))
+        options["block_table"] = table
+    out, lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, **options)
+    heads, n_q = q.shape[1:3]
+    group = heads // k_cache.shape[1]
+    plans = [p for p in numba_flash.api._PLANS.values() if isinstance(p, numba_flash.api._CachePlan)
+             and p.user_shape == q.shape and p.call.kv_heads == k_cache.shape[1]]
+    assert plans and all(p.call.varlen.head_queries == (n_q if group > 1 else 0) for p in plans)   # C order: packed
+    for b, length in enumerate(seqlens + n_new):
+        if paged:   # the appended rows went through the table
+            for cache, pool in ((expected_k, k_cache), (expected_v, v_cache)):
+                np.testing.assert_array_equal(logical_rows(pool, table, b, length), cache[b, :, :length])
+        if length == 0:
+            assert np.all(out[b].astype(np.float32) == 0) and np.all(np.isneginf(lse[b]))
+            continue
+        k, v = (np.repeat(x[b, :, :length], group, axis=0) for x in (expected_k, expected_v))
+        ref_out, ref_lse = reference.attention(q[b], k, v, causal=alignment(causal))
+        assert_close_to_reference(out[b], lse[b], ref_out, ref_lse, q[b], k, v, 0.25, q.dtype)
+
+
+def test_queries_whose_heads_are_not_n_q_rows_apart_keep_a_tile_per_head():
+    # q as a (B, N_q, H_q, d) array's transposed view (heads d apart, queries H_q d): its group cannot be viewed as
+    # rows, so each query head keeps its own tile (and reads the group's K/V itself); the results are the packed
+    # call's.
+    rng = np.random.default_rng(29)
+    batch, heads, kv_heads, n_q, d = 2, 8, 2, 4, 16
+    base = rng.standard_normal((batch, n_q, heads, d)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((batch, kv_heads, 40, d)).astype(np.float16) for _ in range(2))
+    seqlens = np.array([40, 13], np.int32)
+    q_view = device_view(cuda.to_device(base), (0, 2, 1, 3))
+    device = [cuda.to_device(x) for x in (k_cache, v_cache, seqlens)]
+    out, lse = numba_flash.attention_with_kv_cache(q_view, *device, return_lse=True)
+    q = np.ascontiguousarray(base.transpose(0, 2, 1, 3))
+    want, want_lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, return_lse=True)
+    defaults = (True, None, None, 0, 0, 0, None)   # causal, scale, block_sizes, num_splits, kv_stages, key_warps, table
+    for x, packed in ((q_view, False), (q, True)):
+        plan = numba_flash.api._CachePlan((x, k_cache if packed else device[0], v_cache if packed else device[1]),
+                                          defaults)
+        assert plan.call.varlen.head_queries == (n_q if packed else 0) and plan.plan.packed == packed
+    np.testing.assert_allclose(out.copy_to_host().astype(np.float32), want.astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(lse.copy_to_host(), want_lse, atol=1e-4)

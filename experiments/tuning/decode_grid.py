@@ -14,15 +14,23 @@ same process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/decode_grid.py [--dtype bfloat16] [--batches 1,4,16,64] ...
     PYTHONPATH=$PWD python3 experiments/tuning/decode_grid.py --quick    # a tiny grid (runs in the simulator)
+    PYTHONPATH=$PWD python3 experiments/tuning/decode_grid.py --plans    # each point's plan only (no GPU needed)
 
-Writes ``results/decode_grid_<dtype>[_d<head dims>]_<card>.{md,csv,png}`` (``decode_grid_quick`` with --quick): the table, and a
-heat map of (fastest torch backend) / ours.  Targets (issue 47): >= 1.0x the fastest backend at every point, and
->= 80% of the copy bandwidth where K and V exceed 64 MB.
+The whole grid is 8 parts of 64 points (one dtype, head dim and N_q each), each meant to take at most ~4 minutes of
+a GPU (the table's last line says how long it took), e.g.
+
+    python3 experiments/tuning/decode_grid.py --dtype bfloat16 --head-dims 128 --new-queries 1
+
+Writes ``results/decode_grid_<dtype>[_d<head dims>][_q<N_q>]_<card>.{md,csv,png}`` (``decode_grid_quick`` with
+--quick): the table, with the layout ``decode_plan`` chose for each point (``plan``: packed query rows, tile, warps,
+splits) and the model's time (``model_us``), and a heat map of (fastest torch backend) / ours.  Targets (issue 47):
+>= 1.0x the fastest backend at every point, and >= 80% of the copy bandwidth where K and V exceed 64 MB.
 """
 import argparse
 import math
 import os
 import re
+import time
 
 import numpy as np
 
@@ -79,6 +87,9 @@ def point(torch, batch, heads, kv_heads, n, d, n_q, dtype, device, repeats):
         q, k, v = inputs[turn[0]]
         numba_flash.attention_with_kv_cache(q, k, v, lengths)
 
+    ours()   # the plan (and kernels) made outside the timing
+    layout = chosen_plan(batch, heads, n_q, kv_heads)
+    row.update(plan=str(layout), model_us=f"{layout.estimate_us:.1f}")
     times = dict(ours=time_ms(ours, repeats=repeats, setup=advance))
     for name, run in peers().items():
         try:
@@ -93,6 +104,37 @@ def point(torch, batch, heads, kv_heads, n, d, n_q, dtype, device, repeats):
     row["best"] = best_name or ""
     row["gb_per_s"] = f"{kv_bytes / (times['ours'] * 1e-3) / 1e9:.0f}"
     return row
+
+
+def chosen_plan(batch, heads, n_q, kv_heads):
+    """The ``decode_plan`` of the last decoding call of these shapes (``api._PLANS``)."""
+    from numba_flash import api
+
+    for made in reversed(list(api._PLANS.values())):
+        if isinstance(made, api._CachePlan) and made.user_shape[:3] == (batch, heads, n_q) \
+                and made.call.kv_heads == kv_heads:
+            return made.plan
+    raise LookupError("no decoding plan for these shapes")
+
+
+def grid_points(grid):
+    """(d, N_q, H_q, H_kv, B, N) of every point of ``grid``, in the table's order."""
+    for d in grid["head_dims"]:
+        for n_q in grid["new_queries"]:
+            for heads, kv_heads in grid["heads"]:
+                for batch in grid["batches"]:
+                    for n in grid["lengths"]:
+                        yield d, n_q, heads, kv_heads, batch, n
+
+
+def print_plans(grid, dtype_bytes, multiprocessors):
+    """Each point's plan and modelled time, as ``decode_plan`` makes it for a GPU of ``multiprocessors`` (no GPU)."""
+    from numba_flash.decode_plan import decode_plan
+
+    for d, n_q, heads, kv_heads, batch, n in grid_points(grid):
+        layout = decode_plan(batch, heads, kv_heads, n_q, n, d, dtype_bytes, multiprocessors=multiprocessors)
+        print(f"B={batch:<3} H={heads}/{kv_heads:<3} N={n:<7} d={d:<4} N_q={n_q}  {layout}  "
+              f"(model {layout.estimate_us:.1f} us)")
 
 
 def heat_map(plt, rows, path, title):
@@ -120,24 +162,32 @@ def heat_map(plt, rows, path, title):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny grid (the simulator's run)")
+    parser.add_argument("--plans", action="store_true", help="print each point's plan and modelled time, time nothing")
     parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
     parser.add_argument("--batches", help="comma-separated batch sizes (default: the whole grid's)")
     parser.add_argument("--lengths", help="comma-separated cache lengths N (default: the whole grid's)")
     parser.add_argument("--head-dims", help="comma-separated head dims (default: 64,128)")
     parser.add_argument("--new-queries", help="comma-separated N_q (default: 1,4)")
+    parser.add_argument("--heads", help="comma-separated H_q:H_kv pairs (default: 32:32,32:8,64:8,32:1)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    import torch
-
-    simulator = numba_flash.in_simulator()
-    if simulator and not args.quick:
-        print("needs a GPU (or --quick)")
-        return 2
+    started = time.perf_counter()
     grid = dict(QUICK_GRID if args.quick else GRID)
     for key, given in (("batches", args.batches), ("lengths", args.lengths), ("head_dims", args.head_dims),
                        ("new_queries", args.new_queries)):
         if given:
             grid[key] = tuple(int(x) for x in given.split(","))
+    if args.heads:
+        grid["heads"] = tuple(tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(","))
+    if args.plans:
+        print_plans(grid, 2, numba_flash.device_limits().multiprocessors)
+        return 0
+    import torch
+
+    simulator = numba_flash.in_simulator()
+    if simulator and not args.quick:
+        print("needs a GPU (or --quick, or --plans)")
+        return 2
     device = "cpu" if simulator else "cuda"
     dtype = torch.float32 if simulator else getattr(torch, args.dtype)
     repeats = 1 if simulator else REPEATS
@@ -148,18 +198,14 @@ def main(argv=None):
         copy_bandwidth = 2 * 1e9 / (time_ms(lambda: target.copy_(source), repeats=repeats) * 1e-3)
         del source, target
     rows = []
-    for d in grid["head_dims"]:
-        for n_q in grid["new_queries"]:
-            for heads, kv_heads in grid["heads"]:
-                for batch in grid["batches"]:
-                    for n in grid["lengths"]:
-                        row = point(torch, batch, heads, kv_heads, n, d, n_q, dtype, device, repeats)
-                        if "gb_per_s" in row and not simulator:
-                            row["of_copy"] = f"{float(row['gb_per_s']) * 1e9 / copy_bandwidth:.2f}"
-                        rows.append(row)
-                        print(row, flush=True)
-                        if not simulator:
-                            torch.cuda.empty_cache()
+    for d, n_q, heads, kv_heads, batch, n in grid_points(grid):
+        row = point(torch, batch, heads, kv_heads, n, d, n_q, dtype, device, repeats)
+        if "gb_per_s" in row and not simulator:
+            row["of_copy"] = f"{float(row['gb_per_s']) * 1e9 / copy_bandwidth:.2f}"
+        rows.append(row)
+        print(row, flush=True)
+        if not simulator:
+            torch.cuda.empty_cache()
     keys = list(dict.fromkeys(key for row in rows for key in row))
     rows = [{key: row.get(key, "") for key in keys} for row in rows]
     timed = [r for r in rows if r["best_over_ours"]]
@@ -173,6 +219,8 @@ def main(argv=None):
     device_name = "numba-cuda simulator" if simulator else numba_flash.device_limits().name
     card = re.search(r"[A-Z]\d{3}", device_name)   # "NVIDIA H100 80GB HBM3" -> h100
     dims = f"_d{args.head_dims.replace(',', '_')}" if args.head_dims else ""
+    dims += f"_q{args.new_queries.replace(',', '_')}" if args.new_queries else ""
+    dims += f"_h{args.heads.replace(',', '_').replace(':', '-')}" if args.heads else ""
     stem = os.path.join(args.out, "decode_grid_quick" if args.quick else
                         f"decode_grid_{args.dtype}{dims}_{card.group(0).lower() if card else 'gpu'}")
     write_csv(stem + ".csv", rows)
@@ -192,6 +240,8 @@ def main(argv=None):
                         f"{sum(x >= 0.8 for x in shares)} at >= 0.80.")
             f.write("\n\n")
         f.write(markdown_table(rows))
+        f.write(f"\nplan: ``numba_flash.decode_plan``'s layout of the call; model_us: its modelled GPU time (the host's "
+                f"work not included).  Wall time of this run: {time.perf_counter() - started:.0f} s.\n")
     plt = pyplot()
     if plt is not None and timed:
         heat_map(plt, rows, stem + ".png", f"decoding, {dtype}: fastest torch backend / numba-flash ({device_name})")

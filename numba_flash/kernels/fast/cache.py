@@ -31,7 +31,6 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from ...runtime.launch import Kernel, Launch, inlined_device_function
-from ...tiling import cdiv
 from .common import NEG_INF, cache_rows, entry_fits, operand_extent, paging_arguments
 from .fragments import sixteen_bit_ops
 from .primitives import load_vec4_l2, load_word_l2
@@ -184,27 +183,4 @@ def tile_merger(PRECISION, D_PAD, THREADS):
     return merge_tile
 
 
-#: One-warp blocks per multiprocessor that the default split fills: one whole wave and no more.  On the H200 at (B,
-#: H_kv) = (16, 8), d = 128, float16 (GPU time, 2026-12-02, ``experiments/tuning/results/decode_h200.md``), one-warp
-#: blocks of (16, 16) tiles: 6 splits (768 blocks) 0.151-0.152 ms in three rows, 8 (1024) 0.156-0.157 in four, 12 and
-#: more 0.165-0.174; the best of every tile, buffer and split count tried was within 1% of 0.151 ms.  (2026-11-30, when
-#: a decoding block held 255 registers: 8 splits 0.25 ms, 9, a second wave, 0.33.)
-SPLIT_WARPS_PER_MULTIPROCESSOR = 6
-
-
-def decode_splits(blocks, key_tiles, multiprocessors, key_warps=1, most=32):
-    """How many blocks should share a query tile's keys: as many as fill one wave without starting a second,
-    no more than leave every warp a key tile, at most ``most``.  A wave: one block per multiprocessor where the blocks'
-    warps take turns along the keys (``key_warps`` > 1: a block's buffers hold most of a multiprocessor's shared memory,
-    and unsplit calls run so), else ``SPLIT_WARPS_PER_MULTIPROCESSOR`` one-warp blocks.  On the H200 (float16, d = 128,
-    (16, 32) tiles, lengths on the GPU, 2026-12-03, ``experiments/tuning/results/decode_breakdown_h200.md``), one block
-    per multiprocessor against the six warps per multiprocessor that key-warp blocks once shared with one-warp blocks
-    (and their (16, 16) tiles): (B, H_q, H_kv, N) = (1, 32, 8, 8192) 16 splits 0.0189 ms against 24 splits' 0.0197
-    (cuDNN 0.0187), (4, 32, 8, 32768) 4 splits 0.1277 against 6 splits' 0.1402 (cuDNN 0.1271), (2, 32, 8, 4096) 8 splits
-    0.0186 against 12 splits' 0.0196 (cuDNN 0.0180)."""
-    per_wave = multiprocessors if key_warps > 1 else SPLIT_WARPS_PER_MULTIPROCESSOR * multiprocessors
-    fitting = per_wave // max(1, blocks)
-    return max(1, min(most, cdiv(key_tiles, key_warps), fitting))
-
-
-__all__ = ["MERGE_GROUP", "append_launch", "decode_splits", "last_to_arrive", "make_append", "tile_merger"]
+__all__ = ["MERGE_GROUP", "append_launch", "last_to_arrive", "make_append", "tile_merger"]

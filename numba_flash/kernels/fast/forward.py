@@ -118,7 +118,7 @@ from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
                  POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2, KEY_WARPS=1,
-                 PAGED=False):
+                 PAGED=False, QUERY_GROUPS=False):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale, paging).
 
@@ -160,10 +160,17 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     by one table lookup and are copied as a contiguous cache's are (a round of key warps' tiles, which may span
     pages, is copied tile by tile).  Every block first checks the entry's table entries against the pool: an entry
     that names a page outside it sees no key and gets NaN rows, as one whose length overflows does.
+
+    QUERY_GROUPS (decoding, causal): the tile's rows are the query heads of a group packed as rows (row g N_q + i is
+    query i of the group's head g, ``head_queries`` = N_q; ``decode_plan.py``), so that the group reads each K/V tile
+    once.  The causal mask of a row takes its own query index i = row mod N_q, the key bound of the tile its last
+    query's (N_q - 1), and every tile that reaches past the first query's diagonal is masked (some row of the tile
+    may be a group's query 0).  Without causal the packed rows need nothing of the kernel: every row sees every key.
     """
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
     assert not PAGED or VARLEN == "cache", "pages hold a KV cache's rows"
+    assert not QUERY_GROUPS or (VARLEN == "cache" and CAUSAL), "query groups serve causal decoding"
     SIXTEEN = PRECISION != "tf32x3"
     ROW_THREADS = flash2_threads(BLOCK_M, WARP_ROWS)   # the threads that own the tile's rows
     assert KEY_WARPS == 1 or (ROW_THREADS == 32 and WARP_ROWS == ROWS_PER_WARP and not HAS_MASK
@@ -328,10 +335,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
         @inlined_device_function
         def walk(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                 mask_cols, mask_t_r, mask_t_c):
+                 mask_cols, mask_t_r, mask_t_c, head_queries):
             for r in range(LANE_ROWS):
                 row = q0 + row0 + 8 * r
-                end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
+                if QUERY_GROUPS:   # row g N_q + i of a packed group: query i's diagonal
+                    end = (keys_end(int64(uint32(row) % uint32(head_queries)), head_queries, n_k, CAUSAL,
+                                    causal_offset) if row < n_q else int64(0))
+                else:
+                    end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
                 for nt in range(N_TILES):
                     x_row, half = (r // 2) * N_TILES + nt, r % 2
                     for e in range(2):
@@ -515,7 +526,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
                mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys,
                lse_sb, lse_sh, splits, o_split, lse_split, MERGED_O, MERGED_LSE, ARRIVALS, keep_threshold,
-               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp):
+               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp, head_queries):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
@@ -578,8 +589,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             for x in range(AHEAD):
                 start_kv(smem, x, k_regs, v_regs, K, V, k_head, v_head, k_sp, v_sp, k_sn, v_sn, pages, capacity,
                          tile_entries, first, round_first_key, tile_step, capacity_keys, n_k, head_dim, tid)
-        q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
-                                                             causal_offset, bottom_right, new_keys)
+        # (QUERY_GROUPS: the entry's causal offset is that of one head's N_q queries; n_q stays the tile's rows.)
+        q_first, k_first, n_q_b, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step,
+                                                               head_queries if QUERY_GROUPS else n_q, n_k,
+                                                               causal_offset, bottom_right, new_keys)
+        if not QUERY_GROUPS:
+            n_q = n_q_b
         if PAGED:   # an entry whose table names a page outside the pool for one of its keys: none seen, NaN out
             n_k = n_k if pages_fit(pages, n_k, tid, THREADS) else int64(-1)
         overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
@@ -596,7 +611,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         else:
             n_tiles = ceil_div(n_k, BLOCK_N)
             if CAUSAL:  # no key beyond the last row's diagonal
-                n_tiles = min(n_tiles, max(0, ceil_div(min(q0 + BLOCK_M, n_q) + causal_offset, BLOCK_N)))
+                last = head_queries if QUERY_GROUPS else min(q0 + BLOCK_M, n_q)   # past the tile's last query
+                n_tiles = min(n_tiles, max(0, ceil_div(last + causal_offset, BLOCK_N)))
             n_tiles, rounds, keys_visited = tiles_of(n_tiles, split, key_warp, turns)
 
         # ---- Q_i: loaded once, it stays in shared memory for the whole loop ----
@@ -647,7 +663,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 sync_tile()
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
-            mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
+            mixed = (CAUSAL and k0 + BLOCK_N - 1 > (0 if QUERY_GROUPS else q0) + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block (of the warp, for key warps): all reach the barrier
                 sanitize_v(smem, stage, V_NAN + own, cleaner)
                 sync_tile()  # V_j without NaN, and its flags, before any warp reads them
@@ -656,14 +672,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             v_nan = key_flags(smem, V_NAN + own, t) if mixed else uint64(0)
             if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
                 mask_scores(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                            mask_rows, mask_cols, mask_t_r, mask_t_c)
+                            mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries)
             for r in range(LANE_ROWS):
                 alpha[r] = online_softmax(s, m_i, l_i, r, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if v_nan != uint64(0):  # this lane's keys of a partly masked tile include a NaN value row
                 poison_weights(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                               mask_rows, mask_cols, mask_t_r, mask_t_c)
+                               mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         if EARLY_COPIES and rounds < AHEAD:   # rounds copied early that the entry does not have: every thread's
@@ -690,7 +706,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
                   + ("" if POSITIVE_SCALE else "_nonpositive_scale")
                   + (f"_stages{STAGES}" if STAGES > 2 else "")
-                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else ""),
+                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else "")
+                  + ("_query_groups" if QUERY_GROUPS else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               MERGED_O=output_element(PRECISION)[1], MERGED_LSE=np.float32, ARRIVALS=np.uint32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
@@ -712,10 +729,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                  else (THREADS, 1) if KEY_WARPS > 1 else None))
 
 
-def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
+def forward_launch(call, splits=1, kv_stages=2, key_warps=1, warp_rows=None):
     """flash2's forward for a validated ``AttentionCall`` as a ``Launch``, K/V tiles in up to ``kv_stages``
     shared buffers (``make_forward``'s KV_STAGES), ``key_warps`` warps taking turns along each query tile's
-    keys (``make_forward``'s KEY_WARPS: decoding).
+    keys (``make_forward``'s KEY_WARPS: decoding), ``warp_rows`` query rows per warp (None: the forward's
+    ``tiling.flash2_forward_warp_rows``; decoding's plan may ask for 16).  A decoding call whose query heads
+    are packed as rows (``Varlen.head_queries``) and causal takes ``make_forward``'s QUERY_GROUPS.
 
     Per call it takes q, k, v (the caller's arrays), o and lse (new results,
     C-contiguous), then for per-batch lengths the bounds q_bounds and k_bounds
@@ -735,11 +754,15 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     stages = flash2_stages(layout, block_m, block_n, d_pad, precision=call.precision, vec=call.vec, most=kv_stages)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
     positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
-    warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
+    if warp_rows is None:
+        warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
     mode = sequence_mode(call)
     paging = call.varlen.paging if call.varlen else None
+    head_queries = call.varlen.head_queries if call.varlen and call.varlen.head_queries else call.n_q
+    query_groups = bool(call.varlen and call.varlen.head_queries and call.causal)
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None)
+                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None,
+                          query_groups)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -763,7 +786,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
                  q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
                  **sequence_arguments(call), **paging_arguments(paging), **split_layout,
-                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0)
+                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0, head_queries=head_queries)
     if paging:   # pools of pages: an entry's pages come from the table, so no batch stride
         fixed.update(k_sb=0, v_sb=0)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
