@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 from numba import cuda
 
-from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS, check_algorithm,
+from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS,
                           check_attention_args, check_backward_operands, check_block_table_pages, check_cache_args,
                           check_cache_seqlens, check_cu_seqlens, check_decode_layout, check_deterministic,
                           check_device_cache_seqlens, check_dropout, check_loop, check_new_keys, check_varlen_args,
