@@ -111,6 +111,7 @@ from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache
                      sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers,
                      warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
+from .mod_steps import NO_MOD_SLOTS, mod_arrays, mod_steps, no_mod_arrays
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
 
@@ -118,7 +119,7 @@ from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
                  POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2, KEY_WARPS=1,
-                 PAGED=False):
+                 PAGED=False, MODS=None):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale, paging).
 
@@ -160,7 +161,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     by one table lookup and are copied as a contiguous cache's are (a round of key warps' tiles, which may span
     pages, is copied tile by tile).  Every block first checks the entry's table entries against the pool: an entry
     that names a page outside it sees no key and gets NaN rows, as one whose length overflows does.
+
+    MODS (``mod_steps.ModSteps``, or None): a score_mod and/or mask_mod, one step of ``mask_scores`` and
+    ``poison_weights`` (``mod_entry``, ``mod_allows``).  The mask_mod ANDs into the keys an entry may see (every
+    tile is then tested element by element and cleaned of NaN, as a partly masked one is); the score_mod replaces
+    the scaled score (the kernel then takes the scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both
+    are called only for keys inside the sequences (and the causal mask), so that a mod's array reads stay in
+    bounds.  Compiled out when None.
     """
+    assert MODS is None or not (SPLIT or PAGED or VARLEN or KEY_WARPS > 1), "mods: not with varlen or a KV cache yet"
+    assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
+    SCORE_MOD = MODS is not None and MODS.has_score
+    MASK_MOD = MODS is not None and MODS.has_mask
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
     assert not PAGED or VARLEN == "cache", "pages hold a KV cache's rows"
@@ -321,6 +333,20 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if row >= first_row and row < BLOCK_N:
                 store_word(smem, at + row * V_ROW_STRIDE + word % V_ROW_WORDS, uint32(0))
 
+    @inlined_device_function
+    def mod_allows(visible, row, key, mod_args):
+        """The mask_mod's verdict on an entry (called only where the sequences and causal allow it)."""
+        if MASK_MOD and visible:
+            b, h, _, MOD0, MOD1, MOD2, MOD3 = mod_args
+            return MODS.mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+        return visible
+
+    @inlined_device_function
+    def mod_entry(x, row, key, mod_args):
+        """An allowed entry's score in log2 units: score_mod(scale q.k, b, h, row, key) log2(e)."""
+        b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+        return MODS.score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
+
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
         row's visible keys computed once (one compare per entry, so that NVVM unrolls the loops: rolled,
@@ -328,18 +354,24 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
         @inlined_device_function
         def walk(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                 mask_cols, mask_t_r, mask_t_c):
+                 mask_cols, mask_t_r, mask_t_c, mod_args):
             for r in range(LANE_ROWS):
                 row = q0 + row0 + 8 * r
                 end = keys_end(row, n_q, n_k, CAUSAL, causal_offset)
                 for nt in range(N_TILES):
                     x_row, half = (r // 2) * N_TILES + nt, r % 2
                     for e in range(2):
-                        visible = allowed_below(end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows,
-                                                mask_cols, mask_t_r, mask_t_c)
+                        key = k0 + nt * 8 + 2 * t + e
+                        visible = allowed_below(end, row, key, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
+                                                mask_t_c)
+                        if MASK_MOD:
+                            visible = mod_allows(visible, row, key, mod_args)
                         if POISON:
                             if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
                                 s[x_row, 2 * half + e] = float32(math.nan)
+                        elif SCORE_MOD:   # the mod's score, in log2 units (only where allowed: its reads in bounds)
+                            s[x_row, 2 * half + e] = (mod_entry(s[x_row, 2 * half + e], row, key, mod_args) if visible
+                                                      else float32(NEG_INF))
                         else:
                             x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
                             s[x_row, 2 * half + e] = x if visible else float32(NEG_INF)
@@ -515,7 +547,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
                mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys,
                lse_sb, lse_sh, splits, o_split, lse_split, MERGED_O, MERGED_LSE, ARRIVALS, keep_threshold,
-               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp):
+               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp, MOD0, MOD1, MOD2, MOD3):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
@@ -525,6 +557,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         # SPLIT: O, LSE take this split's partial results; the tile's last split writes MERGED_O, MERGED_LSE.
         # PAGED: entry b's row of the block table PAGES starts at b * pages_sb (``common.cache_rows``); K and V are
         # pools of pages k_sp and v_sp apart, with no batch stride (k_sb = v_sb = 0).
+        # MODS: MOD0..MOD3 are the score_mod's arrays, then the mask_mod's (``mod_steps``); placeholders otherwise.
         if HAS_MASK:
             tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
         else:
@@ -552,6 +585,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         v_head = b * v_sb + kv_h * v_sh
         pages = (PAGES, b * pages_sb, page_size, num_pages)   # where a paged entry's rows are (``row_start``)
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
+        # What the mods read besides the entry (``mod_entry``): the batch and query head, the scale, their arrays.
+        mod_args = (b, h, float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
         k_regs = cuda.local.array((K_ITERS, 4), WORD)
@@ -647,7 +682,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 sync_tile()
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
-            mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
+            mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked or MASK_MOD
             if mixed:  # the same for every thread of the block (of the warp, for key warps): all reach the barrier
                 sanitize_v(smem, stage, V_NAN + own, cleaner)
                 sync_tile()  # V_j without NaN, and its flags, before any warp reads them
@@ -656,14 +691,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             v_nan = key_flags(smem, V_NAN + own, t) if mixed else uint64(0)
             if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
                 mask_scores(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                            mask_rows, mask_cols, mask_t_r, mask_t_c)
+                            mask_rows, mask_cols, mask_t_r, mask_t_c, mod_args)
             for r in range(LANE_ROWS):
                 alpha[r] = online_softmax(s, m_i, l_i, r, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if v_nan != uint64(0):  # this lane's keys of a partly masked tile include a NaN value row
                 poison_weights(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                               mask_rows, mask_cols, mask_t_r, mask_t_c)
+                               mask_rows, mask_cols, mask_t_r, mask_t_c, mod_args)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         if EARLY_COPIES and rounds < AHEAD:   # rounds copied early that the entry does not have: every thread's
@@ -688,13 +723,15 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                       HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else "")
                   + ("" if WARP_ROWS == ROWS_PER_WARP else f"_warp{WARP_ROWS}")
                   + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
-                  + ("" if POSITIVE_SCALE else "_nonpositive_scale")
+                  + ("" if POSITIVE_SCALE or SCORE_MOD else "_nonpositive_scale")
                   + (f"_stages{STAGES}" if STAGES > 2 else "")
-                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else ""),
+                  + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else "")
+                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               MERGED_O=output_element(PRECISION)[1], MERGED_LSE=np.float32, ARRIVALS=np.uint32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
-                              q_bounds=np.int32, k_bounds=np.int32, PAGES=np.int32),
+                              q_bounds=np.int32, k_bounds=np.int32, PAGES=np.int32,
+                              **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
                   floats=("scale_log2", "keep_scale"),
                   # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
                   # and for 16-bit at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas
@@ -708,7 +745,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   # them, when the block coordinates were computed in 32 bits, and P V's mma then waited on each
                   # other's registers: NOPs between them, K and V streamed 2% slower on the H200, 2026-12-03.)
                   launch_bounds=((THREADS, 2) if (D_PAD <= 64 or ASYNC and D_PAD <= 128)
-                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN)
+                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN or MODS is not None)
                                  else (THREADS, 1) if KEY_WARPS > 1 else None))
 
 
@@ -734,12 +771,16 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     layout = partial(flash2_forward_smem, key_warps=key_warps)
     stages = flash2_stages(layout, block_m, block_n, d_pad, precision=call.precision, vec=call.vec, most=kv_stages)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
-    positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
-    warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
+    mods = call.mods
+    steps = mod_steps(*mods) if mods else None
+    positive_scale = bool(np.float32(call.scale * LOG2_E) > 0) and not (steps and steps.has_score)
+    warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision,
+                                         plain=not (partly or has_dropout or steps is not None))
     mode = sequence_mode(call)
     paging = call.varlen.paging if call.varlen else None
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
-                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None)
+                          mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None,
+                          steps)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -763,7 +804,8 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
                  q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
                  **sequence_arguments(call), **paging_arguments(paging), **split_layout,
-                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0)
+                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0,
+                 **(mod_arrays(*mods) if mods else no_mod_arrays()))
     if paging:   # pools of pages: an entry's pages come from the table, so no batch stride
         fixed.update(k_sb=0, v_sb=0)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))
