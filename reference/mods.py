@@ -93,7 +93,8 @@ def score_slopes(score_mod, raw, allowed, slope="traced", step=1e-4):
     if slope == "numeric":
         up = _score_eval(score_mod, score_mod.fn, raw + step, allowed)
         down = _score_eval(score_mod, score_mod.fn, raw - step, allowed)
-        return np.where(allowed, (up - down) / (2 * step), 0.0)
+        with np.errstate(invalid="ignore"):   # -inf - -inf where not allowed
+            return np.where(allowed, (up - down) / (2 * step), 0.0)
     from numba_flash.mods import derivative
     return np.where(allowed, _score_eval(score_mod, derivative(score_mod), raw, allowed), 0.0)
 

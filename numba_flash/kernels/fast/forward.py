@@ -111,7 +111,7 @@ from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache
                      sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers,
                      warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
-from .mod_steps import NO_MOD_SLOTS, mod_arrays, mod_steps, no_mod_arrays
+from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
 
@@ -163,7 +163,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     that names a page outside it sees no key and gets NaN rows, as one whose length overflows does.
 
     MODS (``mod_steps.ModSteps``, or None): a score_mod and/or mask_mod, one step of ``mask_scores`` and
-    ``poison_weights`` (``mod_entry``, ``mod_allows``).  The mask_mod ANDs into the keys an entry may see (every
+    ``poison_weights`` (``mod_steps.entry_steps``).  The mask_mod ANDs into the keys an entry may see (every
     tile is then tested element by element and cleaned of NaN, as a partly masked one is); the score_mod replaces
     the scaled score (the kernel then takes the scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both
     are called only for keys inside the sequences (and the causal mask), so that a mod's array reads stay in
@@ -173,6 +173,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
     SCORE_MOD = MODS is not None and MODS.has_score
     MASK_MOD = MODS is not None and MODS.has_mask
+    mod_allows, mod_score, _ = entry_steps(MODS)
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
     assert not PAGED or VARLEN == "cache", "pages hold a KV cache's rows"
@@ -333,20 +334,6 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if row >= first_row and row < BLOCK_N:
                 store_word(smem, at + row * V_ROW_STRIDE + word % V_ROW_WORDS, uint32(0))
 
-    @inlined_device_function
-    def mod_allows(visible, row, key, mod_args):
-        """The mask_mod's verdict on an entry (called only where the sequences and causal allow it)."""
-        if MASK_MOD and visible:
-            b, h, _, MOD0, MOD1, MOD2, MOD3 = mod_args
-            return MODS.mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
-        return visible
-
-    @inlined_device_function
-    def mod_entry(x, row, key, mod_args):
-        """An allowed entry's score in log2 units: score_mod(scale q.k, b, h, row, key) log2(e)."""
-        b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
-        return MODS.score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
-
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
         row's visible keys computed once (one compare per entry, so that NVVM unrolls the loops: rolled,
@@ -370,7 +357,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                             if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
                                 s[x_row, 2 * half + e] = float32(math.nan)
                         elif SCORE_MOD:   # the mod's score, in log2 units (only where allowed: its reads in bounds)
-                            s[x_row, 2 * half + e] = (mod_entry(s[x_row, 2 * half + e], row, key, mod_args) if visible
+                            s[x_row, 2 * half + e] = (mod_score(s[x_row, 2 * half + e], row, key, mod_args) if visible
                                                       else float32(NEG_INF))
                         else:
                             x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
@@ -585,7 +572,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         v_head = b * v_sb + kv_h * v_sh
         pages = (PAGES, b * pages_sb, page_size, num_pages)   # where a paged entry's rows are (``row_start``)
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
-        # What the mods read besides the entry (``mod_entry``): the batch and query head, the scale, their arrays.
+        # What the mods read besides the entry (``mod_steps.entry_steps``): the batch and query head, the scale, their arrays.
         mod_args = (b, h, float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).

@@ -23,6 +23,8 @@ from numba.extending import register_jitable
 from ...mods import MAX_MOD_ARRAYS, derivative
 from ...runtime.arrays import placeholder
 from ...runtime.launch import inlined_device_function
+from .common import LOG2_E
+from .primitives import exp2
 
 _REGISTERED = set()
 SLOTS = tuple(f"MOD{i}" for i in range(MAX_MOD_ARRAYS))
@@ -150,3 +152,43 @@ def no_mod_arrays():
 
 
 NO_MOD_SLOTS = {slot: np.float32 for slot in SLOTS}
+
+
+def entry_steps(MODS):
+    """The kernels' per-entry steps for ``MODS`` (a ``ModSteps``; None gives steps that are never called).
+
+    ``mod_args`` is (b, h, scale, MOD0, MOD1, MOD2, MOD3): the batch and query head, the softmax scale (float32),
+    the mods' arrays.  Every step is called only for entries the sequences (and causal) allow, so that a mod's
+    array reads stay in bounds.
+
+    * ``mod_allows(visible, row, key, mod_args)``: ``visible`` AND the mask_mod's verdict.
+    * ``mod_score(x, row, key, mod_args)``: the logit in log2 units, score_mod(scale x, ...) log2(e), of the
+      unscaled product x = q . k.
+    * ``mod_weight(x, lse2, row, key, mod_args)``: (P, d score_mod / d score) of an allowed entry, P = exp2(
+      mod_score - lse2) (the backward).
+    """
+    HAS_MASK_MOD = MODS is not None and MODS.has_mask
+    HAS_SCORE_MOD = MODS is not None and MODS.has_score
+    HAS_SLOPE = HAS_SCORE_MOD and MODS.slope_step is not None
+
+    @inlined_device_function
+    def mod_allows(visible, row, key, mod_args):
+        if HAS_MASK_MOD and visible:
+            b, h, _, MOD0, MOD1, MOD2, MOD3 = mod_args
+            return MODS.mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+        return visible
+
+    @inlined_device_function
+    def mod_score(x, row, key, mod_args):
+        b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+        return MODS.score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
+
+    @inlined_device_function
+    def mod_weight(x, lse2, row, key, mod_args):
+        b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+        score = x * scale
+        p = exp2(MODS.score_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E) - lse2)
+        slope = MODS.slope_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) if HAS_SLOPE else float32(1)
+        return p, slope
+
+    return mod_allows, mod_score, mod_weight
