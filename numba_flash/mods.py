@@ -538,7 +538,8 @@ class _TracedMath:
 _SIGMOID = _unary("sigmoid", lambda v, x: f"{v} * (1.0 - {v})")
 _TRACED = {where: _where, sigmoid: _SIGMOID, exp: _TracedMath.exp, log: _TracedMath.log, tanh: _TracedMath.tanh,
            math.exp: _TracedMath.exp, math.log: _TracedMath.log, math.tanh: _TracedMath.tanh,
-           math.sqrt: _TracedMath.sqrt}
+           math.sqrt: _TracedMath.sqrt, np.exp: _TracedMath.exp, np.log: _TracedMath.log, np.tanh: _TracedMath.tanh,
+           np.sqrt: _TracedMath.sqrt}
 
 
 class _TracedArray:
@@ -556,13 +557,31 @@ class _TracedArray:
         return Dual(f"{self.name}[{', '.join(_text(i) for i in index)}]")
 
 
+class _TracedModule:
+    """A module a mod reads functions from (``numba_flash.mods``, ``numpy``): its traced functions swapped in."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        try:
+            return _TRACED.get(value, value)
+        except TypeError:   # unhashable
+            return value
+
+
 def _traced_function(fn):
     """``fn`` with the functions it reads from its globals (and a combinator's parts) swapped for traced ones."""
+    import types
+
     names = dict(fn.__globals__)
     for name in fn.__code__.co_names:
         value = names.get(name)
         if value is math:
             names[name] = _TracedMath()
+        elif isinstance(value, types.ModuleType):
+            names[name] = _TracedModule(value)
         elif callable(value) and not isinstance(value, type):
             try:
                 traced = _TRACED.get(value)
@@ -575,7 +594,6 @@ def _traced_function(fn):
             elif getattr(value, "__code__", None) is not None:
                 names[name] = _traced_function(value)
     names.update(min=_least, max=_greatest, abs=abs)
-    import types
     return types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

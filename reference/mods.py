@@ -25,6 +25,14 @@ def _grid(shape4):
             np.arange(n_k).reshape(1, 1, 1, n_k))
 
 
+def _four(x):
+    """x (..., H, N, d) (or (N, d): one head) as (B, H, N, d), B the flattened batch dims (the kernels' b)."""
+    x = np.asarray(x, np.float64)
+    lead = x.shape[:-2]
+    heads = lead[-1] if lead else 1
+    return x.reshape((-1, heads) + x.shape[-2:])
+
+
 def _as_mod(mod, kind):
     from numba_flash.mods import as_mod
     return as_mod(mod, kind)
@@ -52,16 +60,15 @@ def _score_eval(score_mod, fn, s, allowed):
 
 def _scores(q, k, scale, causal, mask, score_mod, mask_mod):
     """(raw scaled scores, modded scores with -inf where not allowed, allowed), all (B, H, N_q, N_k) float64."""
-    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
-    q4 = q.reshape((-1,) + q.shape[-3:])
-    k4 = repeat_kv(k.reshape((-1,) + k.shape[-3:]), q4.shape[-3])
+    q4 = _four(q)
+    k4 = repeat_kv(_four(k), q4.shape[-3])
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
     raw = scale * (q4 @ np.swapaxes(k4, -1, -2))
     allowed = np.broadcast_to(allowed_mask(q4.shape[-2], k4.shape[-2], causal=causal), raw.shape)
-    if mask is not None:
-        allowed = allowed & np.broadcast_to(np.asarray(mask, bool).reshape((-1,) + raw.shape[1:])
-                                            if np.ndim(mask) > 2 else np.asarray(mask, bool), raw.shape)
+    if mask is not None:   # broadcast to q's leading dims, then viewed as (B, H, N_q, N_k)
+        leading = np.shape(q)[:-2] + raw.shape[-2:]
+        allowed = allowed & np.broadcast_to(np.asarray(mask, bool), leading).reshape(raw.shape)
     allowed = allowed & mod_mask(mask_mod, raw.shape)
     score_mod = _as_mod(score_mod, "score_mod")
     if score_mod is None:
@@ -79,8 +86,7 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, score_mod=None, m
     with np.errstate(divide="ignore"):
         lse = m + np.log(np.sum(np.exp(s - np.where(np.isfinite(m), m, 0.0)[..., None]), axis=-1))
     p = softmax(s) * dropout_weights(dropout_keep, dropout_p)
-    v = np.asarray(v, np.float64)
-    v4 = repeat_kv(v.reshape((-1,) + v.shape[-3:]), s.shape[1])
+    v4 = repeat_kv(_four(v), s.shape[1])
     shape = np.shape(q)
     return (p @ v4).reshape(shape), np.where(np.isfinite(m), lse, -np.inf).reshape(shape[:-1])
 
@@ -103,15 +109,14 @@ def attention_backward(q, k, v, do, *, scale=None, causal=False, mask=None, scor
                        dropout_keep=None, dropout_p=0.0, slope="traced"):
     """(dQ, dK, dV) of sum(O * dO), float64, with d score_mod / d score in dS (``slope``: "traced" or "numeric")."""
     raw, s, allowed, scale = _scores(q, k, scale, causal, mask, score_mod, mask_mod)
-    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    q4, do4 = q.reshape(s.shape[:2] + q.shape[-2:]), do.reshape(s.shape[:2] + do.shape[-2:])
-    k4, v4 = (repeat_kv(x.reshape((-1,) + x.shape[-3:]), s.shape[1]) for x in (k, v))
+    q4, do4 = _four(q), _four(do)
+    k4, v4 = (repeat_kv(_four(x), s.shape[1]) for x in (k, v))
     p = softmax(s)
     z = dropout_weights(dropout_keep, dropout_p)
     dv = np.swapaxes(p * z, -1, -2) @ do4
     dp = (do4 @ np.swapaxes(v4, -1, -2)) * z
     ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) * score_slopes(score_mod, raw, allowed, slope)
     dk = scale * np.swapaxes(ds, -1, -2) @ q4
-    kv4 = k.reshape((-1,) + k.shape[-3:]).shape
-    return ((scale * ds @ k4).reshape(q.shape), _sum_groups(dk, kv4).reshape(k.shape),
-            _sum_groups(dv, kv4).reshape(v.shape))
+    kv4 = _four(k).shape
+    return ((scale * ds @ k4).reshape(np.shape(q)), _sum_groups(dk, kv4).reshape(np.shape(k)),
+            _sum_groups(dv, kv4).reshape(np.shape(v)))
