@@ -196,7 +196,7 @@ _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varle
 # ---------------------------------------------------------------- the public function
 
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
-              block_sizes=None, deterministic=True):
+              block_sizes=None, deterministic=True, score_mod=None, mask_mod=None):
     """Differentiable ``numba_flash.attention`` on torch tensors (see the module docstring).
 
     q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d), torch tensors on
@@ -213,6 +213,11 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     warpgroup instructions, 16-bit, d a multiple of 16 up to 128).
     ``deterministic``: as for ``numba_flash.attention_backward`` (today both
     values give the same bits on every run: determinism measured free).
+
+    ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on flash2's
+    ``mma.sync`` kernels forward and backward; q, k and v get their gradients through the mods (the mods'
+    arrays get none yet).  Under ``torch.compile`` a call with mods is a graph break for now (it runs eagerly,
+    through ``torch.compiler.disable``): a Mod's Python function cannot travel through a custom operator.
     """
     _check_tensors((("q", q), ("k", k), ("v", v)))
     if algorithm not in ("flash2", "flash1", "wgmma"):
@@ -220,6 +225,11 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
                          f"forward runs on wgmma by itself on Hopper GPUs), got {algorithm!r}")
     if algorithm == "flash1" or in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if score_mod is not None or mask_mod is not None:
+        options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
+                       algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
+                       score_mod=score_mod, mask_mod=mask_mod)
+        return _modded_attention(q, k, v, options)
     if torch.compiler.is_compiling():
         if block_mask is not None and not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
@@ -229,6 +239,12 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         return out
     options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                    algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic)
+    return FlashAttentionFunction.apply(q, k, v, options)
+
+
+@torch.compiler.disable
+def _modded_attention(q, k, v, options):
+    """A call with a score_mod or mask_mod: the autograd function, eagerly (a graph break under torch.compile)."""
     return FlashAttentionFunction.apply(q, k, v, options)
 
 
