@@ -721,7 +721,7 @@ def _check_compiles(mod, kind):
     key = (kind, mod.signature)
     if key in _CHECKED_MODS:
         return
-    from .kernels.fast.mod_steps import jitable
+    from .mods import jitable
 
     arrays = []
     for i, a in enumerate(mod.arrays):

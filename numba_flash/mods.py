@@ -75,6 +75,20 @@ def tanh(x):
     return math.tanh(x)
 
 
+_REGISTERED = set()
+
+
+def jitable(fn):
+    """``fn`` (and a combinator's parts) made callable from Numba-compiled code of any target (``register_jitable``:
+    the CUDA kernels, and the CPU code that checks mods and classifies a mask_mod's tiles)."""
+    for part in getattr(fn, "__numba_flash_parts__", ()):
+        jitable(part)
+    if fn not in _REGISTERED:
+        register_jitable(fn)
+        _REGISTERED.add(fn)
+    return fn
+
+
 # ---------------------------------------------------------------- the Mod object
 
 class Mod:

@@ -299,3 +299,24 @@ def test_torch_attention_with_mods_is_differentiable():
         expected = ref.attention_backward(p.q, p.k, p.v, do, causal=True, score_mod=score_mod, mask_mod=mask_mod)
         for x, g in zip((q, k, v), expected):
             np.testing.assert_allclose(x.grad.numpy(), g, atol=1e-5)
+
+
+# ---------------------------------------------------------------- mask_mod -> tile visits (sparsity/mod_tiles.py)
+
+def test_a_mask_mods_empty_tiles_are_not_listed_and_full_ones_skip_the_test():
+    from numba_flash.sparsity.mod_tiles import classify_tiles, mod_mask_arguments
+
+    # A window of 8 keys at N = 64 in 16 x 16 tiles: each query tile sees its own tile (partial: the diagonal) and
+    # the one before it (partial for the window's edge), never more.
+    window = mods.sliding_window(8)
+    visit, partly = classify_tiles(window, 1, 1, 64, 64, (16, 16))
+    expected = np.eye(4, dtype=bool) | np.eye(4, k=-1, dtype=bool)
+    assert np.array_equal(visit[0], expected) and np.array_equal(partly[0], expected)
+    # Document mask: whole tiles inside a document are full; the lists carry that bit (entry & 1 = partly masked).
+    docs = np.repeat(np.arange(2), 32).astype(np.int32)
+    lists = mod_mask_arguments(mods.document(docs), None, (1, 1), 64, 64, (16, 16), None, "forward")
+    entries = lists.tile_entries.copy_to_host()
+    assert list(entries >> 1) == [0, 1, 0, 1, 2, 3, 2, 3] and not (entries & 1).any() and not lists.partly
+    # A ragged length: the last tile's 8 x 8 entries inside the sequences are all allowed, so it is full too.
+    visit, partly = classify_tiles(mods.document(docs[:40]), 1, 1, 40, 40, (16, 16))
+    assert visit[0].sum() == 5 and not partly.any()

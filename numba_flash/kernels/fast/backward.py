@@ -59,9 +59,9 @@ from ...sparsity.tile_lists import listed_tile
 from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
                        padded_head_dim)
-from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
-                     lane_flags, log2_lse, operand_extent, sequence_arguments, sequence_bounds, tile_coordinates,
-                     tile_copier, tile_movers, warp_lane, word_extent)
+from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
+                     has_tile_lists, kernel_name, lane_flags, log2_lse, operand_extent, sequence_arguments,
+                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
 from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
@@ -209,7 +209,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                     if masked:
                         visible = allowed(q, key, n_q, n_k, CAUSAL, causal_offset, partly_masked, M, bh, mask_rows,
                                           mask_cols, mask_t_r, mask_t_c)
-                        if MASK_MOD:
+                        if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
                             visible = mod_allows(visible, q, key, mod_args)
                         if SCORE_MOD:
                             p, slope = (mod_weight(st[mt, 2 * half + e], lse2, q, key, mod_args) if visible
@@ -299,7 +299,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                     q1 = listed_tile(tile_entries, first + j + 1, BLOCK_QUERIES)[0] if HAS_MASK else q0 + BLOCK_QUERIES
                     start_query_tile(smem, QS_STAGE - stage, scalars, Q, dO, LSE, D, q_row + q1 * q_sn,
                                      do_row + q1 * do_sn, q_sn, do_sn, lse_first, q1, n_q, head_dim, tid)
-                mixed = partly_masked or (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset) or MASK_MOD
+                mixed = partly_masked or (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset)
                 if mixed:  # the same for every thread of the block, so all reach the barriers
                     sanitize_queries(smem, stage, tid)
                     cuda.syncthreads()  # sanitized tiles and flags before any warp reads them
@@ -413,7 +413,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                     if masked:
                         visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly_masked, M, bh, mask_rows,
                                           mask_cols, mask_t_r, mask_t_c)
-                        if MASK_MOD:
+                        if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
                             visible = mod_allows(visible, row, key, mod_args)
                         if SCORE_MOD:
                             p, slope = (mod_weight(s[nt, 2 * half + e], lse2[half], row, key, mod_args) if visible
@@ -501,7 +501,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                 k1 = listed_tile(tile_entries, first + j + 1, BLOCK_KEYS)[0] if HAS_MASK else k0 + BLOCK_KEYS
                 start_key_tile(smem, KV_STAGE - stage, K, V, k_row + k1 * k_sn, v_row + k1 * v_sn, k_sn, v_sn,
                                n_k - k1, head_dim, tid)
-            mixed = (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset) or partly_masked or MASK_MOD
+            mixed = (CAUSAL and k0 + BLOCK_KEYS - 1 > q0 + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block, so all reach the barrier
                 sanitize_keys(smem, stage, tid)
                 cuda.syncthreads()  # sanitized K_j and its flags before any warp reads them
@@ -525,7 +525,8 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
-                                      HAS_MASK, HAS_DROPOUT, VARLEN) + (f"_mods_{MODS.name}" if MODS is not None else ""),
+                                      HAS_MASK, HAS_DROPOUT, VARLEN)
+                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
                               k_bounds=np.int32, **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
@@ -545,7 +546,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     vec = call.vec and do_aligned and all(s % vector == 0 for s in (do_strides.batch, do_strides.head, do_strides.row))
     varlen = call.varlen is not None
     steps = mod_steps(*call.mods, backward=True) if call.mods else None
-    flags = (d_pad, call.precision, vec, call.causal, call.block_mask is not None, call.dropout_p > 0, varlen, steps)
+    flags = (d_pad, call.precision, vec, call.causal, has_tile_lists(call), call.dropout_p > 0, varlen, steps)
     qs, ks, vs = call.strides
     dq_s, dkv_s = call.result_strides("q"), call.result_strides("kv")
     q_shape, kv_shape = call.kernel_shapes

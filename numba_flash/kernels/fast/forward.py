@@ -107,7 +107,7 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .cache import last_to_arrive, output_element, tile_merger
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache_rows, ceil_div, dropout_arguments,
-                     dropout_words, kernel_name, keys_end, lane_flags, paging_arguments, partly_masked_tiles, row_lse,
+                     dropout_words, has_tile_lists, kernel_name, keys_end, lane_flags, paging_arguments, partly_masked_tiles, row_lse,
                      sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers,
                      warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
@@ -163,14 +163,17 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     that names a page outside it sees no key and gets NaN rows, as one whose length overflows does.
 
     MODS (``mod_steps.ModSteps``, or None): a score_mod and/or mask_mod, one step of ``mask_scores`` and
-    ``poison_weights`` (``mod_steps.entry_steps``).  The mask_mod ANDs into the keys an entry may see (every
-    tile is then tested element by element and cleaned of NaN, as a partly masked one is); the score_mod replaces
+    ``poison_weights`` (``mod_steps.entry_steps``).  The mask_mod ANDs into the keys an entry may see; its tiles
+    are classified on the host into tile lists (HAS_MASK: ``sparsity/mod_tiles.py``), so that empty tiles are
+    never visited and only partly masked ones test it element by element (and are cleaned of NaN, as a block
+    mask's partly masked tiles are); the score_mod replaces
     the scaled score (the kernel then takes the scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both
     are called only for keys inside the sequences (and the causal mask), so that a mod's array reads stay in
     bounds.  Compiled out when None.
     """
     assert MODS is None or not (SPLIT or PAGED or VARLEN or KEY_WARPS > 1), "mods: not with varlen or a KV cache yet"
     assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
+    assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
     SCORE_MOD = MODS is not None and MODS.has_score
     MASK_MOD = MODS is not None and MODS.has_mask
     mod_allows, mod_score, _ = entry_steps(MODS)
@@ -351,7 +354,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                         key = k0 + nt * 8 + 2 * t + e
                         visible = allowed_below(end, row, key, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
                                                 mask_t_c)
-                        if MASK_MOD:
+                        if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
                             visible = mod_allows(visible, row, key, mod_args)
                         if POISON:
                             if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
@@ -669,7 +672,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 sync_tile()
             # Tiles that some query may not fully see: crossing the diagonal, or partly
             # covered by the block mask (their masked weights are 0: see common.py on NaN).
-            mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked or MASK_MOD
+            mixed = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block (of the warp, for key warps): all reach the barrier
                 sanitize_v(smem, stage, V_NAN + own, cleaner)
                 sync_tile()  # V_j without NaN, and its flags, before any warp reads them
@@ -753,7 +756,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1):
     """
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
-    has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
+    has_mask, has_dropout = has_tile_lists(call), call.dropout_p > 0
     partly = partly_masked_tiles(call, (block_m, block_n), "forward")
     layout = partial(flash2_forward_smem, key_warps=key_warps)
     stages = flash2_stages(layout, block_m, block_n, d_pad, precision=call.precision, vec=call.vec, most=kv_stages)

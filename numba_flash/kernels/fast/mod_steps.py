@@ -20,24 +20,13 @@ import numpy as np
 from numba import float32
 from numba.extending import register_jitable
 
-from ...mods import MAX_MOD_ARRAYS, derivative
+from ...mods import MAX_MOD_ARRAYS, derivative, jitable
 from ...runtime.arrays import placeholder
 from ...runtime.launch import inlined_device_function
 from .common import LOG2_E
 from .primitives import exp2
 
-_REGISTERED = set()
 SLOTS = tuple(f"MOD{i}" for i in range(MAX_MOD_ARRAYS))
-
-
-def jitable(fn):
-    """``fn`` (and a combinator's parts) callable from Numba-compiled code of any target."""
-    for part in getattr(fn, "__numba_flash_parts__", ()):
-        jitable(part)
-    if fn not in _REGISTERED:
-        register_jitable(fn)
-        _REGISTERED.add(fn)
-    return fn
 
 
 def _step(name, scalars, fn, first, count, cast):
