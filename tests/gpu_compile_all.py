@@ -7,6 +7,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py             # every flag (varlen too), default tiles
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py tiles I/N   # every tile the GPU tests draw, shard I of N
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -113,10 +114,38 @@ def decode(precision, head_dim):
                               PAGED=paged))
 
 
+def mod_pairs():
+    """(score_mod, mask_mod) pairs that cover the built-ins and the combinators (numba_flash.mods)."""
+    from numba_flash import mods
+
+    ids = np.zeros(4096, np.int32)
+    table = np.zeros((16, 257), np.float32)
+    return [(mods.softcap(50.0), None),
+            (None, mods.sliding_window(1024)),
+            (mods.alibi(mods.alibi_slopes(16)), mods.document(ids)),
+            (mods.compose(mods.relative_position_bias(table), mods.softcap(30.0)),
+             mods.or_masks(mods.prefix_lm(64), mods.causal_mask))]
+
+
+def mod_kernels(head_dim):
+    """The forward and both backward passes with each ``mod_pairs`` pair, causal or not, every precision, at the
+    default tiles (a mask_mod's tiles come as lists: HAS_MASK; a score_mod takes the scaled-first path)."""
+    from numba_flash.kernels.fast.mod_steps import mod_steps
+
+    for precision, (score_mod, mask_mod), causal in itertools.product(PRECISIONS, mod_pairs(), (False, True)):
+        tiles = tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"], head_dim)
+        has_mask = mask_mod is not None
+        fast(make_forward(*tiles, head_dim, precision, True, causal, has_mask, False, POSITIVE_SCALE=score_mod is None,
+                          MODS=mod_steps(score_mod, mask_mod)))
+        steps = mod_steps(score_mod, mask_mod, backward=True)
+        fast(make_dkdv(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
+        fast(make_dq(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
+
+
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles"))
+    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "mods"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
     parser.add_argument("--head-dim", type=int, default=64)
@@ -124,6 +153,9 @@ def main(argv):
     PTX_DIR = args.ptx
     if PTX_DIR:
         os.makedirs(PTX_DIR, exist_ok=True)
+    if args.mode == "mods":
+        mod_kernels(args.head_dim)
+        return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "tiles":
         # Every tile shape of the GPU test profile (tests/strategies.py), with dropout alone and with
         # every flag on: NVVM's rejections have depended on the tile shape (B_c = 64 with dropout).

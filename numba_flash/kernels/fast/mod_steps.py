@@ -159,25 +159,29 @@ def entry_steps(MODS):
     HAS_MASK_MOD = MODS is not None and MODS.has_mask
     HAS_SCORE_MOD = MODS is not None and MODS.has_score
     HAS_SLOPE = HAS_SCORE_MOD and MODS.slope_step is not None
+    # The steps as closure variables of their own (Numba types a closure's functions, not a Python object's fields).
+    mask_step = MODS.mask_step if HAS_MASK_MOD else None
+    score_step = MODS.score_step if HAS_SCORE_MOD else None
+    slope_step = MODS.slope_step if HAS_SLOPE else None
 
     @inlined_device_function
     def mod_allows(visible, row, key, mod_args):
         if HAS_MASK_MOD and visible:
             b, h, _, MOD0, MOD1, MOD2, MOD3 = mod_args
-            return MODS.mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+            return mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
         return visible
 
     @inlined_device_function
     def mod_score(x, row, key, mod_args):
         b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
-        return MODS.score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
+        return score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
 
     @inlined_device_function
     def mod_weight(x, lse2, row, key, mod_args):
         b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
         score = x * scale
-        p = exp2(MODS.score_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E) - lse2)
-        slope = MODS.slope_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) if HAS_SLOPE else float32(1)
+        p = exp2(score_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E) - lse2)
+        slope = slope_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) if HAS_SLOPE else float32(1)
         return p, slope
 
     return mod_allows, mod_score, mod_weight
