@@ -773,3 +773,17 @@ def check_mods(score_mod, mask_mod, *, algorithm, backward=False, varlen=False):
         else:
             derivative(score_mod)   # TypeError asking for grad= when the tracer cannot follow it
     return (score_mod, mask_mod)
+
+
+def check_mod_shapes(mods, call):
+    """ValueError if a mod's arrays do not fit the call (a built-in's ``Mod.fits``: the kernels read them unchecked);
+    ``call`` with ``mods`` attached, or ``call`` itself without mods."""
+    if not mods:
+        return call
+    from dataclasses import replace
+
+    for mod in mods:
+        problem = mod.fits(call.heads, call.n_q, call.n_k) if mod is not None and mod.fits else None
+        if problem:
+            raise ValueError(f"{mod.kind} {mod.name}: {problem}")
+    return replace(call, mods=mods)

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_block_table_pages, check_cache_args, check_mods, check_cache_seqlens, check_cu_seqlens,
+                          check_block_table_pages, check_cache_args, check_mod_shapes, check_mods, check_cache_seqlens, check_cu_seqlens,
                           check_decode_layout, check_device_cache_seqlens, check_dropout, check_new_keys,
                           check_varlen_args, operand_strides, streamed)
 from .dropout import kernel_args as dropout_kernel_args
@@ -443,9 +443,10 @@ class _ForwardPlan(_Plan):
         causal, scale, block_mask, dropout_p, algorithm, block_sizes, score_mod, mask_mod = options
         loop = _checked_loop(algorithm, FORWARD_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
         mods = _checked_mods(score_mod, mask_mod, algorithm)
-        super().__init__(q, replace(check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                                         dropout_p=dropout_p, seed=0, algorithm=loop,
-                                                         block_sizes=block_sizes), mods=mods))
+        super().__init__(q, check_mod_shapes(mods, check_attention_args(q, k, v, causal=causal, scale=scale,
+                                                                        block_mask=block_mask, dropout_p=dropout_p,
+                                                                        seed=0, algorithm=loop,
+                                                                        block_sizes=block_sizes)))
         if algorithm == "wgmma" or (algorithm == "flash2" and not mods and hopper.chosen_for(self.call, block_sizes)):
             self.launch = hopper.forward_launch(self.call)
         else:
@@ -494,9 +495,10 @@ class _BackwardPlan(_Plan):
         causal, scale, block_mask, dropout_p, algorithm, block_sizes, deterministic, score_mod, mask_mod = options
         loop = _checked_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
         mods = _checked_mods(score_mod, mask_mod, algorithm, backward=True)
-        super().__init__(q, replace(check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                                         dropout_p=dropout_p, seed=0, algorithm=loop,
-                                                         block_sizes=block_sizes, backward=True), mods=mods))
+        super().__init__(q, check_mod_shapes(mods, check_attention_args(q, k, v, causal=causal, scale=scale,
+                                                                        block_mask=block_mask, dropout_p=dropout_p,
+                                                                        seed=0, algorithm=loop, block_sizes=block_sizes,
+                                                                        backward=True)))
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)

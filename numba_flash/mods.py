@@ -96,14 +96,16 @@ class Mod:
 
     ``grad``: for a score_mod, an optional function of the same parameters returning d fn / d score (when given,
     the tracer is not used).  ``name``: what errors and kernel names call it (default ``fn.__name__``).
+    ``fits``: optional ``fits(heads, n_q, n_k)`` -> None, or what is wrong with the arrays for a call of H_q
+    ``heads`` and those lengths (the built-ins check that their reads stay inside their arrays; a kernel does not).
     """
 
-    def __init__(self, fn, *arrays, grad=None, name=None):
+    def __init__(self, fn, *arrays, grad=None, name=None, fits=None):
         if isinstance(fn, Mod):
             raise TypeError(f"Mod({fn.name}) is already a Mod")
         if not callable(fn):
             raise TypeError(f"a mod must be a Python function, got {type(fn).__name__}")
-        self.fn, self.arrays, self.grad = fn, tuple(arrays), grad
+        self.fn, self.arrays, self.grad, self.fits = fn, tuple(arrays), grad, fits
         self.name = name or getattr(fn, "__name__", "mod")
         if self.name == "<lambda>":
             self.name = "lambda"
@@ -198,7 +200,12 @@ def _combined(name, kind, parts, body):
     fn = namespace[name]
     fn.__numba_flash_source__ = source
     fn.__numba_flash_parts__ = tuple(part.fn for part in parts)
-    return Mod(fn, *(a for part in parts for a in part.arrays), name=name)
+    checks = [part.fits for part in parts if part.fits is not None]
+
+    def fits(heads, n_q, n_k):
+        return next((m for m in (check(heads, n_q, n_k) for check in checks) if m), None)
+
+    return Mod(fn, *(a for part in parts for a in part.arrays), name=name, fits=fits if checks else None)
 
 
 def and_masks(*masks):
@@ -274,7 +281,8 @@ def alibi_slopes(heads):
 def alibi(slopes):
     """score -> score + slopes[h] * (kv_idx - q_idx): a linear bias by distance, per query head (<= 0 under causal).
     ``slopes``: (H_q,) float32 (``alibi_slopes(H)`` gives the paper's)."""
-    return Mod(_alibi, slopes, name="alibi")
+    return Mod(_alibi, slopes, name="alibi", fits=lambda heads, n_q, n_k: None if tuple(slopes.shape) == (heads,)
+               else f"alibi: slopes has shape {tuple(slopes.shape)}, the call ({heads},) (one per query head)")
 
 
 def _relative_position_bias(score, b, h, q_idx, kv_idx, bias):
@@ -288,7 +296,9 @@ def relative_position_bias(bias):
     shape = tuple(bias.shape)
     if len(shape) != 2 or shape[1] % 2 != 1:
         raise ValueError(f"relative_position_bias: bias must be (heads, 2 D + 1), got shape {shape}")
-    return Mod(_relative_position_bias, bias, name="relative_position_bias")
+    return Mod(_relative_position_bias, bias, name="relative_position_bias",
+               fits=lambda heads, n_q, n_k: None if shape[0] == heads else
+               f"relative_position_bias: bias has {shape[0]} rows, the call {heads} query heads")
 
 
 def _sliding_window(b, h, q_idx, kv_idx, window):
@@ -314,7 +324,13 @@ def document(doc_ids, kv_doc_ids=None):
     for name, ids in (("doc_ids", doc_ids), ("kv_doc_ids", kv_doc_ids)):
         if len(ids.shape) != 1:
             raise ValueError(f"document: {name} must be 1-D (one id per position), got shape {tuple(ids.shape)}")
-    return Mod(_document, doc_ids, kv_doc_ids, name="document")
+    def fits(heads, n_q, n_k):
+        if doc_ids.shape[0] < n_q or kv_doc_ids.shape[0] < n_k:
+            return (f"document: {doc_ids.shape[0]} query and {kv_doc_ids.shape[0]} key document ids for N_q = {n_q}, "
+                    f"N_k = {n_k}")
+        return None
+
+    return Mod(_document, doc_ids, kv_doc_ids, name="document", fits=fits)
 
 
 def _prefix_lm(b, h, q_idx, kv_idx, prefix):

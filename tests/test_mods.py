@@ -235,6 +235,10 @@ def test_bad_mods_raise_type_errors_before_any_launch(no_launch):
         call(score_mod=uses_a_dict)
     with pytest.raises(TypeError, match="not an array"):
         mods.Mod(lambda s, b, h, i, j, c: s * c, 2.0)
+    with pytest.raises(ValueError, match="alibi: slopes has shape .3,., the call .2,."):   # reads out of bounds
+        call(score_mod=mods.alibi(mods.alibi_slopes(3)))
+    with pytest.raises(ValueError, match="document: 2 query and 2 key document ids for N_q = 3"):
+        call(mask_mod=mods.sliding_window(2) & mods.document(np.zeros(2, np.int32)))
     with pytest.raises(ValueError, match="wgmma"):
         call(score_mod=mods.softcap(1.0), algorithm="wgmma")
     with pytest.raises(ValueError, match="flash2"):
