@@ -125,8 +125,8 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         returns that mask on the host, bit for bit.
     score_mod, mask_mod : function or numba_flash.mods.Mod, optional
         FlexAttention's modifications (``numba_flash.mods``, ``docs/mods.md``):
-        the logit of (b, h, i, j) is score_mod(scale q_i.k_j, b, h, i, j, *arrays)
-        where mask_mod(b, h, i, j, *arrays) (and causal, block_mask) allow it,
+        the logit of (b, h, i, j) is ``score_mod(scale q_i.k_j, b, h, i, j, *arrays)``
+        where ``mask_mod(b, h, i, j, *arrays)`` (and causal, block_mask) allow it,
         -inf elsewhere.  flash2 only, on the ``mma.sync`` kernel (the automatic
         pick leaves wgmma for it; "wgmma" refuses mods); not with packed
         sequences or KV caches yet.  A bad mod raises TypeError before any launch.

@@ -352,6 +352,24 @@ def _causal(b, h, q_idx, kv_idx):
 causal_mask = Mod(_causal, name="causal")
 
 
+# ---------------------------------------------------------------- pictures
+
+def draw(mod, n_q=12, n_k=None, b=0, h=0, score=0.0):
+    """A mask_mod (or score_mod) drawn as text, rows q_idx, columns kv_idx (attention-gym's pictures): a mask_mod's
+    ``#`` where it attends and ``.`` where not; a score_mod's value at ``score`` rounded to one decimal.  Evaluated in
+    Python, on the host copies of the arrays."""
+    n_k = n_q if n_k is None else n_k
+    mod = mod if isinstance(mod, Mod) else Mod(mod)
+    arrays = mod.host_arrays()
+    rows = []
+    for i in range(n_q):
+        if mod.kind == MASK:
+            rows.append("".join("#" if mod.fn(b, h, i, j, *arrays) else "." for j in range(n_k)))
+        else:
+            rows.append(" ".join(f"{float(mod.fn(score, b, h, i, j, *arrays)):5.1f}" for j in range(n_k)))
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------- attention sinks (a post-step, not a mod)
 
 def apply_sinks(o, lse, sinks):
@@ -370,7 +388,7 @@ def apply_sinks(o, lse, sinks):
 
 __all__ = ["Mod", "MAX_MOD_ARRAYS", "alibi", "alibi_slopes", "and_masks", "apply_sinks", "causal_mask", "compose",
            "derivative",
-           "document", "exp", "log", "or_masks", "prefix_lm", "relative_position_bias", "sigmoid", "sliding_window",
+           "document", "draw", "exp", "log", "or_masks", "prefix_lm", "relative_position_bias", "sigmoid", "sliding_window",
            "softcap", "tanh", "where"]
 
 
