@@ -201,9 +201,9 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 for e in range(2):
                     r = mt * 8 + 2 * t + e
                     q = q0 + r
-                    lse2 = u32_as_f32(load_word(smem, LSE2 + stage + r))
                     slope = float32(1)   # (a score_mod's P and slope come with ``allowed`` below)
-                    p = float32(0) if SCORE_MOD else exp2(st[mt, 2 * half + e] * c_log2 - lse2)
+                    p = (float32(0) if SCORE_MOD
+                         else exp2(st[mt, 2 * half + e] * c_log2 - u32_as_f32(load_word(smem, LSE2 + stage + r))))
                     dp = dpt[mt, 2 * half + e]
                     visible = True
                     if masked:
@@ -212,6 +212,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
                             visible = mod_allows(visible, q, key, mod_args)
                         if SCORE_MOD:
+                            lse2 = u32_as_f32(load_word(smem, LSE2 + stage + r))
                             p, slope = (mod_weight(st[mt, 2 * half + e], lse2, q, key, mod_args) if visible
                                         else (float32(0), float32(0)))
                         if not visible:
