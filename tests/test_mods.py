@@ -102,14 +102,17 @@ def test_forward_with_mods_matches_the_float64_reference(data, dtype):
     check_forward(p, score_mod, mask_mod, dtype)
 
 
-def check_gradients(p, score_mod, mask_mod, dtype, do):
-    out, lse = ref.attention(p.q, p.k, p.v, causal=p.causal, scale=p.scale, score_mod=score_mod, mask_mod=mask_mod)
+def check_gradients(p, score_mod, mask_mod, dtype, do, block_mask=None):
+    dense = None if block_mask is None else block_mask.to_dense(p.q.shape[-2], p.k.shape[-2])
+    out, lse = ref.attention(p.q, p.k, p.v, causal=p.causal, scale=p.scale, score_mod=score_mod, mask_mod=mask_mod,
+                             mask=dense)
     out, lse = out.astype(dtype), lse.astype(np.float32)
     grads = numba_flash.attention_backward(p.q, p.k, p.v, out, lse, do, causal=p.causal, scale=p.scale,
-                                           block_sizes=p.block_sizes, score_mod=score_mod, mask_mod=mask_mod)
+                                           block_sizes=p.block_sizes, score_mod=score_mod, mask_mod=mask_mod,
+                                           block_mask=block_mask)
     expected = ref.attention_backward(p.q, p.k, p.v, do, causal=p.causal, scale=p.scale, score_mod=score_mod,
-                                      mask_mod=mask_mod)
-    _, s, _, _ = ref._scores(p.q, p.k, p.scale, p.causal, None, score_mod, mask_mod)
+                                      mask_mod=mask_mod, mask=dense)
+    _, s, _, _ = ref._scores(p.q, p.k, p.scale, p.causal, dense, score_mod, mask_mod)
     weights = ref.softmax(s)
     tolerances = backward_tolerance(p.q, p.expanded(p.k), p.expanded(p.v), out, do, p.effective_scale, weights,
                                     dtype=dtype, group=p.group, mod_logits=mod_logits(p, score_mod, mask_mod))
@@ -120,7 +123,7 @@ def check_gradients(p, score_mod, mask_mod, dtype, do):
 
 
 @settings(max_examples=5)
-@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float16]))
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float16, BFLOAT16]))
 def test_gradients_with_mods_match_the_float64_reference(data, dtype):
     p, score_mod, mask_mod = data.draw(modded_problems(dtype, backward=True))
     check_gradients(p, score_mod, mask_mod, dtype, arrays(data.draw, p.q.shape, dtype))
@@ -197,6 +200,10 @@ def test_mods_combine_with_block_mask_and_dropout():
                                    dropout_p=0.25)
     assert_close_to_reference(out, None, want, want_lse, p.q, p.expanded(p.k), p.expanded(p.v), p.effective_scale,
                               weight_scale=1 / 0.75, mod_logits=8.0)
+    # Gradients with the block mask: each backward pass's tile lists are the mask_mod's ANDed with the block mask's.
+    do = np.random.default_rng(6).standard_normal(p.q.shape).astype(np.float32)
+    p.causal = "bottom_right"
+    check_gradients(p, score_mod, mask_mod, np.float32, do, block_mask=bm)
 
 
 def test_a_fully_masked_row_gives_zero_and_minus_infinity():
