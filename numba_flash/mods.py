@@ -38,6 +38,8 @@ import math
 import numbers
 
 import numpy as np
+from numba import float32
+from numba.core import types as numba_types
 from numba.extending import register_jitable
 
 #: The most arrays a call's score_mod and mask_mod read together (kernel parameter slots MOD0..MOD3).
@@ -261,7 +263,7 @@ def softcap(cap):
 
 
 def _alibi(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * (kv_idx - q_idx)
+    return score + slopes[h] * float32(kv_idx - q_idx)   # (float32 * int64 would be float64 arithmetic)
 
 
 def alibi_slopes(heads):
@@ -612,11 +614,22 @@ class _TracedModule:
         self._module = module
 
     def __getattr__(self, name):
-        value = getattr(self._module, name)
-        try:
-            return _TRACED.get(value, value)
-        except TypeError:   # unhashable
-            return value
+        return _traced_value(getattr(self._module, name))
+
+
+def _traced_value(value):
+    """A function a mod calls, as the tracer calls it: a traced one, a cast to a Numba number type as the identity
+    (its derivative is 1), else itself."""
+    if isinstance(value, numba_types.Number):
+        return _cast
+    try:
+        return _TRACED.get(value, value)
+    except TypeError:   # unhashable
+        return value
+
+
+def _cast(x):
+    return x
 
 
 def _traced_function(fn):
@@ -631,11 +644,8 @@ def _traced_function(fn):
         elif isinstance(value, types.ModuleType):
             names[name] = _TracedModule(value)
         elif callable(value) and not isinstance(value, type):
-            try:
-                traced = _TRACED.get(value)
-            except TypeError:
-                traced = None
-            if traced is not None:
+            traced = _traced_value(value)
+            if traced is not value:
                 names[name] = traced
             elif name in ("min", "max", "abs"):
                 pass
