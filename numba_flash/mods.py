@@ -30,7 +30,8 @@ derivative.
 
 Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``mma.sync`` when a mod is
 given; ``algorithm="wgmma"`` refuses), packed variable-length calls, KV caches, the transformers integration,
-gradients into the mods' arrays (a relative-position bias table or sink logits learn nothing yet), and mask
+gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
+``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do), and mask
 classification on the GPU (the host classifies tiles, ``tile_visits``).
 """
 import inspect

@@ -333,3 +333,28 @@ def test_a_mask_mods_empty_tiles_are_not_listed_and_full_ones_skip_the_test():
     # A ragged length: the last tile's 8 x 8 entries inside the sequences are all allowed, so it is full too.
     visit, partly = classify_tiles(mods.document(docs[:40]), 1, 1, 40, 40, (16, 16))
     assert visit[0].sum() == 5 and not partly.any()
+
+
+def test_torch_attention_sinks_and_their_gradient():
+    # Against torch's own float64 math: the sink's logit as an extra column of S with a zero value row.
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    p = fixed_problem(n_q=7, n_k=9, heads=2, kv_heads=1)
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in (p.q, p.k, p.v))
+    out = nft.attention(q, k, v, causal=True, score_mod=mods.softcap(3.0), sinks=sinks)
+    do = torch.from_numpy(np.random.default_rng(7).standard_normal(p.q.shape).astype(np.float32))
+    out.backward(do)
+
+    q64, k64, v64 = (torch.from_numpy(x.astype(np.float64)).requires_grad_() for x in (p.q, p.k, p.v))
+    s64 = sinks.detach().double().requires_grad_()
+    kr, vr = k64.repeat_interleave(2, dim=1), v64.repeat_interleave(2, dim=1)
+    s = 3.0 * torch.tanh((q64 @ kr.transpose(-1, -2)) / np.sqrt(8) / 3.0)
+    s = s.masked_fill(~torch.ones(7, 9, dtype=torch.bool).tril(), -torch.inf)
+    full = torch.cat([s, s64.reshape(1, 2, 1, 1).expand(1, 2, 7, 1)], dim=-1)
+    want = torch.softmax(full, dim=-1)[..., :-1] @ vr
+    want.backward(do.double())
+    np.testing.assert_allclose(out.detach().numpy(), want.detach().numpy(), atol=1e-5)
+    for got, expected in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad), (sinks.grad, s64.grad)):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5)
