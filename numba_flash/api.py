@@ -16,7 +16,8 @@ import numpy as np
 from numba import cuda
 
 from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, check_algorithm, check_attention_args, check_backward_operands,
-                          check_block_table_pages, check_cache_args, check_mod_shapes, check_mods, check_cache_seqlens, check_cu_seqlens,
+                          check_block_table_pages, check_cache_args, check_cache_seqlens, check_cu_seqlens,
+                          check_mod_shapes, check_mods,
                           check_decode_layout, check_device_cache_seqlens, check_dropout, check_new_keys,
                           check_varlen_args, operand_strides, streamed)
 from .dropout import kernel_args as dropout_kernel_args

@@ -390,9 +390,8 @@ def apply_sinks(o, lse, sinks):
 
 
 __all__ = ["Mod", "MAX_MOD_ARRAYS", "alibi", "alibi_slopes", "and_masks", "apply_sinks", "causal_mask", "compose",
-           "derivative",
-           "document", "draw", "exp", "log", "or_masks", "prefix_lm", "relative_position_bias", "sigmoid", "sliding_window",
-           "softcap", "tanh", "where"]
+           "derivative", "derivative_source", "document", "draw", "exp", "log", "or_masks", "prefix_lm",
+           "relative_position_bias", "sigmoid", "sliding_window", "softcap", "tanh", "where"]
 
 
 # ---------------------------------------------------------------- d score_mod / d score, by tracing on dual numbers

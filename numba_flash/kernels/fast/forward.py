@@ -15,7 +15,8 @@ The inner loop, one key tile K_j, V_j per iteration::
     start_kv         tile j + 1 on its way, in flight while we compute on tile j
     clear_rows_from  (decoding's first tiles, copied before the entry's length was read) V past its keys to 0
     S = Q K^T        ``rows_by_rows_t``: each warp its 16 (or 32) query rows
-    mask_scores      (tiles some query may not fully see) -inf where a query may not see a key
+    mask_scores      (tiles some query may not fully see) -inf where a query may not see a key; with mods, the
+                     mask_mod's test (partly masked tiles) and the score_mod (every tile): ``mod_steps``
     online_softmax   m_new = c max S, P = exp2(c S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
     dropout          Algorithm 2's Z on P (after l: l and m see the undropped weights)
     poison_weights   (a lane's keys of a partly masked tile with a NaN value row) NaN where allowed
@@ -107,9 +108,9 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .cache import last_to_arrive, output_element, tile_merger
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache_rows, ceil_div, dropout_arguments,
-                     dropout_words, has_tile_lists, kernel_name, keys_end, lane_flags, paging_arguments, partly_masked_tiles, row_lse,
-                     sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates, tile_copier, tile_movers,
-                     warp_lane, word_extent)
+                     dropout_words, has_tile_lists, kernel_name, keys_end, lane_flags, paging_arguments,
+                     partly_masked_tiles, row_lse, sequence_arguments, sequence_bounds, sequence_mode, tile_coordinates,
+                     tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
 from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
@@ -166,10 +167,9 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     ``poison_weights`` (``mod_steps.entry_steps``).  The mask_mod ANDs into the keys an entry may see; its tiles
     are classified on the host into tile lists (HAS_MASK: ``sparsity/mod_tiles.py``), so that empty tiles are
     never visited and only partly masked ones test it element by element (and are cleaned of NaN, as a block
-    mask's partly masked tiles are); the score_mod replaces
-    the scaled score (the kernel then takes the scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both
-    are called only for keys inside the sequences (and the causal mask), so that a mod's array reads stay in
-    bounds.  Compiled out when None.
+    mask's partly masked tiles are); the score_mod replaces the scaled score (the kernel then takes the
+    scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both are called only for keys inside the sequences
+    (and the causal mask), so that a mod's array reads stay in bounds.  Compiled out when None.
     """
     assert MODS is None or not (SPLIT or PAGED or VARLEN or KEY_WARPS > 1), "mods: not with varlen or a KV cache yet"
     assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
@@ -575,7 +575,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         v_head = b * v_sb + kv_h * v_sh
         pages = (PAGES, b * pages_sb, page_size, num_pages)   # where a paged entry's rows are (``row_start``)
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
-        # What the mods read besides the entry (``mod_steps.entry_steps``): the batch and query head, the scale, their arrays.
+        # What the mods read besides the entry (``mod_steps.entry_steps``): batch, query head, scale, their arrays.
         mod_args = (b, h, float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
