@@ -358,3 +358,20 @@ def test_torch_attention_sinks_and_their_gradient():
     np.testing.assert_allclose(out.detach().numpy(), want.detach().numpy(), atol=1e-5)
     for got, expected in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad), (sinks.grad, s64.grad)):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5)
+
+
+def test_a_mask_that_reads_b_or_h_is_classified_per_head():
+    from numba_flash.sparsity.mod_tiles import classify_tiles, reads_batch_or_head
+
+    assert not reads_batch_or_head((mods.sliding_window(3) | mods.prefix_lm(2)).fn)   # classified once, broadcast
+
+    def head_window(b, h, q_idx, kv_idx):   # head 0 sees 1 key, head 1 the 17 up to its own
+        return q_idx - (1 + 16 * h) < kv_idx and kv_idx <= q_idx + b
+
+    assert reads_batch_or_head(head_window)
+    visit, _ = classify_tiles(mods.Mod(head_window), 2, 2, 32, 32, (16, 16))
+    assert visit.shape == (4, 2, 2) and visit[0].sum() == 2 and visit[1].sum() == 3 and visit[2].sum() == 3
+    p = fixed_problem(n_q=21, n_k=18, heads=2, kv_heads=1)
+    p.q = np.concatenate([p.q, p.q[:, ::-1]])    # two batch entries
+    p.k, p.v = (np.concatenate([x, x]) for x in (p.k, p.v))
+    check_forward(p, None, mods.Mod(head_window), np.float32)
