@@ -83,8 +83,7 @@ def classify_tiles(mask_mod, batch, heads, n_q, n_k, tile):
                                 *mask_mod.host_arrays())
     visit, partly = allowed > 0, (allowed > 0) & (allowed < entries)
     if shared:
-        visit, partly = (np.ascontiguousarray(np.broadcast_to(x, (batch * heads,) + x.shape[1:]))
-                         for x in (visit, partly))
+        visit, partly = (np.broadcast_to(x, (batch * heads,) + x.shape[1:]).copy() for x in (visit, partly))
     return visit, partly
 
 
