@@ -32,7 +32,8 @@ Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``
 given; ``algorithm="wgmma"`` refuses), packed variable-length calls, KV caches, the transformers integration,
 gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
 ``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do), and mask
-classification on the GPU (the host classifies tiles, ``tile_visits``).
+classification on the GPU (the host classifies a mask_mod's tiles: ``numba_flash/sparsity/mod_tiles.py``).
+See ``docs/mods.md``.
 """
 import inspect
 import math
