@@ -18,6 +18,7 @@ from .api import (attention, attention_backward, attention_varlen, attention_var
 from .sparsity.block_mask import BlockMask  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from . import masks  # noqa: E402,F401  (numba_flash.masks: the pattern generators)
+from . import mods  # noqa: E402,F401  (numba_flash.mods: score_mod / mask_mod and their built-ins)
 from .runtime.device import device_limits, in_simulator  # noqa: E402
 from .tiling import line1_block_sizes  # noqa: E402
 from .tools import io  # noqa: E402  (numba_flash.io: the traffic model, kept at its public path)

@@ -119,6 +119,8 @@ class AttentionCall:
     #: Variable-length calls: batch_shape is (sequences,), n_q and n_k the packed totals, the strides'
     #: batch entry 0 (the kernels find each sequence's rows from cu_seqlens).
     varlen: Optional[Varlen] = None
+    #: (score_mod, mask_mod) as ``numba_flash.mods.Mod``s (either None), or None without mods (``check_mods``).
+    mods: Optional[tuple] = None
 
     @property
     def batch(self):
@@ -724,3 +726,95 @@ __all__ = ["ALGORITHMS", "AttentionCall", "FORWARD_ALGORITHMS", "Operand", "PREC
            "check_block_table", "check_block_table_pages", "check_cache_args", "check_cache_seqlens",
            "check_deterministic", "check_loop",
            "check_decode_layout", "check_device_cache_seqlens", "check_new_keys", "check_cu_seqlens", "check_varlen_args"]
+
+
+# ---------------------------------------------------------------- score_mod / mask_mod (numba_flash/mods.py)
+
+#: Element types a mod's arrays may have (what Numba and the kernels' parameter slots take).
+MOD_ARRAY_DTYPES = ("float32", "float64", "int32", "int64", "uint8", "int8", "int16", "uint32", "bool")
+_CHECKED_MODS = {}
+
+
+def _numba_reason(exc):
+    """Numba's message, without its long traceback-like tail of frames."""
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("During:")]
+    return "\n    ".join(lines[:12])
+
+
+def _check_compiles(mod, kind):
+    """Compile ``mod``'s step on the CPU for its argument types (the kernels' scalars are float32 and int64): a
+    TypeError naming it and quoting Numba's reason if Numba cannot, or if it returns something other than a scalar
+    (a number for a score_mod, a bool for a mask_mod).  Cached per function and array types."""
+    import numba
+    from numba import types
+
+    key = (kind, mod.signature)
+    if key in _CHECKED_MODS:
+        return
+    from .mods import jitable
+
+    arrays = []
+    for i, a in enumerate(mod.arrays):
+        dtype = str(a.dtype).replace("torch.", "")
+        if dtype not in MOD_ARRAY_DTYPES:
+            raise TypeError(f"{kind} {mod.name}: array {i} has dtype {dtype}; mods read arrays of "
+                            f"{', '.join(MOD_ARRAY_DTYPES)}")
+        arrays.append(types.Array(numba.from_dtype(np.dtype(dtype)), len(a.shape), "C"))
+    scalars = ((types.float32,) if kind == "score_mod" else ()) + (types.int64,) * 4
+    fn = jitable(mod.fn)
+    try:
+        dispatcher = numba.njit(fn)
+        dispatcher.compile(scalars + tuple(arrays))
+    except Exception as exc:  # numba.core.errors.TypingError and friends
+        raise TypeError(f"{kind} {mod.name}: Numba cannot compile it for (scalars, arrays) = "
+                        f"({', '.join(map(str, scalars + tuple(arrays)))}):\n    {_numba_reason(exc)}") from None
+    result = dispatcher.nopython_signatures[-1].return_type
+    if kind == "score_mod" and not isinstance(result, (types.Float, types.Integer)):
+        raise TypeError(f"score_mod {mod.name} returns {result}, not a scalar number")
+    if kind == "mask_mod" and not isinstance(result, (types.Boolean, types.Integer)):
+        raise TypeError(f"mask_mod {mod.name} returns {result}, not a bool")
+    _CHECKED_MODS[key] = True
+
+
+def check_mods(score_mod, mask_mod, *, algorithm, backward=False, varlen=False):
+    """The (score_mod, mask_mod) of a call as checked ``Mod``s, or None for neither; TypeError for a bad mod (wrong
+    arity, arrays that are not arrays, a function Numba cannot compile, a non-scalar result, a derivative that
+    cannot be traced in a backward), ValueError for a call outside the mods' scope -- all before any launch."""
+    from .mods import MAX_MOD_ARRAYS, as_mod, derivative
+
+    if score_mod is None and mask_mod is None:
+        return None
+    score_mod, mask_mod = as_mod(score_mod, "score_mod"), as_mod(mask_mod, "mask_mod")
+    if algorithm != "flash2":
+        raise ValueError(f"score_mod/mask_mod run on algorithm='flash2' (the mma.sync kernels), not {algorithm!r}")
+    if varlen:
+        raise ValueError("score_mod/mask_mod do not take packed variable-length calls or KV caches yet")
+    count = sum(len(m.arrays) for m in (score_mod, mask_mod) if m is not None)
+    if count > MAX_MOD_ARRAYS:
+        raise ValueError(f"score_mod and mask_mod read {count} arrays together; the kernels take at most "
+                         f"{MAX_MOD_ARRAYS} (stack tables into one array)")
+    for kind, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None:
+            _check_compiles(mod, kind)
+    if backward and score_mod is not None:
+        if score_mod.grad is not None:
+            _check_compiles(type(score_mod)(score_mod.grad, *score_mod.arrays, name=f"grad of {score_mod.name}"),
+                            "score_mod")
+        else:
+            derivative(score_mod)   # TypeError asking for grad= when the tracer cannot follow it
+    return (score_mod, mask_mod)
+
+
+def check_mod_shapes(mods, call):
+    """ValueError if a mod's arrays do not fit the call (a built-in's ``Mod.fits``: the kernels read them unchecked);
+    ``call`` with ``mods`` attached, or ``call`` itself without mods."""
+    if not mods:
+        return call
+    from dataclasses import replace
+
+    for mod in mods:
+        problem = mod.fits(call.heads, call.n_q, call.n_k) if mod is not None and mod.fits else None
+        if problem:
+            raise ValueError(f"{mod.kind} {mod.name}: {problem}")
+    return replace(call, mods=mods)

@@ -15,10 +15,10 @@ from dataclasses import replace
 import numpy as np
 from numba import cuda
 
-from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS,
-                          check_attention_args, check_backward_operands, check_block_table_pages, check_cache_args,
-                          check_cache_seqlens, check_cu_seqlens, check_decode_layout, check_deterministic,
-                          check_device_cache_seqlens, check_dropout, check_loop, check_new_keys, check_varlen_args,
+from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORITHMS, check_attention_args,
+                          check_backward_operands, check_block_table_pages, check_cache_args, check_cache_seqlens,
+                          check_cu_seqlens, check_decode_layout, check_deterministic, check_device_cache_seqlens,
+                          check_dropout, check_loop, check_mod_shapes, check_mods, check_new_keys, check_varlen_args,
                           operand_strides, streamed)
 from .decode_plan import decode_plan
 from .dropout import kernel_args as dropout_kernel_args
@@ -63,7 +63,7 @@ def _frees_after_the_call(entry_point):
 
 @_frees_after_the_call
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
-              block_sizes=None, return_lse=False):
+              block_sizes=None, return_lse=False, score_mod=None, mask_mod=None):
     """Exact attention softmax(scale * q k^T) v, computed on the GPU.
 
     Parameters
@@ -125,6 +125,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         entries are kept is a pure function of (seed, batch*head index,
         query row, key column): ``numba_flash.dropout_mask(shape, p, seed)``
         returns that mask on the host, bit for bit.
+    score_mod, mask_mod : function or numba_flash.mods.Mod, optional
+        FlexAttention's modifications (``numba_flash.mods``, ``docs/mods.md``):
+        the logit of (b, h, i, j) is ``score_mod(scale q_i.k_j, b, h, i, j, *arrays)``
+        where ``mask_mod(b, h, i, j, *arrays)`` (and causal, block_mask) allow it,
+        -inf elsewhere.  flash2 only, on the ``mma.sync`` kernel (the automatic
+        pick leaves wgmma for it; "wgmma" refuses mods); not with packed
+        sequences or KV caches yet.  A bad mod raises TypeError before any launch.
 
     NaN in the inputs reaches exactly the output rows that may see it: a NaN
     in query row i makes row i of O and lse NaN (unless it may attend to no
@@ -136,14 +143,15 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     -------
     O, or (O, lse) with ``return_lse=True``; O has q's shape and dtype, lse q's shape without d.
     """
-    plan = _plan(_ForwardPlan, (q, k, v), (causal, scale, block_mask, dropout_p, algorithm, block_sizes))
+    plan = _plan(_ForwardPlan, (q, k, v), (causal, scale, block_mask, dropout_p, algorithm, block_sizes, score_mod,
+                                           mask_mod))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, seed, return_lse)
 
 
 @_frees_after_the_call
 def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0,
-                       algorithm="flash2", block_sizes=None, deterministic=True):
+                       algorithm="flash2", block_sizes=None, deterministic=True, score_mod=None, mask_mod=None):
     """Gradients (dq, dk, dv) of sum(O * do) for O = attention(q, k, v, ...).
 
     ``o`` and ``lse`` are what ``attention(..., return_lse=True)`` returned
@@ -177,9 +185,14 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     because the Hopper backward's unordered dQ adds measured slower than its
     deterministic pass (``docs/performance.md``: determinism costs nothing
     here), so both values run the same kernels.
+
+    score_mod, mask_mod: those of the forward call (``attention``), on the
+    ``mma.sync`` backward; dS is multiplied by d score_mod / d score, derived
+    by tracing the score_mod (``numba_flash.mods.derivative``) unless its Mod
+    has ``grad=``.  The mods' arrays get no gradient.
     """
     plan = _plan(_BackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, dropout_p, algorithm,
-                                                        block_sizes, deterministic))
+                                                        block_sizes, deterministic, score_mod, mask_mod))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, o, lse, do, seed)
 
@@ -419,15 +432,25 @@ class _Plan:
         return tuple(_arrays.to_host(x, dtype) for x, dtype in zip(results, dtypes))
 
 
+def _checked_mods(score_mod, mask_mod, algorithm, backward=False):
+    """``check_mods``, with "wgmma" refused by name (mods run on the mma.sync kernels only, for now)."""
+    if algorithm == "wgmma" and (score_mod is not None or mask_mod is not None):
+        raise ValueError("score_mod/mask_mod do not run on algorithm='wgmma' yet; use algorithm='flash2' (the "
+                         "mma.sync kernels take them)")
+    return check_mods(score_mod, mask_mod, algorithm=algorithm, backward=backward)
+
+
 class _ForwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
-        causal, scale, block_mask, dropout_p, algorithm, block_sizes = options
+        causal, scale, block_mask, dropout_p, algorithm, block_sizes, score_mod, mask_mod = options
         loop = check_loop(algorithm, FORWARD_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
-        super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                                 dropout_p=dropout_p, seed=0, algorithm=loop,
-                                                 block_sizes=block_sizes))
-        if algorithm == "wgmma" or (algorithm == "flash2" and hopper.chosen_for(self.call, block_sizes)):
+        mods = _checked_mods(score_mod, mask_mod, algorithm)
+        super().__init__(q, check_mod_shapes(mods, check_attention_args(q, k, v, causal=causal, scale=scale,
+                                                                        block_mask=block_mask, dropout_p=dropout_p,
+                                                                        seed=0, algorithm=loop,
+                                                                        block_sizes=block_sizes)))
+        if algorithm == "wgmma" or (algorithm == "flash2" and not mods and hopper.chosen_for(self.call, block_sizes)):
             self.launch = hopper.forward_launch(self.call)
         else:
             self.launch = forward_launch(self.call) if algorithm == "flash2" else None
@@ -472,15 +495,18 @@ class _BackwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
-        causal, scale, block_mask, dropout_p, algorithm, block_sizes, deterministic = options
+        causal, scale, block_mask, dropout_p, algorithm, block_sizes, deterministic, score_mod, mask_mod = options
         loop = check_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
-        super().__init__(q, check_attention_args(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
-                                                 dropout_p=dropout_p, seed=0, algorithm=loop,
-                                                 block_sizes=block_sizes, backward=True))
+        mods = _checked_mods(score_mod, mask_mod, algorithm, backward=True)
+        super().__init__(q, check_mod_shapes(mods, check_attention_args(q, k, v, causal=causal, scale=scale,
+                                                                        block_mask=block_mask, dropout_p=dropout_p,
+                                                                        seed=0, algorithm=loop, block_sizes=block_sizes,
+                                                                        backward=True)))
         check_deterministic(deterministic)
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
-        if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and not mods
+                                    and hopper_backward.chosen_for(self.call, block_sizes)):
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
                                                               hopper_backward.dq_mode(deterministic))
         else:

@@ -42,7 +42,7 @@ from .ring import ring_attention  # noqa: F401  (one sequence over many GPUs: nu
 from .runtime.device import in_simulator
 from .sparsity.block_mask import BlockMask
 
-__all__ = ["attention", "attention_varlen", "FlashAttentionFunction"]
+__all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "SinkAttentionFunction"]
 
 class FlashAttentionFunction(torch.autograd.Function):
     """O = softmax(scale q k^T) v with numba-flash's forward and backward kernels.
@@ -200,7 +200,7 @@ _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varle
 # ---------------------------------------------------------------- the public function
 
 def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0.0, seed=0, algorithm="flash2",
-              block_sizes=None, deterministic=True):
+              block_sizes=None, deterministic=True, score_mod=None, mask_mod=None, sinks=None):
     """Differentiable ``numba_flash.attention`` on torch tensors (see the module docstring).
 
     q: (..., H_q, N_q, d), k and v: (..., H_kv, N_k, d), torch tensors on
@@ -217,6 +217,15 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     warpgroup instructions, 16-bit, d a multiple of 16 up to 128).
     ``deterministic``: as for ``numba_flash.attention_backward`` (today both
     values give the same bits on every run: determinism measured free).
+
+    ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on flash2's
+    ``mma.sync`` kernels forward and backward; q, k and v get their gradients through the mods (the mods'
+    arrays get none yet).  Under ``torch.compile`` a call with mods is a graph break for now (it runs eagerly,
+    through ``torch.compiler.disable``): a Mod's Python function cannot travel through a custom operator.
+
+    ``sinks``: attention sinks (gpt-oss), a float tensor (H_q,) of logits, one per query head, that join each row's
+    softmax denominator with no value: O' = O exp(lse - lse'), lse' = logaddexp(lse, sinks[h]).  Differentiable in
+    q, k, v and the sinks (``SinkAttentionFunction``); eager only (a graph break under ``torch.compile``).
     """
     _check_tensors((("q", q), ("k", k), ("v", v)))
     if algorithm not in ("flash2", "flash1", "wgmma"):
@@ -224,6 +233,20 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
                          f"forward runs on wgmma by itself on Hopper GPUs), got {algorithm!r}")
     if algorithm == "flash1" or in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if sinks is not None:
+        heads = q.shape[-3] if q.dim() > 2 else 1
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,):
+            raise ValueError(f"sinks must be a tensor of one logit per query head ({heads},), "
+                             f"got {getattr(sinks, 'shape', type(sinks).__name__)}")
+        options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
+                       algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
+                       score_mod=score_mod, mask_mod=mask_mod)
+        return _sink_attention(q, k, v, sinks, options)
+    if score_mod is not None or mask_mod is not None:
+        options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
+                       algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
+                       score_mod=score_mod, mask_mod=mask_mod)
+        return _modded_attention(q, k, v, options)
     if torch.compiler.is_compiling():
         if block_mask is not None and not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
@@ -233,6 +256,54 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         return out
     options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                    algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic)
+    return FlashAttentionFunction.apply(q, k, v, options)
+
+
+class SinkAttentionFunction(torch.autograd.Function):
+    """Attention with sinks: one logit s_h per query head joins the softmax's denominator, with no value.
+
+    Forward: (O, lse) of the kernels, then lse' = logaddexp(lse, s_h) and O' = O exp(lse - lse').  Backward: the
+    kernels' backward on O' and lse' gives dq, dk, dv as they are (P = exp(S - lse') are the weights, and the sink's
+    column, with no value, adds nothing to dO V^T); d L / d s_h = -sum over the head's rows of
+    exp(s_h - lse') rowsum(dO o O').
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, options):
+        out, lse = _forward(q, k, v, options)
+        column = _per_row(sinks, lse)
+        new_lse = torch.logaddexp(lse, column)
+        factor = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(lse - new_lse))
+        out = (out.float() * factor[..., None]).to(out.dtype)
+        ctx.save_for_backward(q, k, v, out, new_lse, sinks)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options)
+        p_sink = torch.exp(_per_row(sinks, lse) - lse)                 # the sink's weight in each row
+        terms = -p_sink * (grad_out.float() * out.float()).sum(-1)     # (..., H, N_q), or (N_q,) for one head
+        dsinks = terms.reshape((-1,) + tuple(sinks.shape) + terms.shape[-1:]).sum((0, 2))
+        return dq, dk, dv, dsinks.to(sinks.dtype), None
+
+
+def _per_row(sinks, lse):
+    """The sink logits as float32 broadcasting against lse (..., H, N_q): (H, 1), or a scalar for 2-D inputs."""
+    column = sinks.detach().to(torch.float32)
+    return column.reshape((-1, 1)) if lse.dim() >= 2 else column.reshape(())
+
+
+@torch.compiler.disable
+def _sink_attention(q, k, v, sinks, options):
+    """A call with sinks: ``SinkAttentionFunction``, eagerly (a graph break under torch.compile)."""
+    return SinkAttentionFunction.apply(q, k, v, sinks, options)
+
+
+@torch.compiler.disable
+def _modded_attention(q, k, v, options):
+    """A call with a score_mod or mask_mod: the autograd function, eagerly (a graph break under torch.compile)."""
     return FlashAttentionFunction.apply(q, k, v, options)
 
 

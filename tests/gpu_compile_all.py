@@ -9,6 +9,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper      # the wgmma kernels (sm_90a), varlen too
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py decode      # decode_plan's layouts of issue 47's grid
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -157,10 +158,39 @@ def planned_decoding(precisions=("f16",), head_dims=(64, 128)):
                           QUERY_GROUPS=plan.packed and causal))
 
 
+def mod_pairs():
+    """(score_mod, mask_mod) pairs that cover the built-ins and the combinators (numba_flash.mods)."""
+    from numba_flash import mods
+
+    ids = np.zeros(4096, np.int32)
+    table = np.zeros((16, 257), np.float32)
+    return [(mods.softcap(50.0), None),
+            (None, mods.sliding_window(1024)),
+            (mods.alibi(mods.alibi_slopes(16)), mods.document(ids)),
+            (mods.compose(mods.relative_position_bias(table), mods.softcap(30.0)),
+             mods.or_masks(mods.prefix_lm(64), mods.causal_mask))]
+
+
+def mod_kernels(head_dim):
+    """The forward and both backward passes with each ``mod_pairs`` pair, causal or not, every precision, at the
+    default tiles (a mask_mod's tiles come as lists: HAS_MASK; a score_mod takes the scaled-first path)."""
+    from numba_flash.kernels.fast.mod_steps import mod_steps
+
+    for precision, (score_mod, mask_mod), causal in itertools.product(PRECISIONS, mod_pairs(), (False, True)):
+        tiles = tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3" if precision == "tf32x3" else "f16"], head_dim)
+        has_mask = mask_mod is not None
+        fast(make_forward(*tiles, head_dim, precision, True, causal, has_mask, False, POSITIVE_SCALE=score_mod is None,
+                          MODS=mod_steps(score_mod, mask_mod)))
+        steps = mod_steps(score_mod, mask_mod, backward=True)
+        fast(make_dkdv(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
+        fast(make_dq(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
+
+
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper", "decode"))
+    parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper", "decode",
+                                                                            "mods"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
     parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96 and 128) unless given")
@@ -175,6 +205,9 @@ def main(argv):
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "decode":
         planned_decoding(head_dims=(args.head_dim,) if "--head-dim" in argv else (64, 128))
+        return f"{len(failures)} failed: {failures}" if failures else 0
+    if args.mode == "mods":
+        mod_kernels(args.head_dim)
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "tiles":
         # Every tile shape of the GPU test profile (tests/strategies.py), with dropout alone and with

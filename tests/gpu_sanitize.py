@@ -25,7 +25,10 @@ different lengths, one query per head with the keys split between blocks, then
 three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
 a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled;
 decode_paged: a paged cache, with its block table; decode_mqa, decode_many_splits, decode_paged_gqa: decode_plan's
-packed query groups and many splits).
+packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mods: mods_score a
+softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose tiles come
+as lists classified on the host; gqa_mods_mask the same with grouped heads, bottom-right causal; select them with
+the word "mods_score,mods_mask,gqa_mods_mask").
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -153,6 +156,14 @@ RUNS = [
     ("backward", "wgmma", BF16, None, "gqa_varlen"),
     ("backward", "wgmma", np.float16, None, "varlen_ordered"),
     ("backward", "wgmma", BF16, None, "gqa_varlen_unordered"),
+    # score_mod / mask_mod on the mma.sync kernels (numba_flash.mods): a score_mod alone (every tile walked by the
+    # mod step), and a mask_mod whose classified tiles are empty (skipped), full or partial (element test).
+    ("forward", "flash2", np.float16, (64, 64), "mods_score"),
+    ("forward", "flash2", np.float32, (32, 16), "mods_mask"),
+    ("forward", "flash2", BF16, (32, 32), "gqa_mods_mask"),
+    ("backward", "flash2", np.float16, (32, 32), "mods_score"),
+    ("backward", "flash2", np.float32, (32, 16), "mods_mask"),
+    ("backward", "flash2", BF16, (32, 32), "gqa_mods_mask"),
 ]
 #: The wgmma kernels' cases, forward and backward: d = 64 and 128, and d = 96 on the 128-column layout with its pad
 #: columns zero-filled (first, so that "quick" keeps the last case); ragged lengths of one to five 64-row tiles (five:
@@ -202,6 +213,15 @@ def inputs(variant, dtype, blocks, case, rng):
         keep = numba_flash.dropout_mask((batch, heads, n_q, n_k), DROPOUT_P, seed=7)
         kwargs.update(dropout_p=DROPOUT_P, seed=7)
         ref_kwargs.update(dropout_keep=keep, dropout_p=DROPOUT_P)
+    if "mods" in variant:   # the arrays as NumPy (copied to the GPU once per plan), the reference's in float64
+        from numba_flash import mods
+        if variant == "mods_score":
+            kwargs.update(score_mod=mods.compose(mods.softcap(5.0), mods.alibi(mods.alibi_slopes(heads))))
+        else:
+            table = rng.standard_normal((heads, 17)).astype(np.float32)
+            kwargs.update(score_mod=mods.relative_position_bias(table),
+                          mask_mod=mods.or_masks(mods.sliding_window(9), mods.prefix_lm(5)))
+        ref_kwargs.update(score_mod=kwargs.get("score_mod"), mask_mod=kwargs.get("mask_mod"))
     ref_kwargs["causal"] = kwargs["causal"]
     return device, [x.astype(np.float64) for x in host], kwargs, ref_kwargs
 
@@ -221,6 +241,14 @@ def check(name, got, want, dtype):
     print(f"  {name}: max err {err:.2e}", flush=True)
     assert err < limit, f"{name}: error {err} above {limit}"
     return err
+
+
+def reference_of(variant):
+    """The float64 reference for a variant: ``reference.mods`` (which applies the mods) for the mods runs."""
+    if "mods" in variant:
+        from reference import mods as reference_mods
+        return reference_mods
+    return reference
 
 
 def main(selected=()):
@@ -259,7 +287,7 @@ def main(selected=()):
             (q, k, v), (q64, k64, v64), kwargs, ref_kwargs = inputs(variant, dtype, blocks, case, rng)
             print(f"{run_name(run)} blocks={blocks} case={case}", flush=True)
             # NaN runs: the rows that never see a NaN equal the reference without it; the others are NaN.
-            ref, _ = reference.attention(*(np.nan_to_num(x) for x in (q64, k64, v64)), **ref_kwargs)
+            ref, _ = reference_of(variant).attention(*(np.nan_to_num(x) for x in (q64, k64, v64)), **ref_kwargs)
             if variant == "nan":
                 ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
@@ -280,7 +308,7 @@ def main(selected=()):
                 for label, got in zip(("dq", "dk", "dv"), grads):
                     print(f"  {label}: NaN rows {int(torch.isnan(got).any(-1).sum())}", flush=True)
                 continue
-            want = reference.attention_backward(q64, k64, v64, do_host.astype(np.float64), **ref_kwargs)
+            want = reference_of(variant).attention_backward(q64, k64, v64, do_host.astype(np.float64), **ref_kwargs)
             for label, got, expected in zip(("dq", "dk", "dv"), grads, want):
                 worst = max(worst, check(label, got, expected, dtype))
     print("all kernels ran; worst relative error", worst)

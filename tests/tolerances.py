@@ -71,15 +71,28 @@ def logit_error(q, k, scale):
     return (2 * d * U32 + SPLIT_TF32_EXTRA) * float(magnitude.max())
 
 
-def forward_tolerance(q, k, v, scale, dtype=np.float32, weight_scale=1.0):
+def mod_logit_error(mod_logits):
+    """The error a score_mod adds to a logit (``numba_flash.mods``), on top of ``logit_error`` of its input.
+
+    ``mod_logits``: the largest |score| + |score_mod(score)| over allowed entries.  A mod whose derivative in the
+    score is at most 1 in size (every built-in and their compositions: softcap's is 1 - tanh^2, a bias's 1) passes
+    its input's error on undiminished, and adds its own float32 rounding: a handful of operations (a quotient,
+    tanh, a product; a bias read, a product and a sum), each u of at most |score| + |result|, and the conversion
+    to log2 units; 8 u covers them.  None (no score_mod): 0.
+    """
+    return 0.0 if mod_logits is None else 8 * U32 * float(mod_logits)
+
+
+def forward_tolerance(q, k, v, scale, dtype=np.float32, weight_scale=1.0, mod_logits=None):
     """(tol_O, tol_lse): absolute bounds on the output and log-sum-exp errors.
 
     weight_scale: the largest dropout weight 1/(1 - p) (1 without dropout);
     the weights of O = (P * Z) V, and so their errors, grow by that factor.
+    mod_logits: with a score_mod, ``mod_logit_error``'s magnitude (None without).
     """
     n_k = np.shape(k)[-2]
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max()) * weight_scale
-    ds = logit_error(q, k, scale)
+    ds = logit_error(q, k, scale) + mod_logit_error(mod_logits)
     weight_rel = np.expm1(2 * ds) + (n_k + 16) * U32
     tol_o = (weight_rel + (n_k + 4) * U32) * v_max + smallest_subnormal(dtype)
     tol_lse = ds + (n_k + 16) * U32
@@ -88,9 +101,10 @@ def forward_tolerance(q, k, v, scale, dtype=np.float32, weight_scale=1.0):
     return tol_o, tol_lse
 
 
-def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=np.float32, weight_scale=1.0):
+def assert_close_to_reference(out, lse, ref_out, ref_lse, q, k, v, scale, dtype=np.float32, weight_scale=1.0,
+                              mod_logits=None):
     """Compare a kernel's (O, lse) with the float64 reference under the model above."""
-    tol_o, tol_lse = forward_tolerance(q, k, v, scale, dtype, weight_scale)
+    tol_o, tol_lse = forward_tolerance(q, k, v, scale, dtype, weight_scale, mod_logits)
     out = np.asarray(out, dtype=np.float64)
     _log_error(dtype, np.abs(out - ref_out).max(initial=0.0), tol_o)
     assert np.all(np.isfinite(out)), "output has NaN or inf"
@@ -221,7 +235,7 @@ def ring_tolerances(tol_o, tol_lse, gradient_tolerances, value_max, dtype, world
     return [tol_o + ring_o] + [(world + 2) * tol for tol in gradient_tolerances]
 
 
-def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32, group=1):
+def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32, group=1, mod_logits=None):
     """(tol_dQ, tol_dK, tol_dV): first-order bounds on the gradient errors, from the inputs.
 
     16-bit: the flash2 backward rounds each P and dS entry to the input type
@@ -241,13 +255,16 @@ def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=n
     weights add up to at most the largest column sum of P.  With grouped
     query heads (k, v given repeated per query head) dK and dV add ``group``
     heads' gradients, and so their bounds.
+
+    ``mod_logits``: with a score_mod whose derivative is at most 1 in size (``mod_logit_error``), its rounding
+    joins the logits' error, and dS's factor d score_mod / d score, computed in float32, adds 8 u to e_P.
     """
     q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     u = unit_roundoff(dtype)
     finite_lse = np.max(np.abs(np.where(weights.sum(-1) > 0, np.log(np.maximum(weights.sum(-1), 1e-300)), 0)))
-    e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse)
-    e_p = np.expm1(2 * e_s) + 16 * u
+    e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse) + mod_logit_error(mod_logits)
+    e_p = np.expm1(2 * e_s) + 16 * u + (0.0 if mod_logits is None else 8 * U32)
     b_dp = float((do @ np.swapaxes(v, -1, -2)).max())
     b_d = float(np.sum(do * o, axis=-1).max())
     e_dp, e_d = (d + 8) * u * b_dp, (d + 8) * u * b_d

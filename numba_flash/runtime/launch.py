@@ -129,7 +129,8 @@ class Kernel:
     """A fast kernel specialisation: its dispatcher, and its parameters by name and type.
 
     ``arrays`` gives the element dtype of each array parameter (1-D,
-    C-contiguous); parameters named in ``floats`` are float64, the rest int64.
+    C-contiguous), or (dtype, ndim) for a C-contiguous array of ``ndim`` dims (a mod's arrays, which its
+    Python function indexes as the user wrote it); parameters named in ``floats`` are float64, the rest int64.
     ``launch_bounds``: (threads per block, blocks per multiprocessor wanted),
     which caps the registers ptxas may use.
     """
@@ -138,7 +139,8 @@ class Kernel:
         self.name = name
         self.launch_bounds = launch_bounds
         self.params = tuple(inspect.signature(fn).parameters)
-        self.arrays = {param: np.dtype(dtype) for param, dtype in arrays.items()}
+        self.ndims = {param: spec[1] if isinstance(spec, tuple) else 1 for param, spec in arrays.items()}
+        self.arrays = {param: np.dtype(spec[0] if isinstance(spec, tuple) else spec) for param, spec in arrays.items()}
         self.floats = frozenset(floats)
         unknown = (set(self.arrays) | self.floats) - set(self.params)
         assert not unknown, f"{name}: no parameters {unknown}"
@@ -146,7 +148,7 @@ class Kernel:
 
     def param_type(self, param):
         if param in self.arrays:
-            return types.Array(from_dtype(self.arrays[param]), 1, "C")
+            return types.Array(from_dtype(self.arrays[param]), self.ndims[param], "C")
         return types.float64 if param in self.floats else types.int64
 
     @cached_property
@@ -159,7 +161,7 @@ class Kernel:
 
 
 _UINT64 = (1 << 64) - 1
-_ARRAY_SLOTS = 7  # meminfo, parent, nitems, itemsize, data, shape[0], strides[0]
+_ARRAY_SLOTS = 7  # meminfo, parent, nitems, itemsize, data, shape[0], strides[0] (1-D; ndim of each for more)
 _DATA_SLOT = 4
 
 
@@ -222,7 +224,10 @@ class Launch:
                 else:
                     nitems, pointer = int(self.extents[param]), 0
                     self._call_slots.append((len(values) + _DATA_SLOT, "pointer"))
-                values += [0, 0, nitems, itemsize, pointer, nitems, itemsize]
+                shape = tuple(int(n) for n in array.shape) if self.kernel.ndims[param] > 1 else (nitems,)
+                # C-order strides in bytes (a mod's arrays of several dims are C-contiguous: ``Kernel``)
+                strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape)))
+                values += [0, 0, nitems, itemsize, pointer, *shape, *strides]
             elif param in self.fixed:
                 values.append(self._encode(param, self.fixed[param]))
             else:

@@ -56,11 +56,12 @@ from numba import cuda, float32, uint32, uint64
 from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
+from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
                        padded_head_dim)
-from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words, kernel_name,
-                     lane_flags, log2_lse, lse_slabs, operand_extent, sequence_arguments, sequence_arrays,
-                     sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
+from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
+                     has_tile_lists, kernel_name, lane_flags, log2_lse, lse_slabs, operand_extent, sequence_arguments,
+                     sequence_arrays, sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
 from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
 
@@ -103,8 +104,10 @@ def _tile_offsets(tiles, name, sixteen):
 
 
 @lru_cache(maxsize=None)
-def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False):
-    """dK and dV: one thread block per (key tile of BLOCK_KEYS, batch, key/value head); see the module docstring."""
+def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False,
+              MODS=None):
+    """dK and dV: one thread block per (key tile of BLOCK_KEYS, batch, key/value head); see the module docstring.
+    MODS: a score_mod / mask_mod (``mod_steps``), as ``gradient_terms`` says."""
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_KEYS)
     WORD = uint32 if SIXTEEN else float32
@@ -128,6 +131,10 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     query_flags = lane_flags(Q_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
+    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
+    SCORE_MOD = MODS is not None and MODS.has_score
+    MASK_MOD = MODS is not None and MODS.has_mask
+    mod_allows, _, mod_weight = entry_steps(MODS)
 
     @inlined_device_function
     def fetch_query_scalars(scalars, LSE, D, lse_first, q0, n_q, tid):
@@ -182,21 +189,32 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     @inlined_device_function
     def gradient_terms(st, dpt, masked, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset, partly_masked, M,
                        bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale, seed0, seed1, smem,
-                       stage):
+                       stage, mod_args):
         """st: S^T -> (P o Z)^T, dpt: dP^T -> dS^T = P^T o (dP^T o Z - D), 0 where the query may not see the key;
-        NaN where it may and its Q or dO row held one (q_nan: the lane's query flags, ``lane_flags``)."""
+        NaN where it may and its Q or dO row held one (q_nan: the lane's query flags, ``lane_flags``).
+        MODS: the mask_mod joins ``allowed``; with a score_mod P = exp2(score_mod(scale S) log2(e) - lse) and
+        dS is multiplied by d score_mod / d score (``mod_steps.entry_steps``; masked is then always True, so that
+        the mods see only entries inside the sequences)."""
         for half in range(2):
             key = key0 + 8 * half
             for mt in range(Q_TILES):
                 for e in range(2):
                     r = mt * 8 + 2 * t + e
                     q = q0 + r
-                    p = exp2(st[mt, 2 * half + e] * c_log2 - u32_as_f32(load_word(smem, LSE2 + stage + r)))
+                    slope = float32(1)   # (a score_mod's P and slope come with ``allowed`` below)
+                    p = (float32(0) if SCORE_MOD
+                         else exp2(st[mt, 2 * half + e] * c_log2 - u32_as_f32(load_word(smem, LSE2 + stage + r))))
                     dp = dpt[mt, 2 * half + e]
                     visible = True
                     if masked:
                         visible = allowed(q, key, n_q, n_k, CAUSAL, causal_offset, partly_masked, M, bh, mask_rows,
                                           mask_cols, mask_t_r, mask_t_c)
+                        if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
+                            visible = mod_allows(visible, q, key, mod_args)
+                        if SCORE_MOD:
+                            lse2 = u32_as_f32(load_word(smem, LSE2 + stage + r))
+                            p, slope = (mod_weight(st[mt, 2 * half + e], lse2, q, key, mod_args) if visible
+                                        else (float32(0), float32(0)))
                         if not visible:
                             p = float32(0)
                         elif (q_nan >> uint64(2 * mt + e)) & uint64(1):
@@ -206,14 +224,17 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                          else float32(1))
                     st[mt, 2 * half + e] = p * z
                     ds = p * (dp * z - u32_as_f32(load_word(smem, D_I + stage + r)))
+                    if SCORE_MOD:
+                        ds *= slope
                     dpt[mt, 2 * half + e] = ds if visible else float32(0)
 
     def kernel(Q, K, V, dO, LSE, D, dK, dV, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, heads, group, n_q, n_k, head_dim, k_tiles,
                q_tiles, causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols,
                mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
-               keep_threshold, keep_scale, seed0, seed1):
-        # Operands as in the forward; heads: query heads, heads // group key/value heads.  HAS_MASK: the query
+               keep_threshold, keep_scale, seed0, seed1, MOD0, MOD1, MOD2, MOD3):
+        # Operands as in the forward; heads: query heads, heads // group key/value heads.  MOD0..MOD3: the mods'
+        # arrays (``mod_steps``).  HAS_MASK: the query
         # tiles of key tile kt of query head bh are listed at tile_offsets[bh (k_tiles + 1) + kt].
         # Causal: key tile 0 is seen by the most queries, and every head's tile 0 starts first (``tile_coordinates``).
         k_tile, hk, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, heads // group, CAUSAL)
@@ -247,6 +268,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
 
         for h in range(hk * group, hk * group + group):  # the query heads that read this key/value head
             bh = b * heads + h
+            mod_args = (b, h, float32(scale), MOD0, MOD1, MOD2, MOD3)
             if HAS_MASK:
                 first = tile_offsets[bh * (k_tiles + 1) + k_tile]
                 n_visits = tile_offsets[bh * (k_tiles + 1) + k_tile + 1] - first
@@ -289,9 +311,9 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 # Keys past N_k need no mask (their rows of dK, dV are never written); queries past N_q
                 # have P = 0 (lse = +inf) and D = 0.
                 q_nan = query_flags(smem, Q_NAN, t) if mixed else uint64(0)
-                gradient_terms(st, dpt, mixed, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset,
+                gradient_terms(st, dpt, mixed or SCORE_MOD, q_nan, c_log2, k0, key0, q0, t, n_q, n_k, causal_offset,
                                partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold,
-                               keep_scale, seed0, seed1, smem, stage)
+                               keep_scale, seed0, seed1, smem, stage, mod_args)
                 # dV_j += (P o Z)^T dO_i and dK_j += dS^T Q_i, from the registers.
                 accumulate_product(dv_acc, (float32(1), float32(1)), st, smem, DO_HI + stage, DO_LO + stage, g, t)
                 accumulate_product(dk_acc, (float32(1), float32(1)), dpt, smem, Q_HI + stage, Q_LO + stage, g, t)
@@ -305,16 +327,19 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dkdv", (BLOCK_KEYS, BLOCK_QUERIES), D_PAD, PRECISION, VEC,
-                                      CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN),
+                                      CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN)
+                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dK=data, dV=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
-                              k_bounds=np.int32),
+                              k_bounds=np.int32, **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
 @lru_cache(maxsize=None)
-def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False):
-    """dQ: one thread block per (query tile of BLOCK_QUERIES, batch, head); see the module docstring."""
+def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False,
+            MODS=None):
+    """dQ: one thread block per (query tile of BLOCK_QUERIES, batch, head); see the module docstring.
+    MODS: a score_mod / mask_mod (``mod_steps``), as ``gradient_terms`` says."""
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_QUERIES)
     WORD = uint32 if SIXTEEN else float32
@@ -337,6 +362,10 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(K_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
+    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
+    SCORE_MOD = MODS is not None and MODS.has_score
+    MASK_MOD = MODS is not None and MODS.has_mask
+    mod_allows, _, mod_weight = entry_steps(MODS)
 
     @inlined_device_function
     def start_key_tile(smem, stage, K, V, k_row, v_row, k_sn, v_sn, keys, head_dim, tid):
@@ -368,9 +397,10 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     @inlined_device_function
     def gradient_terms(s, dp, masked, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q, n_k, causal_offset,
                        partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c, keep_threshold, keep_scale,
-                       seed0, seed1):
+                       seed0, seed1, mod_args):
         """s: S -> dS = P o (dP o Z - D) with P = exp2(S c - lse), 0 where the query may not see the key; NaN
-        where it may and its K row held one (k_nan: the lane's key flags, ``lane_flags``)."""
+        where it may and its K row held one (k_nan: the lane's key flags, ``lane_flags``).  MODS: as the dK/dV
+        kernel's ``gradient_terms``."""
         for half in range(2):
             row = q0 + row0 + 8 * half
             for nt in range(K_TILES):
@@ -378,11 +408,17 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                     first, second = dropout_words(row, k0 + nt * 8 + 2 * t, bh, seed0, seed1, t)
                 for e in range(2):
                     key = k0 + nt * 8 + 2 * t + e
-                    p = exp2(s[nt, 2 * half + e] * c_log2 - lse2[half])
+                    slope = float32(1)   # (a score_mod's P and slope come with ``allowed`` below)
+                    p = float32(0) if SCORE_MOD else exp2(s[nt, 2 * half + e] * c_log2 - lse2[half])
                     visible = True
                     if masked:
                         visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly_masked, M, bh, mask_rows,
                                           mask_cols, mask_t_r, mask_t_c)
+                        if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
+                            visible = mod_allows(visible, row, key, mod_args)
+                        if SCORE_MOD:
+                            p, slope = (mod_weight(s[nt, 2 * half + e], lse2[half], row, key, mod_args) if visible
+                                        else (float32(0), float32(0)))
                         if not visible:
                             p = float32(0)
                         elif (k_nan >> uint64(2 * nt + e)) & uint64(1):
@@ -392,12 +428,15 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                         word = second if e else first
                         d *= float32(keep_scale) if word >= keep_threshold else float32(0)
                     ds = p * (d - d_i[half])
+                    if SCORE_MOD:
+                        ds *= slope
                     s[nt, 2 * half + e] = ds if visible else float32(0)
 
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh,
                do_sn, dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, head_dim, q_tiles, causal_offset, scale,
                scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step,
-               k_bounds, k_step, bottom_right, lse_sb, lse_sh, keep_threshold, keep_scale, seed0, seed1):
+               k_bounds, k_step, bottom_right, lse_sb, lse_sh, keep_threshold, keep_scale, seed0, seed1, MOD0, MOD1,
+               MOD2, MOD3):
         # As the dkdv kernel, with the lists per query tile (as the forward's).
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
@@ -416,6 +455,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         v_row = b * v_sb + (h // group) * v_sh + k_first * v_sn
         lse_at = lse_row(bh, b, h, q_first, lse_rows, lse_sb, lse_sh)
         c_log2 = float32(scale_log2)
+        mod_args = (b, h, float32(scale), MOD0, MOD1, MOD2, MOD3)   # what the mods read (``mod_steps``)
         smem = cuda.shared.array(0, uint32)
 
         own = cuda.local.array((OWN_ITERS, 4), WORD)
@@ -472,9 +512,9 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             rows_by_rows_t(dp, smem, DO_HI, DO_LO, V_HI + stage, V_LO + stage, warp * ROWS_PER_WARP, g, t)
             # Keys past N_k must be masked here (they would add to dQ).
             k_nan = key_flags(smem, K_NAN, t) if mixed else uint64(0)
-            gradient_terms(s, dp, mixed or k0 + BLOCK_KEYS > n_k, k_nan, c_log2, lse2, d_i, q0, row0, k0, t, n_q,
-                           n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c,
-                           keep_threshold, keep_scale, seed0, seed1)
+            gradient_terms(s, dp, mixed or k0 + BLOCK_KEYS > n_k or SCORE_MOD, k_nan, c_log2, lse2, d_i, q0, row0, k0,
+                           t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c,
+                           keep_threshold, keep_scale, seed0, seed1, mod_args)
             # dQ_i += dS K_j
             accumulate_product(dq_acc, (float32(1), float32(1)), s, smem, K_HI + stage, K_LO + stage, g, t)
 
@@ -486,10 +526,11 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
-                                      HAS_MASK, HAS_DROPOUT, VARLEN),
+                                      HAS_MASK, HAS_DROPOUT, VARLEN)
+                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
-                              k_bounds=np.int32),
+                              k_bounds=np.int32, **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
@@ -505,7 +546,8 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     vector = 4 if call.precision == "tf32x3" else 8   # elements of one 16-byte load
     vec = call.vec and do_aligned and all(s % vector == 0 for s in (do_strides.batch, do_strides.head, do_strides.row))
     varlen = call.varlen is not None
-    flags = (d_pad, call.precision, vec, call.causal, call.block_mask is not None, call.dropout_p > 0, varlen)
+    steps = mod_steps(*call.mods, backward=True) if call.mods else None
+    flags = (d_pad, call.precision, vec, call.causal, has_tile_lists(call), call.dropout_p > 0, varlen, steps)
     qs, ks, vs = call.strides
     dq_s, dkv_s = call.result_strides("q"), call.result_strides("kv")
     q_shape, kv_shape = call.kernel_shapes
@@ -518,7 +560,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
                     do_sn=do_strides.row, group=call.group, n_k=call.n_k, causal_offset=call.causal_offset,
                     scale=call.scale, scale_log2=call.scale * LOG2_E, **sizes, **dropout_arguments(call),
-                    **sequence_arguments(call))
+                    **sequence_arguments(call), **(mod_arrays(*call.mods) if call.mods else no_mod_arrays()))
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs),
                    dO=words(q_shape, do_strides), LSE=rows, D=rows)
     extents.update(bounds_extents)

@@ -44,6 +44,7 @@ from numba import cuda, float32, int64, uint32, uint64
 from ...dropout import NO_DROPOUT, kernel_args, philox_device
 from ...runtime.arrays import extent, placeholder
 from ...runtime.launch import inlined_device_function
+from ...sparsity.mod_tiles import mod_mask_arguments
 from ...sparsity.tile_lists import mask_arguments
 from ...tiling import ROWS_PER_WARP, cdiv, row_stride
 from .fragments import split_tf32, swizzle
@@ -89,14 +90,26 @@ def dropout_arguments(call):
     return dict(keep_threshold=keep_threshold, keep_scale=keep_scale)
 
 
+def has_tile_lists(call):
+    """Whether a call's kernels visit listed tiles (HAS_MASK): a block mask's, or a mask_mod's classification."""
+    return call.block_mask is not None or mask_mod_of(call) is not None
+
+
+def mask_mod_of(call):
+    return call.mods[1] if call.mods else None
+
+
 def _mask_lists(call, tiles, role):
-    return mask_arguments(call.block_mask, call.q_shape[:-2], call.n_q, call.n_k, tiles,
-                          call.causal_offset if call.causal else None, role)
+    causal_offset = call.causal_offset if call.causal else None
+    if mask_mod_of(call) is not None:   # the mask_mod's tiles classified on the host (``sparsity/mod_tiles.py``)
+        return mod_mask_arguments(mask_mod_of(call), call.block_mask, call.q_shape[:-2], call.n_q, call.n_k, tiles,
+                                  causal_offset, role)
+    return mask_arguments(call.block_mask, call.q_shape[:-2], call.n_q, call.n_k, tiles, causal_offset, role)
 
 
 def block_mask_arguments(call, tiles, role):
     """A call's block mask as a fast kernel's arguments for ``role`` (``sparsity/tile_lists.py``), or placeholders."""
-    if call.block_mask is None:
+    if not has_tile_lists(call):
         return dict(tile_offsets=placeholder(np.int32), tile_entries=placeholder(np.int32),
                     tile_order=placeholder(np.int32), M=placeholder(np.uint8), mask_rows=1, mask_cols=1, mask_t_r=1,
                     mask_t_c=1)
@@ -110,7 +123,7 @@ def partly_masked_tiles(call, tiles, role):
     """Whether some tile ``role`` visits under the call's block mask is only partly covered by it (so that its
     kernel must test elements against the layout); False without a mask, or when the mask's blocks are unions
     of whole kernel tiles."""
-    return call.block_mask is not None and _mask_lists(call, tiles, role).partly
+    return has_tile_lists(call) and _mask_lists(call, tiles, role).partly
 
 
 def sequence_arguments(call):

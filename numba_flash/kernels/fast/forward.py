@@ -15,7 +15,8 @@ The inner loop, one key tile K_j, V_j per iteration::
     start_kv         tile j + 1 on its way, in flight while we compute on tile j
     clear_rows_from  (decoding's first tiles, copied before the entry's length was read) V past its keys to 0
     S = Q K^T        ``rows_by_rows_t``: each warp its 16 (or 32) query rows
-    mask_scores      (tiles some query may not fully see) -inf where a query may not see a key
+    mask_scores      (tiles some query may not fully see) -inf where a query may not see a key; with mods, the
+                     mask_mod's test (partly masked tiles) and the score_mod (every tile): ``mod_steps``
     online_softmax   m_new = c max S, P = exp2(c S - m_new), alpha = exp2(m - m_new), l = alpha l + rowsum P
     dropout          Algorithm 2's Z on P (after l: l and m see the undropped weights)
     poison_weights   (a lane's keys of a partly masked tile with a NaN value row) NaN where allowed
@@ -107,10 +108,11 @@ from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .cache import last_to_arrive, output_element, tile_merger
 from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache_rows, ceil_div, dropout_arguments,
-                     dropout_words, kernel_name, keys_end, lane_flags, lse_slabs, paging_arguments,
+                     dropout_words, has_tile_lists, kernel_name, keys_end, lane_flags, lse_slabs, paging_arguments,
                      partly_masked_tiles, row_lse, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
                      tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
+from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
 
@@ -118,7 +120,7 @@ from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all
 @lru_cache(maxsize=None)
 def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False, SPLIT=False,
                  POSITIVE_SCALE=True, WARP_ROWS=ROWS_PER_WARP, PARTLY_MASKED=True, KV_STAGES=2, KEY_WARPS=1,
-                 PAGED=False, QUERY_GROUPS=False):
+                 PAGED=False, QUERY_GROUPS=False, MODS=None):
     """The flash2 forward kernel for one (tiles, padded d, precision, VEC, causal, mask, dropout, varlen, split,
     sign of the scale, paging).
 
@@ -166,7 +168,21 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     once.  The causal mask of a row takes its own query index i = row mod N_q, the key bound of the tile its last
     query's (N_q - 1), and every tile that reaches past the first query's diagonal is masked (some row of the tile
     may be a group's query 0).  Without causal the packed rows need nothing of the kernel: every row sees every key.
+
+    MODS (``mod_steps.ModSteps``, or None): a score_mod and/or mask_mod, one step of ``mask_scores`` and
+    ``poison_weights`` (``mod_steps.entry_steps``).  The mask_mod ANDs into the keys an entry may see; its tiles
+    are classified on the host into tile lists (HAS_MASK: ``sparsity/mod_tiles.py``), so that empty tiles are
+    never visited and only partly masked ones test it element by element (and are cleaned of NaN, as a block
+    mask's partly masked tiles are); the score_mod replaces the scaled score (the kernel then takes the
+    scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both are called only for keys inside the sequences
+    (and the causal mask), so that a mod's array reads stay in bounds.  Compiled out when None.
     """
+    assert MODS is None or not (SPLIT or PAGED or VARLEN or KEY_WARPS > 1), "mods: not with varlen or a KV cache yet"
+    assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
+    assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
+    SCORE_MOD = MODS is not None and MODS.has_score
+    MASK_MOD = MODS is not None and MODS.has_mask
+    mod_allows, mod_score, _ = entry_steps(MODS)
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
     assert not PAGED or VARLEN == "cache", "pages hold a KV cache's rows"
@@ -335,7 +351,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
         @inlined_device_function
         def walk(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                 mask_cols, mask_t_r, mask_t_c, head_queries):
+                 mask_cols, mask_t_r, mask_t_c, head_queries, mod_args):
             for r in range(LANE_ROWS):
                 row = q0 + row0 + 8 * r
                 if QUERY_GROUPS:   # row g N_q + i of a packed group: query i's diagonal
@@ -346,11 +362,17 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 for nt in range(N_TILES):
                     x_row, half = (r // 2) * N_TILES + nt, r % 2
                     for e in range(2):
-                        visible = allowed_below(end, row, k0 + nt * 8 + 2 * t + e, partly_masked, M, bh, mask_rows,
-                                                mask_cols, mask_t_r, mask_t_c)
+                        key = k0 + nt * 8 + 2 * t + e
+                        visible = allowed_below(end, row, key, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
+                                                mask_t_c)
+                        if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
+                            visible = mod_allows(visible, row, key, mod_args)
                         if POISON:
                             if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
                                 s[x_row, 2 * half + e] = float32(math.nan)
+                        elif SCORE_MOD:   # the mod's score, in log2 units (only where allowed: its reads in bounds)
+                            s[x_row, 2 * half + e] = (mod_score(s[x_row, 2 * half + e], row, key, mod_args) if visible
+                                                      else float32(NEG_INF))
                         else:
                             x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
                             s[x_row, 2 * half + e] = x if visible else float32(NEG_INF)
@@ -526,7 +548,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                n_q, n_k, head_dim, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M,
                mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys,
                lse_sb, lse_sh, splits, o_split, lse_split, MERGED_O, MERGED_LSE, ARRIVALS, keep_threshold,
-               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp, head_queries):
+               keep_scale, seed0, seed1, PAGES, pages_sb, page_size, num_pages, k_sp, v_sp, head_queries, MOD0, MOD1,
+               MOD2, MOD3):
         # Q, K, V, O: flat words (module docstring of common.py); LSE: flat (batch*heads, N_q) float32.
         # Key/value head h // group serves query head h.  causal: key j visible to row i iff j <= i + causal_offset.
         # HAS_MASK: the key tiles of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt]
@@ -536,6 +559,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         # SPLIT: O, LSE take this split's partial results; the tile's last split writes MERGED_O, MERGED_LSE.
         # PAGED: entry b's row of the block table PAGES starts at b * pages_sb (``common.cache_rows``); K and V are
         # pools of pages k_sp and v_sp apart, with no batch stride (k_sb = v_sb = 0).
+        # MODS: MOD0..MOD3 are the score_mod's arrays, then the mask_mod's (``mod_steps``); placeholders otherwise.
         if HAS_MASK:
             tile, h, b, bh = tile_coordinates(tile_order[cuda.blockIdx.x], q_tiles, heads)
         else:
@@ -563,6 +587,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         v_head = b * v_sb + kv_h * v_sh
         pages = (PAGES, b * pages_sb, page_size, num_pages)   # where a paged entry's rows are (``row_start``)
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
+        # What the mods read besides the entry (``mod_steps.entry_steps``): batch, query head, scale, their arrays.
+        mod_args = (b, h, float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
         k_regs = cuda.local.array((K_ITERS, 4), WORD)
@@ -672,14 +698,14 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             v_nan = key_flags(smem, V_NAN + own, t) if mixed else uint64(0)
             if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
                 mask_scores(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                            mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries)
+                            mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries, mod_args)
             for r in range(LANE_ROWS):
                 alpha[r] = online_softmax(s, m_i, l_i, r, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if v_nan != uint64(0):  # this lane's keys of a partly masked tile include a NaN value row
                 poison_weights(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                               mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries)
+                               mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries, mod_args)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         if EARLY_COPIES and rounds < AHEAD:   # rounds copied early that the entry does not have: every thread's
@@ -704,14 +730,16 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                                       HAS_DROPOUT, VARLEN) + ("_split" if SPLIT else "")
                   + ("" if WARP_ROWS == ROWS_PER_WARP else f"_warp{WARP_ROWS}")
                   + ("_whole_tiles" if HAS_MASK and not PARTLY_MASKED else "")
-                  + ("" if POSITIVE_SCALE else "_nonpositive_scale")
+                  + ("" if POSITIVE_SCALE or SCORE_MOD else "_nonpositive_scale")
                   + (f"_stages{STAGES}" if STAGES > 2 else "")
                   + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else "")
-                  + ("_query_groups" if QUERY_GROUPS else ""),
+                  + ("_query_groups" if QUERY_GROUPS else "")
+                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               MERGED_O=output_element(PRECISION)[1], MERGED_LSE=np.float32, ARRIVALS=np.uint32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
-                              q_bounds=np.int32, k_bounds=np.int32, PAGES=np.int32),
+                              q_bounds=np.int32, k_bounds=np.int32, PAGES=np.int32,
+                              **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
                   floats=("scale_log2", "keep_scale"),
                   # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
                   # and for 16-bit at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas
@@ -725,7 +753,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   # them, when the block coordinates were computed in 32 bits, and P V's mma then waited on each
                   # other's registers: NOPs between them, K and V streamed 2% slower on the H200, 2026-12-03.)
                   launch_bounds=((THREADS, 2) if (D_PAD <= 64 or ASYNC and D_PAD <= 128)
-                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN)
+                                 and not (HAS_MASK and PARTLY_MASKED or HAS_DROPOUT or VARLEN or MODS is not None)
                                  else (THREADS, 1) if KEY_WARPS > 1 else None))
 
 
@@ -748,21 +776,24 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1, warp_rows=None):
     """
     block_m, block_n = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
-    has_mask, has_dropout = call.block_mask is not None, call.dropout_p > 0
+    has_mask, has_dropout = has_tile_lists(call), call.dropout_p > 0
     partly = partly_masked_tiles(call, (block_m, block_n), "forward")
     layout = partial(flash2_forward_smem, key_warps=key_warps)
     stages = flash2_stages(layout, block_m, block_n, d_pad, precision=call.precision, vec=call.vec, most=kv_stages)
     # The sign of the kernel's float32 scale: a tiny positive scale (1e-112) rounds to 0 there.
-    positive_scale = bool(np.float32(call.scale * LOG2_E) > 0)
+    mods = call.mods
+    steps = mod_steps(*mods) if mods else None
+    positive_scale = bool(np.float32(call.scale * LOG2_E) > 0) and not (steps and steps.has_score)
     if warp_rows is None:
-        warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision, plain=not (partly or has_dropout))
+        warp_rows = flash2_forward_warp_rows(block_m, d_pad, call.precision,
+                                             plain=not (partly or has_dropout or steps is not None))
     mode = sequence_mode(call)
     paging = call.varlen.paging if call.varlen else None
     head_queries = call.varlen.head_queries if call.varlen and call.varlen.head_queries else call.n_q
     query_groups = bool(call.varlen and call.varlen.head_queries and call.causal)
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
                           mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None,
-                          query_groups)
+                          query_groups, steps)
     q_tiles = cdiv(call.longest_q, block_m)
     qs, ks, vs = call.strides
     words = word_extent(call)
@@ -786,7 +817,8 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1, warp_rows=None):
                  q_tiles=q_tiles, causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
                  **sequence_arguments(call), **paging_arguments(paging), **split_layout,
-                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0, head_queries=head_queries)
+                 k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0, head_queries=head_queries,
+                 **(mod_arrays(*mods) if mods else no_mod_arrays()))
     if paging:   # pools of pages: an entry's pages come from the table, so no batch stride
         fixed.update(k_sb=0, v_sb=0)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))

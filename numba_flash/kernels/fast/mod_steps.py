@@ -1,0 +1,187 @@
+"""A call's score_mod and mask_mod as the kernels' steps: small device functions of one score entry.
+
+The kernels have four array parameters for the mods, MOD0 .. MOD3: the score_mod's arrays first, then the
+mask_mod's (``numba_flash.mods.MAX_MOD_ARRAYS``); unused slots hold a placeholder.  Each step takes all four and
+hands the user's function its own::
+
+    score_step(score, b, h, q_idx, kv_idx, MOD0, MOD1, MOD2, MOD3) -> float32     (natural units, as the user's)
+    mask_step(b, h, q_idx, kv_idx, MOD0, ..., MOD3) -> bool
+    slope_step(score, b, h, q_idx, kv_idx, MOD0, ..., MOD3) -> float32             d score_mod / d score
+
+The user's functions are registered with ``numba.extending.register_jitable`` (so that any Numba target, the
+CUDA kernels and the CPU check in ``_validation.check_mods``, can call them); the steps themselves are
+``numba.cuda.jit(device=True)`` functions that LLVM always inlines (``inlined_device_function``).  A kernel
+specialisation depends on a ``ModSteps`` only through its ``key``: the functions and the arrays' dtypes and ranks,
+never their values.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+from numba import float32
+from numba.extending import register_jitable
+
+from ...mods import MAX_MOD_ARRAYS, derivative, jitable
+from ...runtime.arrays import placeholder
+from ...runtime.launch import inlined_device_function
+from .common import LOG2_E
+from .primitives import exp2
+
+SLOTS = tuple(f"MOD{i}" for i in range(MAX_MOD_ARRAYS))
+
+
+def _step(name, scalars, fn, first, count, cast):
+    """A generated device function ``name(*scalars, MOD0..MOD3)`` returning ``cast(fn(*scalars, its arrays))``."""
+    arrays = ", ".join(SLOTS[first:first + count])
+    source = (f"def {name}({', '.join(scalars + SLOTS)}):\n"
+              f"    return cast(fn({', '.join(scalars)}{', ' if arrays else ''}{arrays}))\n")
+    namespace = {"fn": jitable(fn), "cast": cast}
+    exec(compile(source, f"<numba_flash {name}>", "exec"), namespace)
+    return namespace[name], source
+
+
+@register_jitable
+def _as_bool(x):
+    return x != 0
+
+
+@dataclass(frozen=True)
+class ModSteps:
+    """The compiled steps of one (score_mod, mask_mod) pair; ``slots``: (dtype, ndim) of MOD0 .. MOD3."""
+
+    key: tuple
+    name: str
+    has_score: bool
+    has_mask: bool
+    slots: tuple
+    score_step: object = field(compare=False, repr=False)
+    mask_step: object = field(compare=False, repr=False)
+    slope_step: object = field(compare=False, repr=False)
+    sources: tuple = field(compare=False, repr=False)
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def kernel_arrays(self):
+        """The kernel's ``arrays`` entries for the slots."""
+        return {slot: spec for slot, spec in zip(SLOTS, self.slots)}
+
+
+def _slot_specs(score_mod, mask_mod):
+    arrays = (score_mod.arrays if score_mod else ()) + (mask_mod.arrays if mask_mod else ())
+    specs = [(np.dtype(str(a.dtype).replace("torch.", "")).name, len(a.shape)) for a in arrays]
+    return tuple(specs + [("float32", 1)] * (MAX_MOD_ARRAYS - len(specs)))
+
+
+def mod_steps(score_mod, mask_mod, backward=False):
+    """The ``ModSteps`` of a checked pair of Mods (either may be None; None for neither)."""
+    if score_mod is None and mask_mod is None:
+        return None
+    key = (score_mod.signature if score_mod else None, mask_mod.signature if mask_mod else None,
+           _slot_specs(score_mod, mask_mod), backward)
+    return _cached_steps(key, score_mod, mask_mod, backward)
+
+
+_STEPS = {}
+
+
+def _cached_steps(key, score_mod, mask_mod, backward):
+    """One ``ModSteps`` per key (the kernels' lru caches then see the same object for the same mods)."""
+    steps = _STEPS.get(key)
+    if steps is None:
+        steps = _build(key, score_mod, mask_mod, backward)
+        _STEPS[key] = steps
+    return steps
+
+
+def _build(key, score_mod, mask_mod, backward):
+    n_score = len(score_mod.arrays) if score_mod else 0
+    sources, score_step, mask_step, slope_step = [], None, None, None
+    scalars = ("score", "b", "h", "q_idx", "kv_idx")
+    if score_mod:
+        score_step, source = _step("score_step", scalars, score_mod.fn, 0, n_score, float32)
+        sources.append(source)
+        if backward:
+            slope_step, source = _step("slope_step", scalars, derivative(score_mod), 0, n_score, float32)
+            sources.append(source)
+    if mask_mod:
+        mask_step, source = _step("mask_step", scalars[1:], mask_mod.fn, n_score, len(mask_mod.arrays), _as_bool)
+        sources.append(source)
+    name = "_".join(m.name for m in (score_mod, mask_mod) if m)
+    wrap = (lambda f: None if f is None else inlined_device_function(f))
+    return ModSteps(key, name, score_mod is not None, mask_mod is not None, _slot_specs(score_mod, mask_mod),
+                    wrap(score_step), wrap(mask_step), wrap(slope_step), tuple(sources))
+
+
+def mod_arrays(score_mod, mask_mod):
+    """The kernels' fixed MOD0 .. MOD3 for a call: device arrays (NumPy ones copied once; CUDA ones in place)."""
+    from ...runtime.arrays import is_torch_tensor
+
+    arrays = []
+    for a in (score_mod.arrays if score_mod else ()) + (mask_mod.arrays if mask_mod else ()):
+        if is_torch_tensor(a):
+            if not a.is_cuda:
+                from numba import cuda
+                a = cuda.to_device(np.ascontiguousarray(a.detach().numpy()))
+            elif not a.is_contiguous():
+                a = a.contiguous()
+        elif hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host"):
+            pass
+        else:
+            from numba import cuda
+            a = cuda.to_device(np.ascontiguousarray(a))
+        arrays.append(a)
+    while len(arrays) < MAX_MOD_ARRAYS:
+        arrays.append(placeholder(np.float32))
+    return dict(zip(SLOTS, arrays))
+
+
+#: What the kernels get without mods: placeholder slots.
+def no_mod_arrays():
+    return {slot: placeholder(np.float32) for slot in SLOTS}
+
+
+NO_MOD_SLOTS = {slot: np.float32 for slot in SLOTS}
+
+
+def entry_steps(MODS):
+    """The kernels' per-entry steps for ``MODS`` (a ``ModSteps``; None gives steps that are never called).
+
+    ``mod_args`` is (b, h, scale, MOD0, MOD1, MOD2, MOD3): the batch and query head, the softmax scale (float32),
+    the mods' arrays.  Every step is called only for entries the sequences (and causal) allow, so that a mod's
+    array reads stay in bounds.
+
+    * ``mod_allows(visible, row, key, mod_args)``: ``visible`` AND the mask_mod's verdict.
+    * ``mod_score(x, row, key, mod_args)``: the logit in log2 units, score_mod(scale x, ...) log2(e), of the
+      unscaled product x = q . k.
+    * ``mod_weight(x, lse2, row, key, mod_args)``: (P, d score_mod / d score) of an allowed entry, P = exp2(
+      mod_score - lse2) (the backward).
+    """
+    HAS_MASK_MOD = MODS is not None and MODS.has_mask
+    HAS_SCORE_MOD = MODS is not None and MODS.has_score
+    HAS_SLOPE = HAS_SCORE_MOD and MODS.slope_step is not None
+    # The steps as closure variables of their own (Numba types a closure's functions, not a Python object's fields).
+    mask_step = MODS.mask_step if HAS_MASK_MOD else None
+    score_step = MODS.score_step if HAS_SCORE_MOD else None
+    slope_step = MODS.slope_step if HAS_SLOPE else None
+
+    @inlined_device_function
+    def mod_allows(visible, row, key, mod_args):
+        if HAS_MASK_MOD and visible:
+            b, h, _, MOD0, MOD1, MOD2, MOD3 = mod_args
+            return mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+        return visible
+
+    @inlined_device_function
+    def mod_score(x, row, key, mod_args):
+        b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+        return score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
+
+    @inlined_device_function
+    def mod_weight(x, lse2, row, key, mod_args):
+        b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+        score = x * scale
+        p = exp2(score_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E) - lse2)
+        slope = slope_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) if HAS_SLOPE else float32(1)
+        return p, slope
+
+    return mod_allows, mod_score, mod_weight
