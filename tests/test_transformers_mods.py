@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 DEVICE = "cpu" if numba_flash.in_simulator() else "cuda"
 SMALL = numba_flash.in_simulator()   # every simulated CUDA thread is a Python thread: tiny models there
 WINDOW = 4 if SMALL else 16          # smaller than every sequence below: the window hides keys
+HEAD_DIM = 8 if SMALL else 64
 numba_flash_hf.register()
 
 
@@ -22,8 +23,8 @@ def gemma2_config():
         dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     # Layers alternate sliding and full attention; weights 10x the default and a softcap of 1 so that tanh bends
     # the logits (with Gemma 2's 50, or the default initialisation, it would leave them as they are).
-    return transformers.Gemma2Config(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                     query_pre_attn_scalar=8, sliding_window=WINDOW, attn_logit_softcapping=1.0,
+    return transformers.Gemma2Config(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                                     query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW, attn_logit_softcapping=1.0,
                                      initializer_range=0.2,
                                      final_logit_softcapping=30.0, max_position_embeddings=128, pad_token_id=0,
                                      bos_token_id=None, eos_token_id=None, **size)
@@ -32,7 +33,7 @@ def gemma2_config():
 def mistral_config():
     size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1) if SMALL else \
         dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    return transformers.MistralConfig(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    return transformers.MistralConfig(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                                       sliding_window=WINDOW, max_position_embeddings=128, bos_token_id=None,
                                       eos_token_id=None, **size)
 
@@ -40,7 +41,7 @@ def mistral_config():
 def gpt_oss_config():
     size = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2) if SMALL else \
         dict(hidden_size=256, intermediate_size=256, num_hidden_layers=4)
-    return transformers.GptOssConfig(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    return transformers.GptOssConfig(vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                                      sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1,
                                      max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
                                      pad_token_id=0, **size)
@@ -159,4 +160,5 @@ def test_window_mask_is_transformers_sliding_window():
     mod = numba_flash_hf.window_mask(3, 2)
     for q in range(4):
         for kv in range(6):
-            assert bool(mod.fn(0, 0, q, kv, mod.arrays[0])) == bool(rule(0, 0, torch.tensor(q + 2), torch.tensor(kv))), (q, kv)
+            want = bool(rule(0, 0, torch.tensor(q + 2), torch.tensor(kv)))   # query q sits at position q + 2
+            assert bool(mod.fn(0, 0, q, kv, mod.arrays[0])) == want, (q, kv)
