@@ -71,6 +71,7 @@ element by element), so ``generate`` works, more slowly.
 Arguments numba-flash does not implement (position biases, ``head_mask``,
 ``output_attentions``) raise a ValueError naming them.
 """
+import functools
 import inspect
 
 import numpy as np
@@ -159,9 +160,12 @@ def _window(b, h, q_idx, kv_idx, window):
     return kv_idx <= position and kv_idx > position - window[0]
 
 
+@functools.lru_cache(maxsize=64)
 def window_mask(window, offset=0):
     """A mask_mod: query i (at position i + offset among the keys) sees key j iff i + offset - window < j <= i +
-    offset: transformers' sliding-window causal mask, bottom-right aligned for offset = N_k - N_q."""
+    offset: transformers' sliding-window causal mask, bottom-right aligned for offset = N_k - N_q.  One Mod per
+    (window, offset), kept: a Mod keeps its tile classification (a host loop over the (N_q, N_k) grid), so every
+    layer and every forward of one shape reuses it."""
     return mods.Mod(_window, np.asarray([window, offset], np.int32), name="sliding_window")
 
 
