@@ -65,8 +65,9 @@ Arguments passed through ``numba_flash.mods`` (issue 46):
   differentiable in the sink logits.
 
 A static cache's fast path (``attention_with_kv_cache``) takes no mods yet: a
-call with a softcap or sinks goes through the general path (the mask,
-element by element), so ``generate`` works, more slowly.
+call with a softcap, sinks or a window goes through the general path (the
+window's mask_mod where the mask is its pattern, otherwise the mask element by
+element), so ``generate`` works, more slowly.
 
 Arguments numba-flash does not implement (position biases, ``head_mask``,
 ``output_attentions``) raise a ValueError naming them.
