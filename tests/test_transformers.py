@@ -101,8 +101,10 @@ def test_greedy_generation_gives_sdpas_tokens(name):
 def test_what_numba_flash_does_not_implement_is_refused():
     q = torch.zeros(1, 2, 4, 8, device=DEVICE)
     module = torch.nn.Module()
-    with pytest.raises(ValueError, match="sliding_window"):
-        numba_flash_hf.attention_forward(module, q, q, q, None, sliding_window=2)
+    with pytest.raises(ValueError, match="position_bias"):
+        numba_flash_hf.attention_forward(module, q, q, q, None, position_bias=q)
+    with pytest.raises(ValueError, match="sliding_window"):   # a bidirectional window: not implemented
+        numba_flash_hf.attention_forward(module, q, q, q, None, is_causal=False, sliding_window=2)
     with pytest.raises(ValueError, match="output_attentions"):
         numba_flash_hf.attention_forward(module, q, q, q, None, output_attentions=True)
     with pytest.raises(ValueError, match="boolean masks"):

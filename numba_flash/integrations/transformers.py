@@ -49,17 +49,40 @@ first L keys gets length -1, which the kernel answers with NaN in its rows
 debugging) also compares, at every layer, the mask with the pattern the
 lengths stand for, on the host, and raises where they differ.
 
-Arguments numba-flash does not implement (``sliding_window``, ``softcap``,
-attention sinks, position biases, ``output_attentions``) raise a ValueError
-naming them.
+Arguments passed through ``numba_flash.mods`` (issue 46):
+
+* ``softcap`` (Gemma 2): ``mods.softcap(cap)`` as the score_mod, after the
+  scaling and before the mask, as transformers' eager path;
+* ``sliding_window`` W (Mistral, Gemma 2's sliding layers, gpt-oss): key j is
+  visible to query i iff j <= i and j > i - W in absolute positions
+  (transformers' ``sliding_window_causal_mask_function``: W keys, the query's
+  own included).  transformers builds that window into the mask it gives us;
+  where the mask is exactly the bottom-right causal window pattern, the call
+  runs with the window as a mask_mod (``window_mask``, offset N_k - N_q),
+  without reading the mask; any other mask (padding) element by element, as
+  above; no mask (every key inside the window) as plain causal;
+* ``s_aux`` / ``sinks`` (gpt-oss): ``numba_flash.torch.attention(sinks=)``,
+  differentiable in the sink logits.
+
+A static cache's fast path (``attention_with_kv_cache``) takes no mods yet: a
+call with a softcap, sinks or a window goes through the general path (the
+window's mask_mod where the mask is its pattern, otherwise the mask element by
+element), so ``generate`` works, more slowly.
+
+Arguments numba-flash does not implement (position biases, ``head_mask``,
+``output_attentions``) raise a ValueError naming them.
 """
+import functools
 import inspect
+
+import numpy as np
 
 from .._optional import require
 
 torch = require("torch", "transformers", "numba_flash.integrations.transformers")
 
 from .. import api
+from .. import mods
 from .. import torch as numba_flash_torch
 from .._torch_calls import _run, check_tensors
 from ..sparsity.block_mask import BlockMask
@@ -69,7 +92,7 @@ from ..sparsity.block_mask import BlockMask
 NAME = "numba_attention"
 
 #: Keyword arguments transformers may pass that change the result and that we do not implement.
-_UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias", "head_mask")
+_UNSUPPORTED = ("position_bias", "head_mask")
 
 #: Read on the host, once per forward, whether a static cache's padding mask pads any row inside its keys
 #: (then the exact element-wise path); False: assume not, checked on the GPU (a padded row gives NaN).
@@ -96,25 +119,62 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          "attn_implementation='eager'")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     n_q, n_k = query.shape[-2], key.shape[-2]
-    block_mask = None
+    softcap = kwargs.get("softcap")
+    score_mod = mods.softcap(float(softcap)) if softcap is not None else None
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        sinks = sinks.to(query.device)
+    window = kwargs.get("sliding_window")
+    if window is not None and not causal:
+        raise ValueError(f"numba_flash attention implements sliding_window={window!r} for causal layers only")
+    block_mask = mask_mod = None
     alignment = "bottom_right" if causal else False
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise ValueError(f"numba_flash attention takes boolean masks (transformers' sdpa_mask), got "
                              f"{attention_mask.dtype}")
         # Eager only: under torch.compile (transformers' generate compiles a static cache's forward on a GPU
-        # unless told disable_compile=True) the call takes the general path.
+        # unless told disable_compile=True) the call takes the general path.  The KV-cache kernel takes no mods:
+        # a call with a softcap or sinks takes the general path too.
         lengths = None if torch.compiler.is_compiling() else getattr(attention_mask, _LENGTHS, None)
-        if (lengths is not None and causal and not dropout and lengths.device == query.device
+        if (lengths is not None and causal and not dropout and score_mod is None and sinks is None
+                and window is None and lengths.device == query.device
                 and _fits_cache_call(query, key, value, attention_mask)):
             return cache_attention(query, key, value, lengths, attention_mask, scaling), None
-        if not _is_bottom_right_causal(attention_mask, n_q, n_k):
+        if window is not None and _is_bottom_right_window(attention_mask, n_q, n_k, int(window)):
+            mask_mod, alignment = window_mask(int(window), n_k - n_q), False
+        elif not _is_bottom_right_causal(attention_mask, n_q, n_k):
             block_mask = BlockMask(attention_mask.detach().cpu().numpy(), (1, 1))
             alignment = False   # the mask says everything
+    elif window is not None and n_k > int(window):
+        # transformers gives no mask only where every key lies inside the window; a direct call may not.
+        mask_mod, alignment = window_mask(int(window), n_k - n_q), False
     seed = int(torch.randint(0, 2 ** 62, ())) if dropout > 0 else 0
     out = numba_flash_torch.attention(query, key, value, causal=alignment, scale=scaling, block_mask=block_mask,
-                                      dropout_p=float(dropout), seed=seed)
+                                      dropout_p=float(dropout), seed=seed, score_mod=score_mod, mask_mod=mask_mod,
+                                      sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(b, h, q_idx, kv_idx, window):
+    position = q_idx + window[1]
+    return kv_idx <= position and kv_idx > position - window[0]
+
+
+@functools.lru_cache(maxsize=64)
+def window_mask(window, offset=0):
+    """A mask_mod: query i (at position i + offset among the keys) sees key j iff i + offset - window < j <= i +
+    offset: transformers' sliding-window causal mask, bottom-right aligned for offset = N_k - N_q.  One Mod per
+    (window, offset), kept: a Mod keeps its tile classification (a host loop over the (N_q, N_k) grid), so every
+    layer and every forward of one shape reuses it."""
+    return mods.Mod(_window, np.asarray([window, offset], np.int32), name="sliding_window")
+
+
+def _is_bottom_right_window(mask, n_q, n_k, window):
+    """Whether every batch and head of a (B, H, N_q, N_k) boolean mask is the bottom-right causal window."""
+    i = torch.arange(n_q, device=mask.device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=mask.device)[None, :]
+    return bool((mask == ((j <= i) & (j > i - window))).all())
 
 
 def _fits_cache_call(query, key, value, mask):
@@ -236,4 +296,4 @@ def register():
 
 
 __all__ = ["NAME", "READ_PADDING", "CHECK_STATIC_CACHE", "attention_forward", "attention_mask", "cache_attention",
-           "check_cache_mask", "register"]
+           "check_cache_mask", "register", "window_mask"]
