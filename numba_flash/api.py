@@ -227,10 +227,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
         entry [b, h, i, j]: ``numba_flash.dropout_mask((batch, H, N_q, N_k), p,
         seed)[b, h, :N_q,b, :N_k,b]``.
     algorithm : {"flash2", "wgmma"}
-        "flash2" (the default) runs the mma.sync kernel for packed sequences
-        on every GPU for now: its pick of the Hopper kernel (``attention``'s)
-        waits for ``kernels.hopper.forward.PICK_VARLEN``, off until the packed
-        Hopper kernels have run on a Hopper GPU.  "wgmma" asks for the Hopper
+        "flash2" (the default) picks as ``attention`` does: on a Hopper GPU
+        the wgmma kernel where the batched call would take it, elsewhere
+        the mma.sync kernel.  "wgmma" asks for the Hopper
         forward (16-bit, d a multiple of 16 up to 128, no dropout, no
         ``block_sizes``; on a GPU of compute capability 9.0).
 
@@ -252,8 +251,7 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
 
     ``o`` and ``lse`` are what ``attention_varlen(..., return_lse=True)`` returned for the same
     arguments; the other arguments must be the forward's.  Results are shaped like q, k and v.
-    ``algorithm``: "flash2" (the default: mma.sync for packed sequences, as the forward's pick, until
-    ``kernels.hopper.forward.PICK_VARLEN``) or "wgmma" (the Hopper backward, asked for; as
+    ``algorithm``: "flash2" (the default: the forward's pick) or "wgmma" (the Hopper backward, asked for; as
     ``attention_backward``'s).  ``deterministic``: as ``attention_backward``'s.
     """
     plan, sequences = _varlen_plan(_VarlenBackwardPlan, (q, k, v, o, lse, do), cu_seqlens_q, cu_seqlens_k,

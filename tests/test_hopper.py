@@ -315,7 +315,8 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     def kernel(d=64, dtype=np.float16, causal=False, scale=None, block_mask=None, dropout_p=0.0, block_sizes=None,
                whole_name=False):
         x = np.zeros((1, 2, 70, d), dtype)
-        plan = api._ForwardPlan((x, x, x), (causal, scale, block_mask, dropout_p, "flash2", block_sizes))
+        plan = api._ForwardPlan((x, x, x), (causal, scale, block_mask, dropout_p, "flash2", block_sizes,
+                                                  None, None))
         return plan.launch.kernel.name if whole_name else plan.launch.kernel.name.split("_")[0]
 
     monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (96, False), (128, True)})   # (head dim, causal)
@@ -366,7 +367,7 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
         x = np.zeros((1, 2, 70, d), dtype)
         lse = np.zeros((1, 2, 70), np.float32)
         plan = api._BackwardPlan((x, x, x, x, lse, x), (causal, None, block_mask, dropout_p, "flash2", block_sizes,
-                                                         deterministic))
+                                                         deterministic, None, None))
         launches = plan.launches
         dkdv = launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]
         return dkdv.kernel.name

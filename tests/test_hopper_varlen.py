@@ -235,10 +235,10 @@ def test_packed_sequences_of_equal_lengths_give_the_bits_of_the_batched_wgmma_ca
         np.testing.assert_array_equal(to_host(got).view(np.uint16), packed(to_host(want)).view(np.uint16))
 
 
-def test_flash2_keeps_packed_sequences_on_mma_sync_until_pick_varlen(monkeypatch):
+def test_flash2_picks_the_wgmma_forward_for_packed_sequences_where_it_takes_the_batched_call(monkeypatch):
     """Which forward ``attention_varlen(..., algorithm="flash2")`` lays out on a device made to look like an H200
-    (nothing launched): mma.sync while ``PICK_VARLEN`` is False; with it True, wgmma wherever the batched call of the
-    same head dim and causality would take it (``AUTOMATIC_SCOPE``), mma.sync elsewhere; "wgmma" asks for it."""
+    (nothing launched): wgmma wherever the batched call of the same head dim and causality would take it
+    (``AUTOMATIC_SCOPE``), mma.sync elsewhere and on other GPUs; "wgmma" asks for it."""
     from types import SimpleNamespace
 
     from numba_flash import api
@@ -257,11 +257,9 @@ def test_flash2_keeps_packed_sequences_on_mma_sync_until_pick_varlen(monkeypatch
         return plan.launch.kernel.name
 
     monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (128, True)})
-    assert hopper.PICK_VARLEN is False
-    assert kernel().startswith("flash2_forward") and kernel(d=128, causal=True).startswith("flash2_forward")
     assert kernel(algorithm="wgmma") == "wgmma_forward_d64_f16_varlen"
     assert kernel(d=128, causal="top_left", algorithm="wgmma") == "wgmma_forward_d128_f16_causal_varlen"
-    monkeypatch.setattr(hopper, "PICK_VARLEN", True)
+    assert kernel(d=128, algorithm="wgmma") == "wgmma_forward_d128_f16_varlen"   # outside AUTOMATIC_SCOPE: asked for
     assert kernel() == "wgmma_forward_d64_f16_varlen"
     assert kernel(d=128, causal=True, dtype=np.dtype("bfloat16")) == "wgmma_forward_d128_bf16_causal_varlen"
     for outside in (kernel(d=128), kernel(causal=True), kernel(d=32), kernel(dtype=np.float32),
@@ -271,10 +269,9 @@ def test_flash2_keeps_packed_sequences_on_mma_sync_until_pick_varlen(monkeypatch
     assert kernel().startswith("flash2_forward")
 
 
-def test_flash2_keeps_packed_gradients_on_mma_sync_until_pick_varlen(monkeypatch):
-    """The backward's pick, the forward's (``backward.chosen_for``): mma.sync for packed sequences while
-    ``PICK_VARLEN`` is False, wgmma where the batched call would take it once it is True, summing dQ as the batched
-    call would (``DQ_MODE``, ``deterministic``)."""
+def test_flash2_picks_the_wgmma_backward_for_packed_sequences_where_it_takes_the_batched_call(monkeypatch):
+    """The backward's pick, the forward's (``backward.chosen_for``): wgmma for packed sequences where the batched
+    call would take it, mma.sync elsewhere, summing dQ as the batched call would (``DQ_MODE``, ``deterministic``)."""
     from types import SimpleNamespace
 
     from numba_flash import api
@@ -296,10 +293,8 @@ def test_flash2_keeps_packed_gradients_on_mma_sync_until_pick_varlen(monkeypatch
         return (launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]).kernel.name
 
     monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (128, True)})
-    assert kernel().startswith("flash2_backward_dkdv") and "_varlen" in kernel()
-    assert kernel(d=128, causal=True).startswith("flash2_backward_dkdv")
     assert kernel(algorithm="wgmma") == "wgmma_backward_dkdv_d64_f16_varlen"
-    monkeypatch.setattr(hopper, "PICK_VARLEN", True)
+    assert kernel(d=128, algorithm="wgmma") == "wgmma_backward_dkdv_d128_f16_varlen"   # outside the scope: asked for
     assert kernel() == "wgmma_backward_dkdv_d64_f16_varlen"
     assert kernel(d=128, causal=True) == "wgmma_backward_dkdv_d128_f16_causal_varlen"
     assert kernel(d=128).startswith("flash2_backward_dkdv") and kernel(d=32).startswith("flash2_backward_dkdv")

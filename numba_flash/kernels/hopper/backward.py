@@ -7,7 +7,7 @@ at d = 64, 96 and 128, where it takes the forward), dense or causal (either alig
 takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows, packed
 sequences (``attention_varlen_backward``; every kernel's VARLEN, as the forward's: each block reads its sequence's
 bounds with ``fast.common.sequence_bounds`` first; in every way of summing dQ, the ordered turns over the sequence's
-own key tiles; flash2 takes them once ``forward.PICK_VARLEN`` is on).
+own key tiles; flash2 takes them where it takes the batched call).
 
 A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one, as in the forward (d = 96
 on d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the same cp.async

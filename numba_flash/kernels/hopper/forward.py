@@ -75,8 +75,8 @@ and 417 at d = 128 (ptxas, sm_90a; 429 and ~600 before, ``experiments/tuning/res
 Packed sequences (``make_wgmma_forward``'s VARLEN): the block's first step reads its sequence's bounds with the
 mma.sync kernels' device function (``fast.common.sequence_bounds``), after which every step above runs on the
 sequence's lengths, causal offset and rows; the grid covers the longest sequence, and a block past its sequence's
-last query tile leaves before any barrier.  ``algorithm="wgmma"`` runs it; flash2 takes it only once
-``PICK_VARLEN`` is on (not before a GPU has run it).  Departure from the dense kernel: none in the loop; the flag
+last query tile leaves before any barrier.  flash2 takes it where it takes the batched call (``chosen_for``).
+Departure from the dense kernel: none in the loop; the flag
 compiles out of the kernels without it (their PTX instructions unchanged, sm_90a, 2026-12-05).
 
 Barriers and fences, each where it sits:
@@ -646,13 +646,6 @@ WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True)}
 
 
-#: Whether ``algorithm="flash2"`` takes packed sequences (``attention_varlen``) to this kernel (and their backward to
-#: ``backward.py``'s, whose pick is this one's) where it takes the batched calls of the same head dim and causality.
-#: False until the VARLEN kernels have run on a Hopper GPU (the simulator's twins alone have checked them): until
-#: then packed calls stay on mma.sync under flash2, and ``algorithm="wgmma"`` runs them here.
-PICK_VARLEN = False
-
-
 def whole_tiles(block_mask):
     """Whether a block mask's blocks are whole multiples of the kernel's tiles (B_r and B_c multiples of 64:
     BLOCK_M and BLOCK_N), the masks ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles'
@@ -670,10 +663,11 @@ def chosen_for(call, block_sizes, kernel="forward"):
     """Whether ``algorithm="flash2"`` runs this call on the wgmma forward (or, ``kernel="backward"``, its backward:
     ``backward.chosen_for``): on a Hopper GPU, for calls in its scope and in ``AUTOMATIC_SCOPE`` whose caller named
     no tile sizes (explicit ``block_sizes`` are the mma.sync kernel's), with no block mask or one of whole tiles
-    (``whole_tiles``), and packed sequences only once ``PICK_VARLEN`` says so."""
+    (``whole_tiles``).  Packed sequences too, where their batched call would be taken: on an H100 (2026-12-06,
+    ``experiments/tuning/results/varlen_wgmma_h100.md``) 1.2-1.8x the mma.sync forward and 1.4-1.8x its backward."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
             and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, kernel) is None
-            and (call.block_mask is None or whole_tiles(call.block_mask)) and (call.varlen is None or PICK_VARLEN))
+            and (call.block_mask is None or whole_tiles(call.block_mask)))
 
 
 def forward_launch(call):
