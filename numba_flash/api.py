@@ -266,6 +266,12 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
                             block_table=None):
     """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.
 
+    Grouped heads run the group's queries as the rows of one tile (row g N_q + i: query i of the group's head
+    g), so each key and value is read once per group, not once per query head; with N_q > 1 this needs q's
+    heads N_q rows apart (C order; other strides run a tile per query head).  The layout (tile, warps,
+    splits) comes from ``numba_flash.decode_plan`` (a model of the GPU); ``numba_flash.api._PLANS`` keeps
+    each call's ``plan``.
+
     Parameters
     ----------
     q : array (B, H_q, N_q, d)
@@ -312,12 +318,6 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         Warps of a block that share its query rows and take turns along the keys, merging their results in
         shared memory at the end (a tuning knob); 0 (default): ``tiling.DECODE_KEY_WARPS`` where the tile is
         one warp's 16 rows and its tiles travel by ``cp.async`` (fewer where their buffers do not fit), else 1.
-
-    Grouped heads run the group's queries as the rows of one tile (row g N_q + i: query i of the group's head
-    g), so each key and value is read once per group, not once per query head; with N_q > 1 this needs q's
-    heads N_q rows apart (C order; other strides run a tile per query head).  The layout (tile, warps,
-    splits) comes from ``numba_flash.decode_plan`` (a model of the GPU); ``numba_flash.api._PLANS`` keeps
-    each call's ``plan``.
 
     Returns
     -------
