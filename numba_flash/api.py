@@ -430,20 +430,12 @@ class _Plan:
         return tuple(_arrays.to_host(x, dtype) for x, dtype in zip(results, dtypes))
 
 
-def _checked_mods(score_mod, mask_mod, algorithm, backward=False):
-    """``check_mods``, with "wgmma" refused by name (mods run on the mma.sync kernels only, for now)."""
-    if algorithm == "wgmma" and (score_mod is not None or mask_mod is not None):
-        raise ValueError("score_mod/mask_mod do not run on algorithm='wgmma' yet; use algorithm='flash2' (the "
-                         "mma.sync kernels take them)")
-    return check_mods(score_mod, mask_mod, algorithm=algorithm, backward=backward)
-
-
 class _ForwardPlan(_Plan):
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes, score_mod, mask_mod = options
         loop = check_loop(algorithm, FORWARD_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
-        mods = _checked_mods(score_mod, mask_mod, algorithm)
+        mods = check_mods(score_mod, mask_mod, algorithm=algorithm)
         super().__init__(q, check_mod_shapes(mods, check_attention_args(q, k, v, causal=causal, scale=scale,
                                                                         block_mask=block_mask, dropout_p=dropout_p,
                                                                         seed=0, algorithm=loop,
@@ -495,7 +487,7 @@ class _BackwardPlan(_Plan):
                                                                             arrays))
         causal, scale, block_mask, dropout_p, algorithm, block_sizes, deterministic, score_mod, mask_mod = options
         loop = check_loop(algorithm, GRADIENT_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
-        mods = _checked_mods(score_mod, mask_mod, algorithm, backward=True)
+        mods = check_mods(score_mod, mask_mod, algorithm=algorithm, backward=True)
         super().__init__(q, check_mod_shapes(mods, check_attention_args(q, k, v, causal=causal, scale=scale,
                                                                         block_mask=block_mask, dropout_p=dropout_p,
                                                                         seed=0, algorithm=loop, block_sizes=block_sizes,
