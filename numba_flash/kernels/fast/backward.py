@@ -63,27 +63,42 @@ from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_ar
                      has_tile_lists, kernel_name, lane_flags, log2_lse, lse_slabs, operand_extent, sequence_arguments,
                      sequence_arrays, sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
-from .primitives import exp2, f32_as_u32, load_word, store_word, u32_as_f32
+from .primitives import WARP_SIZE, exp2, f32_as_u32, load_word, shfl_xor, store_word, u32_as_f32
 
-#: Rows of O and dO per block of the preprocess kernel.
+#: Rows of O and dO per block of the preprocess kernel, and its warps (each reads one row at a time).
 PREPROCESS_ROWS = 128
+PREPROCESS_WARPS = 4
 
 
 @lru_cache(maxsize=None)
 def make_preprocess(PRECISION):
-    """D[bh * n_q + i] = D_i = sum_x O[bh, i, x] dO[bh, i, x] in float32 (O, dO: float32 or 16-bit words)."""
+    """D[bh * n_q + i] = D_i = sum_x O[bh, i, x] dO[bh, i, x] in float32 (O, dO: float32 or 16-bit words).
+
+    A warp reads one row at a time, lane l elements l, l + 32, ... (neighbouring lanes, neighbouring elements: one
+    coalesced access per load), the block's warps neighbouring rows; the lanes' 32 partial sums are added by shuffles,
+    always in the same order (D is bitwise repeatable).  With one thread per row, each load of a warp touched 32
+    rows' cache lines: 250 us of a 0.68 ms masked backward at (4, 16, 4096, 64) float16 on an H100 (2026-12-06,
+    torch's profiler; ``experiments/tuning/results/backward_profile_h100.md``), where O and dO are 67 MB, ~25 us of
+    copy bandwidth."""
     widen = widening(PRECISION)
 
     def kernel(O, dO, D, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn, heads, n_q, head_dim, row_blocks):
         block, h, b, bh = tile_coordinates(cuda.blockIdx.x, row_blocks, heads)
-        i = block * PREPROCESS_ROWS + cuda.threadIdx.x
-        if i < n_q:
-            o_row = b * o_sb + h * o_sh + i * o_sn
-            do_row = b * do_sb + h * do_sh + i * do_sn
-            total = float32(0)
-            for x in range(head_dim):
-                total += widen(load_word(O, o_row + x)) * widen(load_word(dO, do_row + x))
-            D[bh * n_q + i] = total
+        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
+        for r in range(PREPROCESS_ROWS // PREPROCESS_WARPS):
+            i = block * PREPROCESS_ROWS + r * PREPROCESS_WARPS + warp
+            if i < n_q:   # the same for every lane of the warp: all take part in the shuffles
+                o_row = b * o_sb + h * o_sh + i * o_sn
+                do_row = b * do_sb + h * do_sh + i * do_sn
+                total = float32(0)
+                for x in range(lane, head_dim, WARP_SIZE):
+                    total += widen(load_word(O, o_row + x)) * widen(load_word(dO, do_row + x))
+                lanes = WARP_SIZE // 2
+                while lanes > 0:
+                    total += shfl_xor(total, lanes)
+                    lanes //= 2
+                if lane == 0:
+                    D[bh * n_q + i] = total
 
     data = np.float32 if PRECISION == "tf32x3" else np.uint16
     return Kernel(kernel, f"flash2_backward_preprocess_{PRECISION}", arrays=dict(O=data, dO=data, D=np.float32))
@@ -597,7 +612,7 @@ def preprocess_launch(call, o_strides, do_strides):
     row_blocks = cdiv(call.n_q, PREPROCESS_ROWS)   # D is lse-shaped: row blocks of every slab, packed or not
     q_shape = call.kernel_shapes[0]
     return Launch(
-        make_preprocess(call.precision), row_blocks * lse_slabs(call), PREPROCESS_ROWS, 0,
+        make_preprocess(call.precision), row_blocks * lse_slabs(call), PREPROCESS_WARPS * WARP_SIZE, 0,
         dict(o_sb=o_strides.batch, o_sh=o_strides.head, o_sn=o_strides.row, do_sb=do_strides.batch,
              do_sh=do_strides.head, do_sn=do_strides.row, row_blocks=row_blocks, heads=call.heads, n_q=call.n_q,
              head_dim=call.head_dim),
