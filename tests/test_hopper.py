@@ -53,11 +53,12 @@ SENTINEL = 0xDEADBEEF   # what shared memory holds before the copies
 def test_the_tile_copier_lands_the_rows_swizzled_and_zeros_the_pad_columns(data):
     """``common.tile_copier`` against NumPy: 64 rows of X (a ragged last tile too, strided rows) in the swizzled
     layout of ``layout_dim(d)`` columns, zeros past the valid rows and in the pad columns d..layout_dim(d) - 1
-    (d = 96: columns 96..127 of the second 64-column tile), nothing else written."""
+    (d = 96: columns 96..127 of the second 64-column tile), nothing else written; the 256-column layout's rows in
+    two column groups with one warpgroup (d = 192 first: its second group half pad)."""
     from numba_flash.kernels.fast.primitives import copy_async_wait_all
-    from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS, layout_dim, tile_bytes, tile_copier
+    from numba_flash.kernels.hopper.common import BLOCK_N, FORWARD_HEAD_DIMS, layout_dim, tile_bytes, tile_copier
 
-    d = data.draw(st.sampled_from(HEAD_DIMS))
+    d = data.draw(st.sampled_from(sorted(FORWARD_HEAD_DIMS, key=lambda x: x != 192)))
     threads = data.draw(st.sampled_from([128, 256]))
     rows_valid = data.draw(st.sampled_from([BLOCK_N, 200, data.draw(st.integers(1, BLOCK_N - 1))]))
     stride = d + 8 * data.draw(st.integers(0, 3))            # elements between rows (16-byte aligned)
@@ -130,30 +131,38 @@ def to_host(t):
     return t.numpy()
 
 
+def forward_head_dims(where):
+    """The wgmma forward's head dims a test draws: every one on a GPU (``common.FORWARD_HEAD_DIMS``); in the
+    simulator, whose time grows with d, those up to 128 and two of the 256-column layout: d = 256 first (Hypothesis's
+    first example, its simplest, then draws it) and d = 192 (the layout's last 64 columns pad)."""
+    from numba_flash.kernels.hopper.common import FORWARD_HEAD_DIMS, HEAD_DIMS
+
+    return st.sampled_from(FORWARD_HEAD_DIMS if where == "hopper" else (256,) + HEAD_DIMS + (192,))
+
+
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
     """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
     row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py); both loops,
     products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP), in blocks of
-    one warpgroup or two (WARPGROUPS)."""
+    one warpgroup or two (WARPGROUPS); head dims on the 64-, 128- and 256-column layouts (O in two slices above 128)."""
     import ml_dtypes
 
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.common import HEAD_DIMS
     from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
     from tolerances import assert_close_to_reference
 
     where = _where()
-    # In the simulator: up to three tiles each way (every thread of a block is a Python thread).
-    longest = 200 if where == "hopper" else 2 * BLOCK_M + 5
+    d = data.draw(forward_head_dims(where))
+    # In the simulator: up to three tiles each way (every thread of a block is a Python thread), two above d = 128.
+    longest = 200 if where == "hopper" else (2 if d <= 128 else 1) * BLOCK_M + 5
     batch = data.draw(st.integers(1, 2))
     kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
     group = data.draw(st.sampled_from([1, 2, 3]))                       # grouped-query heads
     heads = kv_heads * group
     n_q, n_k = data.draw(st.integers(1, longest)), data.draw(st.integers(1, longest))
-    d = data.draw(st.sampled_from(HEAD_DIMS))   # 16..128: on the 64- and the 128-column layout
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     token_major = data.draw(st.booleans())   # q, k, v as (B, N, H, d) memory viewed as (B, H, N, d)
@@ -212,13 +221,14 @@ def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data)
 
     import numba_flash
     import reference
-    from numba_flash.kernels.hopper.common import HEAD_DIMS
     from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
     from strategies import block_masks
     from tolerances import assert_close_to_reference
 
     where = _where()
-    longest = 200 if where == "hopper" else 2 * BLOCK_M + 5   # the simulator: up to three tiles each way
+    d = data.draw(forward_head_dims(where))
+    # The simulator: up to three tiles each way, two above d = 128.
+    longest = 200 if where == "hopper" else (2 if d <= 128 else 1) * BLOCK_M + 5
     batch = data.draw(st.integers(1, 2))
     kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
     group = data.draw(st.sampled_from([1, 2, 3]))
@@ -228,7 +238,6 @@ def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data)
     block_size = (data.draw(st.sampled_from([64, 128])), data.draw(st.sampled_from([64, 128]))) if whole else (
         data.draw(st.integers(1, 80)), data.draw(st.integers(1, 80)))
     bm = data.draw(block_masks(n_q, n_k, block_size, batch_shape=(batch, heads)))[0]
-    d = data.draw(st.sampled_from(HEAD_DIMS))
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     poisoned = data.draw(st.sampled_from([None, "q", "k", "v"]))
@@ -275,7 +284,7 @@ def test_the_wgmma_forward_rejects_what_it_cannot_run():
     def arrays(d=64, dtype=np.float16, n_k=8):
         return (np.zeros((1, 1, 8, d), dtype), np.zeros((1, 1, n_k, d), dtype), np.zeros((1, 1, n_k, d), dtype))
 
-    for d in (72, 160):   # not a multiple of 16; wider than the 128-column layout
+    for d in (72, 232):   # not multiples of 16 (d <= 256 otherwise: every call's limit)
         with pytest.raises(ValueError, match=f"algorithm='wgmma': the head dim must be one of .* forward, not {d}"):
             attention(*arrays(d=d), algorithm="wgmma")
     with pytest.raises(ValueError, match="algorithm='wgmma': q, k, v must be float16 or bfloat16"):
@@ -707,7 +716,9 @@ def test_the_wgmma_backward_rejects_what_it_cannot_run():
         x = np.zeros((1, 1, 8, d), dtype)
         return x, x, x, x, np.zeros((1, 1, 8), np.float32), x
 
-    for d in (72, 160):   # not a multiple of 16; wider than the 128-column layout
+    # Not a multiple of 16; wider than the 128-column layout (160, 256: the forward's, not the backward's, whose dK and
+    # dV accumulators would not fit in a warpgroup's registers).
+    for d in (72, 160, 256):
         with pytest.raises(ValueError, match="algorithm='wgmma': the head dim must be one of .* for the wgmma "
                                              f"backward, not {d}"):
             attention_backward(*arrays(d=d), algorithm="wgmma")

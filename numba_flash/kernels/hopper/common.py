@@ -2,8 +2,9 @@
 
 A tile is 64 rows (query rows, or keys) of d 16-bit columns, stored as
 ``layout_dim(d) / 64`` swizzled tiles of 64 columns (``wgmma.py``'s table): a
-head dim that is not a multiple of 64 (d = 96: two tiles, columns 96..127
-zero) takes the layout of the next multiple.  It is read by the tensor cores
+head dim that is not one of the layout widths 64, 128, 256 (``LAYOUT_DIMS``)
+takes the layout of the next one (d = 96: two tiles, columns 96..127 zero;
+d = 192: four tiles, columns 192..255 zero).  It is read by the tensor cores
 in two ways: K-major (its rows are an operand's rows: Q and K in S = Q K^T)
 or MN-major (its rows run along the product's k: V in O += P V).  The forward
 (``forward.py``) and the backward (``backward.py``) copy their tiles with the
@@ -23,6 +24,14 @@ BLOCK_N = 64             # rows per tile: keys of a K/V tile, or query rows of a
 #: The head dims the wgmma forward and backward take (``out_of_scope``): multiples of 16 (their products' k-step) up to
 #: 128, on the 64- or 128-column layout (``layout_dim``).
 HEAD_DIMS = tuple(range(16, 129, 16))
+#: The forward's: those, and up to 256 on the 256-column layout (Gemma-style heads: O is m64n256, 128 registers a
+#: thread, wgmma's widest N).  The backward stops at 128: its dK and dV accumulators, 64 x d float32 each in one
+#: warpgroup's registers, would be 256 registers a thread at d = 256, past the 255 a thread may have
+#: (docs/performance.md, "Head dims").
+FORWARD_HEAD_DIMS = HEAD_DIMS + tuple(range(144, 257, 16))
+#: The widths of the shared-memory layouts (whole 64-column swizzled tiles).  No 192: the copier's column groups
+#: (``tile_copier``) are 128 columns wide in a block of one warpgroup.
+LAYOUT_DIMS = (64, 128, 256)
 #: Descriptor byte offsets (leading, stride).  K-major (Q, K): 8-row groups 1024 bytes apart, the
 #: leading offset unused.  MN-major (V): the 64-column tiles of V (BLOCK_N rows each) apart, and the
 #: 8-row groups along the keys.  Both as wgmma.py's table has them (experiments/tuning/wgmma_layouts.py).
@@ -31,9 +40,9 @@ MN_MAJOR_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
 
 
 def layout_dim(head_dim):
-    """Columns of a tile of head dim d in shared memory: d rounded up to whole 64-column swizzled tiles (64 or
-    128), the columns past d zero."""
-    return 64 * -(-head_dim // 64)
+    """Columns of a tile of head dim d in shared memory: the narrowest of ``LAYOUT_DIMS`` that holds d (64, 128 or
+    256), the columns past d zero."""
+    return next(width for width in LAYOUT_DIMS if head_dim <= width)
 
 
 def tile_bytes(head_dim):
@@ -83,29 +92,37 @@ def mn_step_bytes(step):
 
 @lru_cache(maxsize=None)
 def tile_copier(D, THREADS):
-    """(own_chunk, start_tile, PASSES, PASS_WORDS): the cp.async copier of 64-row tiles of head dim D for a block of
-    THREADS threads, into the layout of LAYOUT_DIM = ``layout_dim(D)`` columns.
+    """(own_chunk, start_tile, PASSES, PASS_WORDS, GROUPS, GROUP_WORDS): the cp.async copier of 64-row tiles of head
+    dim D for a block of THREADS threads, into the layout of LAYOUT_DIM = ``layout_dim(D)`` columns.
 
     A thread keeps one column of 16-byte chunks of the layout's row and walks down the rows, ROWS_PER_PASS at a
     time.  That is a multiple of 8, so the thread stays on one row of every 8-row swizzle atom it visits: its chunks
     land at one swizzled offset plus ROWS_PER_PASS rows per pass, and each copy costs an address increment (the
     general chunk-to-swizzled-address arithmetic cost ~95 instructions per 16 bytes at d = 128, a rolled loop:
-    experiments/tuning/results/sass_counts_wgmma.md).  A thread whose column is a pad one (D <= column <
-    LAYOUT_DIM) issues the same copies with source size 0: 16 zero bytes each, nothing read.  Where D is the
-    layout's width that test is not compiled at all (PADDED is a Python constant)."""
+    experiments/tuning/results/sass_counts_wgmma.md).  A row wider than THREADS / 8 chunks (d = 256 in one
+    warpgroup: 32 chunks for 128 threads, which would leave 4 rows a pass) is copied as GROUPS column groups of
+    GROUP_COLUMNS, whole 64-column tiles: a group's copies are the first group's moved by GROUP_COLUMNS elements in
+    X and GROUP_WORDS words in shared memory (the swizzle depends only on the address's low 10 bits, which a whole
+    tile leaves alone).  A thread whose column is a pad one (D <= column < LAYOUT_DIM) issues the same copies with
+    source size 0: 16 zero bytes each, nothing read.  Where D is the layout's width that test is not compiled at
+    all (PADDED is a Python constant).  Its copies of a tile: at words own_chunk + g GROUP_WORDS + i PASS_WORDS,
+    g < GROUPS, i < PASSES."""
     LAYOUT_DIM = layout_dim(D)
     PADDED = D < LAYOUT_DIM
-    ROW_CHUNKS = LAYOUT_DIM // 8
-    ROWS_PER_PASS = THREADS // ROW_CHUNKS      # 16 at d = 64, 8 at d = 96 or 128 (one warpgroup; two: 32, 16)
+    GROUP_CHUNKS = min(LAYOUT_DIM // 8, THREADS // 8)   # chunks of a row a pass covers: 8 rows a pass at least
+    GROUP_COLUMNS = 8 * GROUP_CHUNKS
+    GROUPS = LAYOUT_DIM // GROUP_COLUMNS       # 1, but 2 at d > 128 in one warpgroup
+    ROWS_PER_PASS = THREADS // GROUP_CHUNKS    # 16 at d = 64, 8 at d = 96 .. 256 (one warpgroup; two: 32, 16, 8)
     PASSES = BLOCK_N // ROWS_PER_PASS
     PASS_WORDS = ROWS_PER_PASS * ROW_BYTES // 4
-    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0 and D % 8 == 0
+    GROUP_WORDS = (GROUP_COLUMNS // 64) * BLOCK_N * ROW_BYTES // 4
+    assert ROWS_PER_PASS % 8 == 0 and BLOCK_N % ROWS_PER_PASS == 0 and GROUP_COLUMNS % 64 == 0 and D % 8 == 0
 
     @inlined_device_function
     def own_chunk(at, tid):
         """The word where this thread's first 16-byte chunk of the swizzled tile at word ``at`` lies (the others
-        follow PASS_WORDS apart), and the row and column of X it holds."""
-        r, c = tid // ROW_CHUNKS, (tid % ROW_CHUNKS) * 8    # the thread's first row, and its column
+        at the offsets above), and the row and column of X it holds."""
+        r, c = tid // GROUP_CHUNKS, (tid % GROUP_CHUNKS) * 8    # the thread's first row, and its column
         return at + swizzle_128_device(staged_offset_device(r, c, BLOCK_N)) // 4, r, c
 
     @inlined_device_function
@@ -113,22 +130,25 @@ def tile_copier(D, THREADS):
         """64 rows of X (flat 16-bit pairs; the first at element ``first``, rows ``row_stride`` elements apart)
         on their way by cp.async to the swizzled tile at word ``at`` (zeros past rows_valid, and in the pad
         columns D..LAYOUT_DIM-1)."""
-        to, r, c = own_chunk(at, tid)
-        # A pad column's copies read nothing but still need an address in X: its row's first chunk.
-        real = c < D if PADDED else True
-        # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and c are even.
-        chunk = (first + r * row_stride + (c if real else 0)) >> 1
+        own, r, c = own_chunk(at, tid)
         step = (ROWS_PER_PASS * row_stride) >> 1
-        if rows_valid >= BLOCK_N:   # every tile but a ragged last one (block-uniform): no row tests, no selects
-            for i in range(PASSES):
-                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, real)
-        else:
-            for i in range(PASSES):
-                inside = real and r + i * ROWS_PER_PASS < rows_valid
-                # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
-                copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
+        for group in range(GROUPS):
+            to = own + group * GROUP_WORDS
+            column = c + group * GROUP_COLUMNS
+            # A pad column's copies read nothing but still need an address in X: its row's first chunk.
+            real = column < D if PADDED else True
+            # Words of X (pairs): rows are 16-byte aligned, so first, row_stride and column are even.
+            chunk = (first + r * row_stride + (column if real else 0)) >> 1
+            if rows_valid >= BLOCK_N:   # every tile but a ragged last one (block-uniform): no row tests, no selects
+                for i in range(PASSES):
+                    copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step, real)
+            else:
+                for i in range(PASSES):
+                    inside = real and r + i * ROWS_PER_PASS < rows_valid
+                    # Outside, the copy reads nothing but still needs an address in X: the tile's first row.
+                    copy_async16(smem, to + i * PASS_WORDS, X, chunk + i * step if inside else first >> 1, inside)
 
-    return own_chunk, start_tile, PASSES, PASS_WORDS
+    return own_chunk, start_tile, PASSES, PASS_WORDS, GROUPS, GROUP_WORDS
 
 
 def out_of_scope(call, kernel):
@@ -137,8 +157,9 @@ def out_of_scope(call, kernel):
     name = f"the wgmma {kernel}"
     if call.precision == "tf32x3":
         return f"q, k, v must be float16 or bfloat16 for {name}, not {call.dtype}"
-    if call.head_dim not in HEAD_DIMS:
-        return f"the head dim must be one of {HEAD_DIMS} for {name}, not {call.head_dim}"
+    head_dims = FORWARD_HEAD_DIMS if kernel == "forward" else HEAD_DIMS
+    if call.head_dim not in head_dims:
+        return f"the head dim must be one of {head_dims} for {name}, not {call.head_dim}"
     if not call.vec:
         return f"q, k and v must have rows that start on 16-byte boundaries for {name}"
     if not np.float32(call.scale * LOG2_E) > 0:
@@ -152,6 +173,6 @@ def out_of_scope(call, kernel):
     return None
 
 
-__all__ = ["BLOCK_N", "HEAD_DIMS", "K_MAJOR_OFFSETS", "MN_MAJOR_OFFSETS", "first_atom_words", "k_major_descriptor",
-           "k_step_bytes", "layout_dim", "mn_major_descriptor", "mn_step_bytes", "out_of_scope", "query_tile",
-           "tile_bytes", "tile_copier"]
+__all__ = ["BLOCK_N", "FORWARD_HEAD_DIMS", "HEAD_DIMS", "K_MAJOR_OFFSETS", "LAYOUT_DIMS", "MN_MAJOR_OFFSETS",
+           "first_atom_words", "k_major_descriptor", "k_step_bytes", "layout_dim", "mn_major_descriptor",
+           "mn_step_bytes", "out_of_scope", "query_tile", "tile_bytes", "tile_copier"]

@@ -141,6 +141,16 @@ def kv_buffers(head_dim, overlap):
     return 3 if uses_ring(head_dim, overlap) else 4
 
 
+def value_slices(head_dim):
+    """The column widths of O's slices: O = alpha O + P V is one accumulator of m64n{d} up to d = 128 (d / 2
+    registers a thread), and above that two, columns 0..127 and 128..d-1, each its own local array and its own
+    products (m64n128k16 and m64n{d - 128}k16; the second's V descriptor two 64-column tiles on).  wgmma's N goes to
+    256, but the loops over a 128-register array are more than LLVM unrolls (its trip-count limit): the array then
+    stays in local memory (a 528-byte stack frame at d = 256, each product's accumulator loaded and stored around it:
+    ptxas 13.0, sm_90a, 2026-12-06), where two arrays of 64 are held in registers as at d = 128."""
+    return (head_dim,) if head_dim <= 128 else (128, head_dim - 128)
+
+
 def shared_bytes(head_dim, warpgroups=1, overlap=False):
     """Q (a 64-row tile per warpgroup), the K/V buffers (each on the layout of ``layout_dim(head_dim)`` columns), the
     NaN flags of V's rows, and slack to start the tiles on a 1024-byte boundary."""
@@ -203,7 +213,13 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
     _, pack = sixteen_bit_ops(ELEMENT)
-    S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2   # O: m64n{D}, the layout's pad columns left out
+    S_REGISTERS = BLOCK_N // 2
+    # O in slices of up to 128 columns (``value_slices``; the layout's pad columns left out): LOW_REGISTERS of columns
+    # 0..127 (or 0..D-1), HIGH_REGISTERS of columns 128..D-1 (none at D <= 128), the latter's V 128 columns on.
+    SLICES = value_slices(D)
+    LOW_REGISTERS, HIGH_REGISTERS = SLICES[0] // 2, (SLICES[1] // 2 if len(SLICES) > 1 else 0)
+    HIGH_ARRAY = max(HIGH_REGISTERS, 1)       # (a one-register placeholder where there is no second slice)
+    HIGH_V_BYTES = tile_bytes(SLICES[0])      # where V's column 128 starts: two 64-column tiles on
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
     ROW_CHUNKS = D // 8                       # 16-byte chunks of a row of V that hold values (the rest are zeros)
     TILE_BYTES = tile_bytes(D)                # on the layout of layout_dim(D) columns
@@ -213,7 +229,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     has_nan = pair_has_nan(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
-    weights_by_values = wgmma_rs(D, ELEMENT, True)         # O += P V: P in registers, V MN-major
+    weights_by_values = wgmma_rs(SLICES[0], ELEMENT, True)   # O += P V: P in registers, V MN-major
+    weights_by_high_values = wgmma_rs(SLICES[-1], ELEMENT, True)   # (used only with a second slice)
     wait_all_products = wgmma_wait(0)
     RING = uses_ring(D, OVERLAP)
     BUFFERS = kv_buffers(D, OVERLAP)
@@ -221,7 +238,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     # two stages each barrier waits for every copy.
     wait_for_landing = copy_async_wait(1) if RING else copy_async_wait_all
 
-    own_chunk, start_tile, PASSES, PASS_WORDS = tile_copier(D, THREADS)   # the tiles' cp.async copies (common.py)
+    # The tiles' cp.async copies (common.py): a thread's at own_chunk + g GROUP_WORDS + i PASS_WORDS.
+    own_chunk, start_tile, PASSES, PASS_WORDS, GROUPS, GROUP_WORDS = tile_copier(D, THREADS)
 
     @inlined_device_function
     def land_tiles(smem, v_tile, ask_for_nan, tid):
@@ -241,10 +259,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             return False
         found = 0
         at = own_chunk(v_tile, tid)[0]
-        for i in range(PASSES):
-            a, b, c, d = load_vec4(smem, at + i * PASS_WORDS)
-            if has_nan(a) or has_nan(b) or has_nan(c) or has_nan(d):
-                found = 1
+        for group in range(GROUPS):
+            for i in range(PASSES):
+                a, b, c, d = load_vec4(smem, at + group * GROUP_WORDS + i * PASS_WORDS)
+                if has_nan(a) or has_nan(b) or has_nan(c) or has_nan(d):
+                    found = 1
         return cuda.syncthreads_or(found) != 0
 
     @inlined_device_function
@@ -410,15 +429,19 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         before the first product: a register the products still read is not rewritten while they are in
         flight.  Pair x of k-step ``step``: the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8),
         i.e. S's 8-key blocks 2 step and 2 step + 1."""
-        for i in range(O_REGISTERS):
-            acc[i] *= alpha[(i % 4) // 2]
+        low, high = acc   # O's slices (``value_slices``)
+        for i in range(LOW_REGISTERS):
+            low[i] *= alpha[(i % 4) // 2]
+        for i in range(HIGH_REGISTERS):
+            high[i] *= alpha[(i % 4) // 2]
         for x in range(P_WORDS):
             p_words[x] = pack(s[2 * x], s[2 * x + 1])
         wgmma_fence()   # the rescaled accumulator and P's registers, before the products read them
         for step in range(BLOCK_N // 16):
-            weights_by_values(acc, (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2],
-                                    p_words[4 * step + 3]),
-                              advanced_device(v_desc, mn_step_bytes(step)))
+            p = (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2], p_words[4 * step + 3])
+            weights_by_values(low, p, advanced_device(v_desc, mn_step_bytes(step)))
+            if HIGH_REGISTERS > 0:   # columns 128..D-1: V's third and fourth 64-column tiles
+                weights_by_high_values(high, p, advanced_device(v_desc, HIGH_V_BYTES + mn_step_bytes(step)))
         wgmma_commit()
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
@@ -461,13 +484,15 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         alpha = cuda.local.array(2, float32)
         s = cuda.local.array(S_REGISTERS, float32)
         s_next = cuda.local.array(S_REGISTERS if OVERLAP else 1, float32)   # S_{j+1} in flight
-        acc = cuda.local.array(O_REGISTERS, float32)
+        acc = (cuda.local.array(LOW_REGISTERS, float32), cuda.local.array(HIGH_ARRAY, float32))
         p_words = cuda.local.array(P_WORDS, uint32)   # P, packed: wgmma's A operand
         for r in range(2):
             m_i[r] = float32(NEG_INF)
             l_i[r] = float32(0)
-        for i in range(O_REGISTERS):
-            acc[i] = float32(0)
+        for i in range(LOW_REGISTERS):
+            acc[0][i] = float32(0)
+        for i in range(HIGH_REGISTERS):
+            acc[1][i] = float32(0)
 
         for w in range(WARPGROUPS):
             q_w = q0 + w * BLOCK_M
@@ -571,10 +596,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             row = q0 + 16 * warp + g + 8 * r
             inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
             if row < n_q:
-                for block in range(D // 8):
+                o_row = b * o_sb + h * o_sh + (first_query + row) * o_sn   # its element 0
+                for block in range(LOW_REGISTERS // 4):   # O's slices (``value_slices``), 8 columns a block
                     i = 4 * block + 2 * r
-                    store_word(O, (b * o_sb + h * o_sh + (first_query + row) * o_sn + 8 * block + 2 * t) // 2,
-                               pack(acc[i] * inv_l, acc[i + 1] * inv_l))
+                    store_word(O, (o_row + 8 * block + 2 * t) // 2, pack(acc[0][i] * inv_l, acc[0][i + 1] * inv_l))
+                for block in range(HIGH_REGISTERS // 4):
+                    i = 4 * block + 2 * r
+                    store_word(O, (o_row + 128 + 8 * block + 2 * t) // 2,
+                               pack(acc[1][i] * inv_l, acc[1][i + 1] * inv_l))
                 if t == 0:
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
@@ -622,6 +651,8 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_tes
         return 1
     if layout == 128:
         return 3 if warpgroups == 1 else 1
+    if layout == 256:
+        return 1
     return 4 // warpgroups
 
 
@@ -631,10 +662,15 @@ AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 #: Off by default: 1.04-1.34x the plain loop's time on the H200
 #: (experiments/tuning/results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
-#: ``NUMBA_FLASH_WGMMA_WARPGROUPS=2`` runs blocks of two warpgroups sharing each K/V tile (``make_wgmma_forward``,
-#: WARPGROUPS).  1 by default: two took 0.95-1.03x the time at d = 64 and 1.08-1.15x at d = 128 on the H200
-#: (2026-12-02).
-WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
+#: ``NUMBA_FLASH_WGMMA_WARPGROUPS=1`` or ``2`` runs blocks of that many warpgroups sharing each K/V tile
+#: (``make_wgmma_forward``, WARPGROUPS) at every head dim; unset, each head dim takes its ``DEFAULT_WARPGROUPS``.
+WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS")
+#: Warpgroups per block by layout width (``common.layout_dim``).  1 on the 64- and 128-column layouts: two took
+#: 0.95-1.03x the time at d = 64 and 1.08-1.15x at d = 128 on the H200 (2026-12-02).  2 on the 256-column layout: there
+#: a block takes 161 KB of shared memory with one warpgroup, 193 KB with two (``shared_bytes``), so one block fits on a
+#: multiprocessor either way, and with one warpgroup it would hold only 4 warps, nothing to run while they wait for
+#: their products (FlashAttention-3 also runs d = 256 on two warpgroups of 64 query rows).  Unmeasured on a GPU.
+DEFAULT_WARPGROUPS = {64: 1, 128: 1, 256: 2}
 #: The (head dim, causal) pairs for which ``algorithm="flash2"`` takes this kernel: where it beat the mma.sync kernel on
 #: the H200, float16 and bfloat16 alike.  d = 64: dense 1.06-1.13x (2026-12-01,
 #: ``experiments/tuning/results/bench_wgmma_h200.md``), causal 1.03-1.06x once only the diagonal tiles were masked
@@ -643,31 +679,36 @@ WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS", "1")
 #: chunks (2026-12-02, GPU time, ``experiments/tuning/results/bench_wgmma_warpgroups1_h200.md``;
 #: ``experiments/tuning/results/sass_counts_wgmma.md``).  d = 96 (Phi-style heads, on the 128-column layout with its pad
 #: columns zero): taken on the strength of d = 128's numbers, pending its own GPU measurement against mma.sync.
-AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True)}
+#: d = 256 (Gemma-style heads, two warpgroups a block: ``DEFAULT_WARPGROUPS``): taken on the strength of d = 128's
+#: numbers too, pending its GPU measurement; the backward stays on mma.sync there (``common.FORWARD_HEAD_DIMS``).
+AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True), (256, False),
+                   (256, True)}
 
 
-def whole_tiles(block_mask):
-    """Whether a block mask's blocks are whole multiples of the kernel's tiles (B_r and B_c multiples of 64:
-    BLOCK_M and BLOCK_N), the masks ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles'
+def whole_tiles(block_mask, rows=BLOCK_M):
+    """Whether a block mask's blocks are whole multiples of the kernel's tiles (B_r a multiple of the query tile's
+    ``rows``, B_c of BLOCK_N: 64; rows 128 for the forward's blocks of two warpgroups at d = 256), the masks ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles'
     edges, so that one warpgroup's tiles (64 x 64) are each wholly inside the mask or wholly outside, the element test
     is compiled out (``make_wgmma_forward``'s PARTLY_MASKED), and the loop is the dense one's over a list: the loop
     measured faster than the mma.sync kernel's (``AUTOMATIC_SCOPE``).  Other blocks (smaller ones, or ones whose edges
     cut tiles) run here too with ``algorithm="wgmma"``, their partly covered tiles tested element by element, but
     stay on mma.sync under flash2 until a GPU measures that test against mma.sync's.  (With blocks of two warpgroups,
     128-row query tiles, B_r = 64 leaves tiles partly covered: the test is compiled in, and the result the same.)"""
-    rows, keys = block_mask.block_size
-    return rows % BLOCK_M == 0 and keys % BLOCK_N == 0
+    block_rows, block_keys = block_mask.block_size
+    return block_rows % rows == 0 and block_keys % BLOCK_N == 0
 
 
 def chosen_for(call, block_sizes, kernel="forward"):
     """Whether ``algorithm="flash2"`` runs this call on the wgmma forward (or, ``kernel="backward"``, its backward:
     ``backward.chosen_for``): on a Hopper GPU, for calls in its scope and in ``AUTOMATIC_SCOPE`` whose caller named
     no tile sizes (explicit ``block_sizes`` are the mma.sync kernel's), with no block mask or one of whole tiles
-    (``whole_tiles``).  Packed sequences too, where their batched call would be taken: on an H100 (2026-12-06,
+    (``whole_tiles``, of the forward's query tiles: 64 rows a warpgroup, ``DEFAULT_WARPGROUPS``; the backward's 64 x 64).
+    Packed sequences too, where their batched call would be taken: on an H100 (2026-12-06,
     ``experiments/tuning/results/varlen_wgmma_h100.md``) 1.2-1.8x the mma.sync forward and 1.4-1.8x its backward."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
             and (call.head_dim, bool(call.causal)) in AUTOMATIC_SCOPE and out_of_scope(call, kernel) is None
-            and (call.block_mask is None or whole_tiles(call.block_mask)))
+            and (call.block_mask is None or whole_tiles(call.block_mask, BLOCK_M * (
+                DEFAULT_WARPGROUPS[layout_dim(call.head_dim)] if kernel == "forward" else 1))))
 
 
 def forward_launch(call):
@@ -675,7 +716,8 @@ def forward_launch(call):
     reason = out_of_scope(call, "forward")
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
-    warpgroups = int(WARPGROUPS) if str(WARPGROUPS).isdigit() else None
+    asked = WARPGROUPS if WARPGROUPS is not None else DEFAULT_WARPGROUPS[layout_dim(call.head_dim)]
+    warpgroups = int(asked) if str(asked).isdigit() else None
     if warpgroups not in WARPGROUP_COUNTS:
         raise ValueError(f"NUMBA_FLASH_WGMMA_WARPGROUPS must be one of {WARPGROUP_COUNTS}, not {WARPGROUPS!r}")
     if not in_simulator():
