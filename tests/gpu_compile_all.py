@@ -86,20 +86,32 @@ def fast(kernel, arch="sm_90"):
 
 def hopper(head_dims, elements=("f16", "bf16")):
     """The wgmma kernels (``kernels/hopper``, sm_90a) as the API launches them by default (the forward's plain loop
-    in blocks of one warpgroup; the backward's dK/dV kernel in every way of summing dQ, its dQ kernel and the
-    convert kernel), dense and causal, without and with packed sequences (VARLEN): the flag must compile out of the
-    kernels without it (compare their ``--ptx`` with a run before a change), and the packed ones' registers and
-    spills are the ones to watch."""
+    in blocks of its head dim's ``DEFAULT_WARPGROUPS``; the backward's dK/dV kernel in every way of summing dQ, its
+    dQ kernel and the convert kernel, at the head dims it takes), dense and causal, without and with packed
+    sequences (VARLEN): the flag must compile out of the kernels without it (compare their ``--ptx`` with a run
+    before a change), and the packed ones' registers and spills are the ones to watch.  Head dims past 128 (the
+    forward's alone, on the 256-column layout, no register cap) also in every other loop, warpgroup count and
+    block mask (float16: bfloat16's kernels differ only in the conversions)."""
     from numba_flash.kernels.hopper.backward import DQ_MODES, make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
-    from numba_flash.kernels.hopper.forward import make_wgmma_forward
+    from numba_flash.kernels.hopper.common import HEAD_DIMS, layout_dim
+    from numba_flash.kernels.hopper.forward import DEFAULT_WARPGROUPS, make_wgmma_forward
 
     for d, element, varlen in itertools.product(head_dims, elements, (False, True)):
         for causal in (False, True):
-            fast(make_wgmma_forward(d, element, causal, VARLEN=varlen), "sm_90a")
+            fast(make_wgmma_forward(d, element, causal, WARPGROUPS=DEFAULT_WARPGROUPS[layout_dim(d)], VARLEN=varlen),
+                 "sm_90a")
+            if d not in HEAD_DIMS:
+                continue
             for dq_mode in DQ_MODES:
                 fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")
             fast(make_wgmma_dq(d, element, causal, VARLEN=varlen), "sm_90a")
-        fast(make_dq_convert(d, element, varlen), "sm_90a")
+        if d in HEAD_DIMS:
+            fast(make_dq_convert(d, element, varlen), "sm_90a")
+    for d in (d for d in head_dims if d not in HEAD_DIMS):
+        for causal, overlap, warpgroups, (mask, partly) in itertools.product(
+                (False, True), (False, True), (1, 2), ((False, True), (True, False), (True, True))):
+            if (overlap, warpgroups, mask) != (False, DEFAULT_WARPGROUPS[layout_dim(d)], False):  # (done above)
+                fast(make_wgmma_forward(d, "f16", causal, overlap, warpgroups, mask, partly), "sm_90a")
 
 
 def flash2(precision, vec, causal, mask, dropout, tiles=None, head_dim=64, varlen=False):
@@ -193,9 +205,9 @@ def main(argv):
                                                                             "mods"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
-    parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96 and 128) unless given")
+    parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96, 128 and 256) unless given")
     args = parser.parse_args(argv)
-    head_dims = (args.head_dim,) if args.head_dim else (64, 96, 128)
+    head_dims = (args.head_dim,) if args.head_dim else (64, 96, 128, 256)
     args.head_dim = args.head_dim or 64
     PTX_DIR = args.ptx
     if PTX_DIR:

@@ -164,6 +164,15 @@ RUNS = [
     ("backward", "flash2", np.float16, (32, 32), "mods_score"),
     ("backward", "flash2", np.float32, (32, 16), "mods_mask"),
     ("backward", "flash2", BF16, (32, 32), "gqa_mods_mask"),
+    # The wgmma forward on the 256-column layout (variants with "d256": WGMMA_WIDE_CASES, d = 256 and 192): blocks of
+    # two warpgroups (its default there) and of one, grouped heads, the overlapped loop, block masks of 16 x 16 blocks
+    # and of the 64 x 64 tiles (partly covering two warpgroups' 128-row tiles: the element test), packed sequences.
+    ("forward", "wgmma", np.float16, None, "d256_warpgroups2"),
+    ("forward", "wgmma", BF16, None, "gqa_d256_warpgroups1"),
+    ("forward", "wgmma", np.float16, None, "gqa_overlap_d256_warpgroups2"),
+    ("forward", "wgmma", BF16, None, "sparse_whole_d256_warpgroups2"),
+    ("forward", "wgmma", np.float16, None, "sparse_d256_warpgroups1"),
+    ("forward", "wgmma", BF16, None, "gqa_varlen_d256"),
 ]
 #: The wgmma kernels' cases, forward and backward: d = 64 and 128, and d = 96 on the 128-column layout with its pad
 #: columns zero-filled (first, so that "quick" keeps the last case); ragged lengths of one to five 64-row tiles (five:
@@ -172,6 +181,12 @@ WGMMA_CASES = [
     (1, 2, 97, 270, 96, True),
     (1, 2, 130, 270, 128, False),
     (2, 2, 61, 150, 64, True),
+]
+#: The wgmma forward's cases on the 256-column layout: d = 256, and d = 192 (its last 64 columns pad; last, so that
+#: "quick" keeps it), ragged lengths of one to three 64-row tiles.
+WGMMA_WIDE_CASES = [
+    (1, 2, 97, 150, 256, True),
+    (1, 2, 61, 130, 192, False),
 ]
 MASK_BLOCK = 16
 #: The wgmma forward's tiles (one warpgroup): the blocks of its "sparse_whole" masks.
@@ -264,7 +279,7 @@ def main(selected=()):
         if algorithm == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
             print(f"{run_name(run)}: skipped (needs compute capability 9.0)", flush=True)
             continue
-        cases = WGMMA_CASES if algorithm == "wgmma" else CASES
+        cases = WGMMA_WIDE_CASES if "d256" in variant else WGMMA_CASES if algorithm == "wgmma" else CASES
         cases = cases[-1:] if quick else cases
         if variant.startswith("decode"):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)

@@ -351,6 +351,50 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     assert kernel() == kernel(block_mask=whole) == "flash2"
 
 
+def test_flash2_picks_the_wgmma_forward_at_d256_in_blocks_of_two_warpgroups_and_the_mma_sync_backward(monkeypatch):
+    """d = 256 (``AUTOMATIC_SCOPE`` as shipped) on a device made to look like an H200, nothing launched: flash2's
+    forward on wgmma in blocks of two warpgroups (``DEFAULT_WARPGROUPS``; one where NUMBA_FLASH_WGMMA_WARPGROUPS says
+    so), block masks of whole 128 x 64 tiles there but not of 64 x 64 blocks (they cut its 128-row tiles); the other
+    head dims of the 256-column layout on wgmma only when asked for; the backward on mma.sync (its dK and dV would not
+    fit in a warpgroup's registers)."""
+    from types import SimpleNamespace
+
+    import numba_flash
+    from numba_flash import api
+    from numba_flash.kernels.hopper import backward as hopper_backward
+    from numba_flash.kernels.hopper import common
+    from numba_flash.kernels.hopper import forward as hopper
+
+    device = SimpleNamespace(compute_capability=(9, 0))
+    for module in (hopper_backward, hopper, common):
+        monkeypatch.setattr(module, "in_simulator", lambda: False)
+    monkeypatch.setattr(common, "device_limits", lambda: device)
+    monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
+    monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
+
+    def forward(d=256, dtype=np.float16, causal=False, block_mask=None, algorithm="flash2"):
+        x = np.zeros((1, 2, 70, d), dtype)
+        return api._ForwardPlan((x, x, x), (causal, None, block_mask, 0.0, algorithm, None, None,
+                                            None)).launch.kernel.name
+
+    def backward(d=256):
+        x, lse = np.zeros((1, 2, 70, d), np.float16), np.zeros((1, 2, 70), np.float32)
+        launches = api._BackwardPlan((x, x, x, x, lse, x), (False, None, None, 0.0, "flash2", None, True, None,
+                                                             None)).launches
+        return (launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]).kernel.name
+
+    assert forward() == "wgmma_forward_d256_f16_warpgroups2"
+    assert forward(causal="bottom_right", dtype=np.dtype("bfloat16")) == "wgmma_forward_d256_bf16_causal_warpgroups2"
+    tiles = numba_flash.BlockMask(np.ones((1, 2), bool), (128, 64))
+    assert forward(block_mask=tiles) == "wgmma_forward_d256_f16_warpgroups2_sparse_whole_tiles"
+    assert forward(block_mask=numba_flash.BlockMask(np.ones((2, 2), bool), (64, 64))).startswith("flash2")
+    assert forward(d=192).startswith("flash2")
+    assert forward(d=192, algorithm="wgmma") == "wgmma_forward_d192_f16_warpgroups2"
+    assert backward().startswith("flash2") and backward(d=128).startswith("wgmma")
+    monkeypatch.setattr(hopper, "WARPGROUPS", "1")   # NUMBA_FLASH_WGMMA_WARPGROUPS=1
+    assert forward() == "wgmma_forward_d256_f16"
+
+
 def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch):
     """Which backward ``algorithm="flash2"`` lays out on a device made to look like an H200 (nothing launched): the
     wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), summing

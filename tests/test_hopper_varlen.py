@@ -73,13 +73,13 @@ def to_host(x):
 
 
 @st.composite
-def packed_batches(draw):
+def packed_batches(draw, kernel="backward"):
     """1-3 sequences (4 on a GPU) of 0 to ``longest`` queries and keys each, lengths 0 and 1 often, N_q != N_k per
-    sequence, grouped heads, a head dim of the kernels' scope (the simulator: one on each shared-memory layout),
-    float16 or bfloat16, every causal alignment."""
+    sequence, grouped heads, a head dim of the ``kernel``'s scope (the simulator: one on the 64- and one on the
+    128-column layout), float16 or bfloat16, every causal alignment."""
     import ml_dtypes
 
-    from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS
+    from numba_flash.kernels.hopper.common import BLOCK_N, FORWARD_HEAD_DIMS, HEAD_DIMS
 
     hopper = _where() == "hopper"
     longest = 3 * BLOCK_N + 9 if hopper else BLOCK_N + 6   # the simulator: at most two tiles each way
@@ -89,7 +89,8 @@ def packed_batches(draw):
     lengths_k = draw(st.lists(length, min_size=batch, max_size=batch).filter(any))
     kv_heads = draw(st.integers(1, 2 if hopper else 1))
     group = draw(st.sampled_from([1, 2, 3] if hopper else [1, 2]))
-    d = draw(st.sampled_from(HEAD_DIMS if hopper else (16, 80)))   # 80: the 128-column layout, its pad zero
+    head_dims = FORWARD_HEAD_DIMS if kernel == "forward" else HEAD_DIMS
+    d = draw(st.sampled_from(head_dims if hopper else (16, 80)))   # 80: the 128-column layout, its pad zero
     dtype = draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = draw(st.sampled_from(CAUSAL))
     return Packed(lengths_q, lengths_k, kv_heads * group, kv_heads, d, dtype, causal, draw(st.integers(0, 2 ** 32 - 1)),
@@ -130,19 +131,20 @@ def run_forward(p, overlap=False, warpgroups=1):
 
 @needs_wgmma
 @settings(max_examples=max(3, settings.default.max_examples // 2))
-@given(p=packed_batches(), overlap=st.booleans(), warpgroups=st.sampled_from([1, 2]))
+@given(p=packed_batches("forward"), overlap=st.booleans(), warpgroups=st.sampled_from([1, 2]))
 def test_the_wgmma_forward_of_packed_sequences_matches_the_float64_reference(p, overlap, warpgroups):
     """Both loops and warpgroup counts (a block of two warpgroups: 128 query rows of one sequence)."""
     check_forward(p, *run_forward(p, overlap, warpgroups))
 
 
 @needs_wgmma
-def test_the_wgmma_forward_of_packed_sequences_covers_the_edges():
+@pytest.mark.parametrize("d, warpgroups", [(16, 1), (256, 2)])
+def test_the_wgmma_forward_of_packed_sequences_covers_the_edges(d, warpgroups):
     """Fixed edges: an empty sequence, one without keys, one of a single query and key, one over two query tiles
     and two key tiles (N_q != N_k, ragged), grouped heads, bottom-right causal (queries past the keys see none of
-    them in the first rows)."""
-    p = Packed([0, 3, 1, 70], [4, 0, 1, 66], 2, 1, 16, np.float16, True, 1, strided=True)
-    check_forward(p, *run_forward(p))
+    them in the first rows); on the 64- and the 256-column layout (there in blocks of two warpgroups, its default)."""
+    p = Packed([0, 3, 1, 70], [4, 0, 1, 66], 2, 1, d, np.float16, True, 1, strided=True)
+    check_forward(p, *run_forward(p, warpgroups=warpgroups))
 
 
 def check_backward(p, grads):

@@ -4,7 +4,7 @@
 9.0 for the calls in its scope (``out_of_scope``, ``chosen_for``), and ``algorithm="wgmma"`` asks for
 it outright; every other call, and every other GPU, stays on the ``mma.sync`` kernel in
 ``kernels/fast`` (the reference it is tested against).  Scope: float16 and bfloat16, d a multiple
-of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it at d = 64, 96 and 128), dense or
+of 16 up to 256 (``common.FORWARD_HEAD_DIMS``; flash2 takes it at d = 64, 96, 128 and 256), dense or
 causal (top-left or bottom-right), block masks (below; flash2 takes those of whole 64 x 64 tiles,
 ``whole_tiles``), grouped heads, any strides with contiguous 16-byte rows, a positive scale, NaN
 propagated as on the other path, packed sequences (``attention_varlen``; below); no dropout yet.
@@ -14,10 +14,18 @@ and on a Hopper GPU, where
 ``experiments/tuning/wgmma_layouts.py`` confirmed the table (2026-12-01; at d = 64 and 128 only:
 the m64n96 read of V below is the twins' so far, its cases there not yet run on a GPU).
 
-A head dim that is not a multiple of 64 runs on the shared-memory layout of the next one (d = 96 on
-d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the
-same cp.async copies (source size 0: no extra reads); the products take only d: S in d / 16
-k-steps, O += P V as m64n{d}k16, and the stores write d columns.
+A head dim that is not a layout's width (64, 128, 256) runs on the shared-memory layout of the next one
+(d = 96 on d = 128's two swizzled 64-column tiles, d = 144..240 on d = 256's four, ``common.layout_dim``), the
+pad columns zero-filled by the same cp.async copies (source size 0: no extra reads); the products take only
+d: S in d / 16 k-steps, O += P V as m64n{d}k16, and the stores write d columns.
+
+The head-dim-dependent choices, each in one place: the layout's width (``common.layout_dim``); the copier's
+column groups (``common.tile_copier``: two of 128 columns at d > 128 in one warpgroup); the K/V stages
+(``uses_ring``); warpgroups per block (``DEFAULT_WARPGROUPS``: two at d > 128); O's slices
+(``value_slices``: above d = 128, columns 0..127 and 128..d-1, two accumulators and two products per k-step);
+the register cap (``blocks_per_multiprocessor``).  The key tile stays 64 keys and the swizzle 128 bytes at every
+d.  (FlashAttention-3 takes 80-key tiles at d = 256; here a tile is the copier's and the descriptors' 64 rows,
+and at 64 keys the block's shared memory, 193 KB with two warpgroups, already leaves room for no second block.)
 
 One thread block is one warpgroup (128 threads) and owns 64 query rows, or two warpgroups that own
 64 each and share every K/V tile (``make_wgmma_forward``'s WARPGROUPS); each warp owns 16 rows, and
@@ -132,7 +140,9 @@ def uses_ring(head_dim, overlap):
     128) in float16 and bfloat16; at d = 64, where registers allow four blocks either way, its second barrier a tile
     made it 0.94-0.96x (H200, 2026-12-03, ``experiments/tuning/results/bench_ring_h200.md``).  So for every head dim
     on the 128-column layout (d = 80-128: the same shared memory a tile; unmeasured below 128), and not for the
-    overlapped loop, whose K_{j+1} is read while V_j waits."""
+    overlapped loop, whose K_{j+1} is read while V_j waits.  Not on the 256-column layout either: there a block
+    takes 161 KB of shared memory in two stages with one warpgroup, 193 KB with two, and the ring's 32 KB less makes
+    room for no second block (227 KB a multiprocessor), so it would only add its barrier."""
     return layout_dim(head_dim) == 128 and not overlap
 
 
@@ -160,13 +170,14 @@ def shared_bytes(head_dim, warpgroups=1, overlap=False):
 @lru_cache(maxsize=None)
 def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK=False, PARTLY_MASKED=True,
                        VARLEN=False):
-    """The kernel for head dim D (``common.HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
+    """The kernel for head dim D (``common.FORWARD_HEAD_DIMS``: a multiple of 16 up to 256), ELEMENT "f16" or
     "bf16", causal or not, with a block mask or not.
 
-    Its tiles sit in shared memory on the layout of LAYOUT_DIM = ``layout_dim(D)`` columns (64 or 128), the
+    Its tiles sit in shared memory on the layout of LAYOUT_DIM = ``layout_dim(D)`` columns (64, 128 or 256), the
     columns past D zero (``common.tile_copier``), but the products take only D: S = Q K^T in D / 16 k-steps, and
-    O += P V as m64n{D}k16, so that O holds D / 2 registers a thread and no pad column is multiplied (at D = 96
-    the MN-major V's second 64-column tile is read half: the descriptor names the tiles, N how much of them).
+    O += P V as m64n{D}k16 (above D = 128 in two slices, m64n128k16 and m64n{D - 128}k16: ``value_slices``), so
+    that O holds D / 2 registers a thread and no pad column is multiplied (at D = 96 the MN-major V's second
+    64-column tile is read half: the descriptor names the tiles, N how much of them).
 
     WARPGROUPS (1 or 2): warpgroups per block, each with its own 64 query rows (its Q tile, its accumulators),
     sharing every K/V tile the block copies: two halve the copies and the L2 reads per query row, for a block
@@ -645,7 +656,12 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_tes
     with the element test (``element_test``: blocks that cut tiles) spilled 188-200 bytes under the caps of d = 64
     causal and d = 128, so it has none: 158-166 registers at d = 64, 188-192 at d = 96, 196-206 at d = 128 (one or
     two warpgroups), 192-236 overlapped, no spills; a block of one warpgroup then fits three times on a
-    multiprocessor at d = 64 and twice at d = 96 and 128.  Unmeasured on a GPU."""
+    multiprocessor at d = 64 and twice at d = 96 and 128.  Unmeasured on a GPU.
+
+    On the 256-column layout one block fits on a multiprocessor by its shared memory (``uses_ring``), so the cap is
+    one block, 255 registers a thread: at d = 256 ptxas 13.0 (sm_90a, 2026-12-06) gives 238-239, no spills, one
+    warpgroup or two (65536 registers hold a block of 256 threads at up to 256 each);
+    ``experiments/tuning/results/wgmma_d256_ptxas_sm90.md`` has every specialisation."""
     layout = layout_dim(head_dim)
     if overlap or element_test or (layout == 64 and warpgroups == 1 and not causal):
         return 1
@@ -687,8 +703,9 @@ AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False
 
 def whole_tiles(block_mask, rows=BLOCK_M):
     """Whether a block mask's blocks are whole multiples of the kernel's tiles (B_r a multiple of the query tile's
-    ``rows``, B_c of BLOCK_N: 64; rows 128 for the forward's blocks of two warpgroups at d = 256), the masks ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles'
-    edges, so that one warpgroup's tiles (64 x 64) are each wholly inside the mask or wholly outside, the element test
+    ``rows``, B_c of BLOCK_N: 64; rows 128 for the forward's blocks of two warpgroups at d = 256), the masks
+    ``algorithm="flash2"`` takes to this kernel: their blocks' edges are tiles' edges, so that the block's tiles
+    (64 x 64 a warpgroup) are each wholly inside the mask or wholly outside, the element test
     is compiled out (``make_wgmma_forward``'s PARTLY_MASKED), and the loop is the dense one's over a list: the loop
     measured faster than the mma.sync kernel's (``AUTOMATIC_SCOPE``).  Other blocks (smaller ones, or ones whose edges
     cut tiles) run here too with ``algorithm="wgmma"``, their partly covered tiles tested element by element, but
@@ -702,7 +719,8 @@ def chosen_for(call, block_sizes, kernel="forward"):
     """Whether ``algorithm="flash2"`` runs this call on the wgmma forward (or, ``kernel="backward"``, its backward:
     ``backward.chosen_for``): on a Hopper GPU, for calls in its scope and in ``AUTOMATIC_SCOPE`` whose caller named
     no tile sizes (explicit ``block_sizes`` are the mma.sync kernel's), with no block mask or one of whole tiles
-    (``whole_tiles``, of the forward's query tiles: 64 rows a warpgroup, ``DEFAULT_WARPGROUPS``; the backward's 64 x 64).
+    (``whole_tiles``, of the forward's query tiles: 64 rows a warpgroup, ``DEFAULT_WARPGROUPS``; the backward's
+    64 x 64).
     Packed sequences too, where their batched call would be taken: on an H100 (2026-12-06,
     ``experiments/tuning/results/varlen_wgmma_h100.md``) 1.2-1.8x the mma.sync forward and 1.4-1.8x its backward."""
     return (AUTOMATIC and block_sizes is None and not in_simulator()
