@@ -2,7 +2,8 @@
 
 ``algorithm="flash2"`` runs it on a Hopper GPU for the calls in its scope (``chosen_for``; else the ``mma.sync``
 backward of ``kernels/fast``, its reference), and ``algorithm="wgmma"`` asks for it.  Scope: as the wgmma forward's
-(``common.out_of_scope``): float16 and bfloat16, d a multiple of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it
+up to d = 128 (``common.out_of_scope``; above, dK and dV would not fit in a warpgroup's registers: docs/performance.md,
+"Head dims on wgmma"): float16 and bfloat16, d a multiple of 16 up to 128 (``common.HEAD_DIMS``; flash2 takes it
 at d = 64, 96 and 128, where it takes the forward), dense or causal (either alignment), block masks (below; flash2
 takes those of whole 64 x 64 tiles, as for the forward), grouped heads, strides with contiguous 16-byte rows, packed
 sequences (``attention_varlen_backward``; every kernel's VARLEN, as the forward's: each block reads its sequence's
