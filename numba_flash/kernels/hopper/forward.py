@@ -57,7 +57,7 @@ sm_90a; the mask's placeholder arguments added to the parameter list).  Departur
 blocks take the lists' order (longest first) instead of the causal grid's, and a kernel with the element test has
 no register cap (``blocks_per_multiprocessor``).  Not yet run on a GPU.
 
-At d = 128 (and every d > 64, on its layout) the K/V tiles go round a ring of three buffers instead
+At d = 128 (and every d of the 128-column layout) the K/V tiles go round a ring of three buffers instead
 (``uses_ring``): K_{j+1} is started into V_{j-1}'s buffer after the first barrier, and V_{j+1} into K_j's after a
 second one, once S_j is done (each tile its own commit group, so each barrier waits for the tile it needs alone).
 A block then needs 66 KB of shared memory instead of 83, and three blocks fit on a multiprocessor instead of two:
@@ -513,10 +513,10 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                            n_q - q_w, tid)
         if not OVERLAP:
             # K_0 (with Q: one commit group) and V_0; then each tile's copies a group (an empty one past the last
-            # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (d > 64), K_{j+1} where
+            # tile, so that the count stays right).  Where tile j + 1 goes: in the ring (64 < d <= 128), K_{j+1} where
             # V_{j-1} was, as soon as every warp is done with P_{j-1} V_{j-1}, and V_{j+1} where K_j was, once
             # every warp is done with S_j; each tile still has a whole iteration to land, in three buffers
-            # instead of four (room for a third block on a multiprocessor).  In two stages (d <= 64), both into
+            # instead of four (room for a third block on a multiprocessor).  In two stages (the other d), both into
             # the buffers of tile j - 1, one barrier a tile.
             k_buffer, v_buffer = 0, 1 if RING else 2     # where K_j and V_j are
             k0 = key_tile(tile_entries, first, 0, n_tiles)[0]
