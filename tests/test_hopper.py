@@ -46,6 +46,24 @@ def test_the_accumulator_layout_gives_every_element_to_exactly_one_register():
     assert list(zip(rows[:8], columns[:8])) == [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)]
 
 
+def test_every_wgmma_forward_fits_a_hopper_block_and_splits_o_in_slices_wgmma_can_take():
+    """The forward's head-dim choices at every head dim it takes: the block's shared memory (``shared_bytes``, every
+    warpgroup count and loop) within the 227 KB a block may have on sm_90, on a layout that holds d; O's slices
+    (``value_slices``) cover d, each at most 128 columns (64 registers) and a multiple of 8 (wgmma's N, and the
+    stores' 8-column blocks)."""
+    from numba_flash.kernels.hopper.common import FORWARD_HEAD_DIMS, LAYOUT_DIMS, layout_dim
+    from numba_flash.kernels.hopper.forward import WARPGROUP_COUNTS, shared_bytes, value_slices
+
+    for d in FORWARD_HEAD_DIMS:
+        assert layout_dim(d) in LAYOUT_DIMS and layout_dim(d) >= d
+        for warpgroups in WARPGROUP_COUNTS:
+            for overlap in (False, True):
+                assert shared_bytes(d, warpgroups, overlap) <= 227 * 1024, (d, warpgroups, overlap)
+        slices = value_slices(d)
+        assert sum(slices) == d and all(0 < x <= 128 and x % 8 == 0 for x in slices), slices
+    assert value_slices(256) == (128, 128) and value_slices(96) == (96,)
+
+
 SENTINEL = 0xDEADBEEF   # what shared memory holds before the copies
 
 
