@@ -613,7 +613,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                     store_word(O, (o_row + 8 * block + 2 * t) // 2, pack(acc[0][i] * inv_l, acc[0][i + 1] * inv_l))
                 for block in range(HIGH_REGISTERS // 4):
                     i = 4 * block + 2 * r
-                    store_word(O, (o_row + 128 + 8 * block + 2 * t) // 2,
+                    store_word(O, (o_row + SLICES[0] + 8 * block + 2 * t) // 2,
                                pack(acc[1][i] * inv_l, acc[1][i + 1] * inv_l))
                 if t == 0:
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
