@@ -247,9 +247,7 @@ def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data)
     from tolerances import assert_close_to_reference
 
     where = _where()
-    # The simulator: d up to 128 (the forward's test above draws the 256-column layout there), three tiles each way.
-    d = data.draw(forward_head_dims(where) if where == "hopper" else st.sampled_from(HEAD_DIMS))
-    longest = 200 if where == "hopper" else 2 * BLOCK_M + 5
+    longest = 200 if where == "hopper" else 2 * BLOCK_M + 5   # the simulator: up to three tiles each way
     batch = data.draw(st.integers(1, 2))
     kv_heads = data.draw(st.integers(1, 2 if where == "hopper" else 1))
     group = data.draw(st.sampled_from([1, 2, 3]))
@@ -259,6 +257,8 @@ def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data)
     block_size = (data.draw(st.sampled_from([64, 128])), data.draw(st.sampled_from([64, 128]))) if whole else (
         data.draw(st.integers(1, 80)), data.draw(st.integers(1, 80)))
     bm = data.draw(block_masks(n_q, n_k, block_size, batch_shape=(batch, heads)))[0]
+    # The simulator: d up to 128 (the forward's test above draws the 256-column layout there).
+    d = data.draw(forward_head_dims(where) if where == "hopper" else st.sampled_from(HEAD_DIMS))
     dtype = data.draw(st.sampled_from([np.float16, ml_dtypes.bfloat16]))
     causal = data.draw(st.sampled_from([False, True, "bottom_right"]))
     poisoned = data.draw(st.sampled_from([None, "q", "k", "v"]))
