@@ -440,7 +440,7 @@ class _ForwardPlan(_Plan):
                                                                         block_mask=block_mask, dropout_p=dropout_p,
                                                                         seed=0, algorithm=loop,
                                                                         block_sizes=block_sizes)))
-        if algorithm == "wgmma" or (algorithm == "flash2" and not mods and hopper.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper.chosen_for(self.call, block_sizes)):
             self.launch = hopper.forward_launch(self.call)
         else:
             self.launch = forward_launch(self.call) if algorithm == "flash2" else None
@@ -495,8 +495,7 @@ class _BackwardPlan(_Plan):
         check_deterministic(deterministic)
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
-        if algorithm == "wgmma" or (algorithm == "flash2" and not mods
-                                    and hopper_backward.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
                                                               hopper_backward.dq_mode(deterministic))
         else:
