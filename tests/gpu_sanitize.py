@@ -28,7 +28,9 @@ decode_paged: a paged cache, with its block table; decode_mqa, decode_many_split
 packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mods: mods_score a
 softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose tiles come
 as lists classified on the host; gqa_mods_mask the same with grouped heads, bottom-right causal; select them with
-the word "mods_score,mods_mask,gqa_mods_mask").
+the word "mods_score,mods_mask,gqa_mods_mask"; on the wgmma kernels also mods_mask_overlap and
+gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and gqa_mods_mask_unordered, the
+backward's other ways of summing dQ).
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -164,6 +166,18 @@ RUNS = [
     ("backward", "flash2", np.float16, (32, 32), "mods_score"),
     ("backward", "flash2", np.float32, (32, 16), "mods_mask"),
     ("backward", "flash2", BF16, (32, 32), "gqa_mods_mask"),
+    # The same mods on the wgmma kernels: the forward's three loops (plain, overlapped, two warpgroups), the backward's
+    # three ways of summing dQ (its default, "separate"; "ordered"; "atomic" for the unordered runs).
+    ("forward", "wgmma", np.float16, None, "mods_score"),
+    ("forward", "wgmma", BF16, None, "mods_mask"),
+    ("forward", "wgmma", BF16, None, "gqa_mods_mask"),
+    ("forward", "wgmma", np.float16, None, "mods_mask_overlap"),
+    ("forward", "wgmma", BF16, None, "gqa_mods_mask_warpgroups2"),
+    ("backward", "wgmma", np.float16, None, "mods_score"),
+    ("backward", "wgmma", BF16, None, "mods_mask"),
+    ("backward", "wgmma", BF16, None, "gqa_mods_mask"),
+    ("backward", "wgmma", np.float16, None, "mods_mask_ordered"),
+    ("backward", "wgmma", BF16, None, "gqa_mods_mask_unordered"),
 ]
 #: The wgmma kernels' cases, forward and backward: d = 64 and 128, and d = 96 on the 128-column layout with its pad
 #: columns zero-filled (first, so that "quick" keeps the last case); ragged lengths of one to five 64-row tiles (five:
