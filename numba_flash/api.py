@@ -129,8 +129,8 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         FlexAttention's modifications (``numba_flash.mods``, ``docs/mods.md``):
         the logit of (b, h, i, j) is ``score_mod(scale q_i.k_j, b, h, i, j, *arrays)``
         where ``mask_mod(b, h, i, j, *arrays)`` (and causal, block_mask) allow it,
-        -inf elsewhere.  flash2 only, on the ``mma.sync`` kernel (the automatic
-        pick leaves wgmma for it; "wgmma" refuses mods); not with packed
+        -inf elsewhere.  flash2 (the kernel it picks: wgmma on Hopper where it
+        takes it without mods, else ``mma.sync``) and "wgmma"; not with packed
         sequences or KV caches yet.  A bad mod raises TypeError before any launch.
 
     NaN in the inputs reaches exactly the output rows that may see it: a NaN
@@ -187,7 +187,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     here), so both values run the same kernels.
 
     score_mod, mask_mod: those of the forward call (``attention``), on the
-    ``mma.sync`` backward; dS is multiplied by d score_mod / d score, derived
+    backward the call picks (``mma.sync`` or ``wgmma``, as without mods); dS
+    is multiplied by d score_mod / d score, derived
     by tracing the score_mod (``numba_flash.mods.derivative``) unless its Mod
     has ``grad=``.  The mods' arrays get no gradient.
     """
