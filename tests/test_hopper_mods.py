@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import float32
 
 import numba_flash
 from numba_flash import mods
@@ -109,7 +110,8 @@ def test_the_wgmma_forward_with_mods_matches_the_float64_reference(data):
 
 
 def check_gradients(q, k, v, causal, block_mask, score_mod, mask_mod, do, dq_mode):
-    """dQ, dK, dV of the wgmma backward with dQ summed in ``dq_mode`` against float64 within ``backward_tolerance``."""
+    """dQ, dK, dV of the wgmma backward with dQ summed in ``dq_mode`` against float64 within ``backward_tolerance``;
+    returns them."""
     dense = dense_mask(block_mask, q, k)
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
     out, lse = ref.attention(q64, k64, v64, causal=causal, mask=dense, score_mod=score_mod, mask_mod=mask_mod)
@@ -128,6 +130,7 @@ def check_gradients(q, k, v, causal, block_mask, score_mod, mask_mod, do, dq_mod
         assert got.shape == want.shape and got.dtype == q.dtype, (name, got.shape, got.dtype)
         err = float(np.abs(got.astype(np.float64) - want).max())
         assert err <= tol, f"{name} ({dq_mode}): max error {err:.3g} > tolerance {tol:.3g}"
+    return grads
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 6))   # each example: three kernels
@@ -165,6 +168,21 @@ def test_every_way_of_summing_dq_takes_both_mods(dq_mode):
     problem = both_mods_problem()
     do = np.random.default_rng(6).standard_normal(problem[0].shape).astype(np.float16)
     check_gradients(*problem, do, dq_mode)
+
+
+def _position_only(score, b, h, q_idx, kv_idx):
+    return score * float32(0) - float32(abs(q_idx - kv_idx)) * float32(0.25)   # d / d score = 0
+
+
+def test_a_score_mod_that_drops_the_score_passes_no_gradient_to_q_and_k():
+    """A score_mod whose derivative is 0 (a positional logit alone) makes dS = P (dP - D) 0 = 0: dQ and dK exactly 0
+    in the dK/dV and the dQ kernel, dV as the reference's (the weights are the bias's softmax)."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 2, 70, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, 66, 16)).astype(np.float16) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float16)
+    dq, dk, _ = check_gradients(q, k, v, True, None, mods.Mod(_position_only), None, do, "separate")
+    assert np.all(dq == 0) and np.all(dk == 0)
 
 
 def _window_off_by_one(b, h, q_idx, kv_idx, window):
