@@ -103,7 +103,7 @@ from numba import cuda, float32, int64, uint32
 
 from ...runtime.arrays import placeholder
 from ...runtime.device import in_simulator
-from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
@@ -416,7 +416,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                                                                                                        ELEMENT)
     SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's P^T may need the block mask's element test
-    SCORE_MOD = MODS is not None and MODS.has_score
+    HAS_MODS = MODS is not None
+    SCORE_MOD = HAS_MODS and MODS.has_score
     ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
     stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
     list_bounds, listed = tile_list(PARTLY_MASKED)
@@ -506,22 +507,32 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             st[i] = p
 
     @inlined_device_function
-    def mod_probabilities(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
-        """(SCORE_MOD) P^T = exp2(score_mod(scale S^T) log2(e) - lse), 0 where bit i of ``hidden`` is set, packed into
-        ``p_words`` (``pack_pairs``' layout: dV's A operand), and st: S^T -> P^T o d score_mod / d score, the factor
-        of (dP^T - D) in dS^T (``score_gradients``).  The two in one pass: no registers beside st for the slope."""
-        p_even = float32(0)
-        for i in range(S_REGISTERS):
-            key, column = lane_entry(i, g, t, warp)
-            p, slope = float32(0), float32(0)
-            if not (hidden >> uint32(i)) & uint32(1):
-                p, slope = mod_weight(st[i], u32_as_f32(load_word(smem, scalars_at + column)), q0 + column, k0 + key,
-                                      mod_args)
-            st[i] = p * slope
-            if i % 2 == 0:
-                p_even = p
-            else:
-                p_words[i // 2] = pack(p_even, p)
+    def entry_weight(i, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
+        """(SCORE_MOD) (P^T, d score_mod / d score) of register i of S^T: 0 and 0 where bit i of ``hidden`` is set."""
+        if (hidden >> uint32(i)) & uint32(1):
+            return float32(0), float32(0)
+        key, column = lane_entry(i, g, t, warp)
+        return mod_weight(st[i], u32_as_f32(load_word(smem, scalars_at + column)), q0 + column, k0 + key, mod_args)
+
+    def probability_pair(x):
+        """(SCORE_MOD) ``pair(st, p_words, ...)``: registers 2x and 2x + 1 of S^T to P^T, packed into word x of
+        ``p_words`` (``pack_pairs``' layout: dV's A operand), and st to P^T o d score_mod / d score, the factor of
+        (dP^T - D) in dS^T (``score_gradients``): no registers beside st hold the slope.  One function per pair,
+        written out by ``unrolled``: NVVM leaves a loop whose body calls a mod rolled, and S^T indexed at run time
+        goes to local memory."""
+
+        @inlined_device_function
+        def pair(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
+            p_even, slope_even = entry_weight(2 * x, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t)
+            p_odd, slope_odd = entry_weight(2 * x + 1, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t)
+            p_words[x] = pack(p_even, p_odd)
+            st[2 * x] = p_even * slope_even
+            st[2 * x + 1] = p_odd * slope_odd
+
+        return pair
+
+    #: (SCORE_MOD) mod_probabilities(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t): every pair.
+    mod_probabilities = unrolled([probability_pair(x) for x in range(A_WORDS)]) if SCORE_MOD else None
 
     @inlined_device_function
     def score_gradients(dpt, st, smem, scalars_at, warp, g, t):
@@ -659,7 +670,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             # What the mods read besides the entry (``fast.mod_steps.entry_steps``): batch, this step's query head,
             # scale, their arrays (without mods, never read).
-            mod_args = (b, h_kv * group + (x if HAS_MASK else step // per_head) if MODS is not None else 0,
+            mod_args = (b, h_kv * group + (x if HAS_MASK else step // per_head) if HAS_MODS else 0,
                         float32(scale), MOD0, MOD1, MOD2, MOD3)
             # With the element test, the entries it hides, before the products are issued: its temporaries are
             # then never live beside S^T and dP^T (found after them, at d = 128 they spilled 100-372 bytes).  A
@@ -764,6 +775,25 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
     hidden_entries = element_test(CAUSAL, False, MODS)
     mod_weight = entry_steps(MODS)[2]
 
+    def gradient_entry(i):
+        """(SCORE_MOD) ``entry(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args)``: register i of dP to dS = P (dP
+        - D) d score_mod / d score (``mod_weight``), 0 where bit i of ``hidden`` is set.  One function per register,
+        written out by ``unrolled``: NVVM leaves a loop whose body calls a mod rolled, and S and dP indexed at run
+        time go to local memory."""
+
+        @inlined_device_function
+        def entry(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args):
+            r = (i % 4) // 2
+            p, slope = float32(0), float32(0)
+            if not (hidden >> uint32(i)) & uint32(1):
+                row, key = lane_entry(i, g, t, warp)
+                p, slope = mod_weight(s[i], lse2[r], q0 + row, k0 + key, mod_args)
+            dp[i] = p * slope * (dp[i] - d_i[r])
+
+        return entry
+
+    mod_gradients = unrolled([gradient_entry(i) for i in range(S_REGISTERS)]) if SCORE_MOD else None
+
     # ---- which query tile a block takes, and which key tiles it visits (the forward's steps of the same names) ----
     @inlined_device_function
     def block_tile(tile_order, q_tiles, heads):
@@ -804,15 +834,12 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
         only where the entry is allowed: every tile tests every entry)."""
         hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)
                    if SCORE_MOD or masked else uint32(0)) if ENTRY_TEST else uint32(0))
+        if SCORE_MOD:
+            mod_gradients(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args)
+            return
         for i in range(S_REGISTERS):
             row, key = lane_entry(i, g, t, warp)
             r = (i % 4) // 2
-            if SCORE_MOD:
-                p, slope = float32(0), float32(0)
-                if not (hidden >> uint32(i)) & uint32(1):
-                    p, slope = mod_weight(s[i], lse2[r], q0 + row, k0 + key, mod_args)
-                dp[i] = p * slope * (dp[i] - d_i[r])
-                continue
             p = exp2(cuda.fma(s[i], c_log2, -lse2[r]))
             if ELEMENT_TEST:
                 if (hidden >> uint32(i)) & uint32(1):

@@ -106,7 +106,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from ...runtime.device import in_simulator
-from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
 from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_flags,
@@ -374,6 +374,23 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             scores_by_keys(s, advanced_device(q_desc, k_step_bytes(step)), advanced_device(k_desc, k_step_bytes(step)))
         wgmma_commit()
 
+    def score_entry(i):
+        """(SCORE_MOD) ``entry(s, hidden, q0, k0, warp, g, t, mod_args)``: score register i to score_mod(scale S)
+        log2(e), or to -inf where bit i of ``hidden`` is set.  One function per register, written out by ``unrolled``:
+        NVVM leaves a loop whose body calls a mod rolled, and S indexed at run time goes to local memory."""
+
+        @inlined_device_function
+        def entry(s, hidden, q0, k0, warp, g, t, mod_args):
+            if (hidden >> uint32(i)) & uint32(1):
+                s[i] = float32(NEG_INF)
+            else:
+                row, key = row_and_key(i, q0, k0, warp, g, t)
+                s[i] = mod_score(s[i], row, key, mod_args)
+
+        return entry
+
+    modded_scores = unrolled([score_entry(i) for i in range(S_REGISTERS)]) if SCORE_MOD else None
+
     @inlined_device_function
     def mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
         """Scores of keys past N_k, (causal) right of the diagonal, and (a tile a block mask or mask_mod covers only
@@ -381,13 +398,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         score_mod, every other score to score_mod(scale S) log2(e) (``mod_score``: only where allowed)."""
         hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args) if ENTRY_TEST
                   else 0)
+        if SCORE_MOD:
+            modded_scores(s, hidden, q0, k0, warp, g, t, mod_args)
+            return
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
-            if ENTRY_TEST:
+            if ELEMENT_TEST:
                 if (hidden >> uint32(i)) & uint32(1):
                     s[i] = float32(NEG_INF)
-                elif SCORE_MOD:
-                    s[i] = mod_score(s[i], row, key, mod_args)
             elif key >= n_k or (CAUSAL and key > row + causal_offset):
                 s[i] = float32(NEG_INF)
 
