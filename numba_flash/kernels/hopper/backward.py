@@ -64,6 +64,15 @@ is empty copies nothing and writes zeros.  Both are compile-time flags (HAS_MASK
 tiles compiles the element test out, and without a mask the kernels compile to the PTX instructions they had before
 (sm_90a; the mask's placeholder arguments added at the end of the parameter list).
 
+Score and mask mods (``numba_flash.mods``; every kernel's MODS, in every way of summing dQ): a mask_mod's tiles come
+as the lists above (classified on the host, ANDed with a block mask's), its partly covered tiles testing each entry
+with it in ``element_test``; a score_mod makes every step test every entry (the mod called only where allowed) and
+gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score, the derivative the
+backward's ``ModSteps`` traced (``fast.mod_steps.entry_steps``' ``mod_weight``).  The dK/dV kernel packs P^T for dV's
+product and keeps P^T o d score_mod / d score in S^T's registers in the same pass (``probability_pair``), so the
+slope needs no registers of its own.  Without mods the PTX instructions are unchanged (sm_90a, 2026-12-06).  Not yet
+run on a GPU.
+
 Deterministic.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so the order
 of the adds must not depend on timing.  Three ways of summing it are built (``DQ_MODES``), and the one that measured
 fastest is the default for every call (``DQ_MODE``; the others stay for ``NUMBA_FLASH_WGMMA_DQ``, to measure them):

@@ -79,6 +79,15 @@ last query tile leaves before any barrier.  flash2 takes it where it takes the b
 Departure from the dense kernel: none in the loop; the flag
 compiles out of the kernels without it (their PTX instructions unchanged, sm_90a, 2026-12-05).
 
+Score and mask mods (``numba_flash.mods``, ``make_wgmma_forward``'s MODS): the mma.sync forward's steps
+(``fast.mod_steps.entry_steps``) in this kernel's mask step.  A mask_mod's tiles are classified on the host into the
+block-mask lists above (empty tiles never visited, full ones without the test, partly covered ones testing each entry
+with the mask_mod in ``hidden_entries``, ANDed with a block mask's); a score_mod makes every tile take the element
+test, so that it is called (and reads its arrays) only for entries inside both sequences, the causal mask and the
+masks, and replaces each allowed score by score_mod(scale S) log2(e) before the softmax, whose scale is then 1.
+Without mods the kernels' PTX instructions are unchanged (sm_90a, 2026-12-06; MOD0 .. MOD3's placeholders added to the
+parameter list).  flash2 takes this kernel with mods wherever it takes it without; not yet run on a GPU.
+
 Barriers and fences, each where it sits:
 
 * after a thread's ``cp.async`` copies land (``land_tiles``), ``fence_proxy_async``: the copies are
@@ -651,7 +660,8 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_tes
     At d = 128 a block of one warpgroup takes 66 KB of shared memory with the ring of three K/V buffers (83 KB
     with four), room for three blocks; left alone ptxas takes 180-184 registers, which allow two, so the cap
     asks for three (168).  The overlapped loop would spill under any cap (64-96 bytes at d = 64), and blocks of
-    two warpgroups at d = 128 (180-196 registers) fit once either way.
+    two warpgroups at d = 128 (180-196 registers) fit once either way.  A kernel with mods (``element_test`` too)
+    has no cap either, as the mma.sync forward with mods (``experiments/tuning/results/mods_wgmma_ptxas_sm90.md``).
 
     Other head dims take the choices of their layout's width (``layout_dim``: d < 64 those of 64, 64 < d < 128
     those of 128: the same shared memory a block), with fewer accumulator registers (D / 2) under the same caps.
