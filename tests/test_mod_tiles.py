@@ -185,3 +185,17 @@ def test_a_tile_mask_refuses_calls_of_another_shape(call, words, no_launch):
     q, k, v = problem(shape["batch"], shape["heads"], shape["n_q"], 20)
     with pytest.raises(ValueError, match=f"mask_mod _head_window: {words}"):
         numba_flash.attention(q, k, v, mask_mod=tiles, block_sizes=call.get("block_sizes"))
+
+
+def test_the_gallery_draws_every_picture(tmp_path):
+    # experiments/paper/mods_gallery.py (docs/mods.md's pictures), small: every file written and a PNG.
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "paper" / "mods_gallery.py"
+    spec = importlib.util.spec_from_file_location("mods_gallery", path)
+    gallery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gallery)
+    written = gallery.main(["--quick", "--out", str(tmp_path)])
+    assert len(written) == 9 and all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in written)
