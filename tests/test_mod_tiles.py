@@ -92,13 +92,12 @@ def classifications(draw):
 @given(classifications())
 def test_the_gpu_classification_matches_the_dense_mask(case):
     batch, heads, n_q, n_k, block, multiple, mask_mod, say_batch, say_heads = case
-    reads = mod_tiles.reads_batch_or_head(mask_mod.fn)
+    reads_b, reads_h = mod_tiles.batch_and_head_reads(mask_mod.fn)
     # batch=None / heads=None promise a mask that does not depend on them: only for masks that keep it.
-    given_batch = batch if say_batch or reads else None
-    given_heads = heads if say_heads or reads else None
+    given_batch = batch if say_batch or reads_b else None
+    given_heads = heads if say_heads or reads_h else None
     tiles = numba_flash.tile_mask(mask_mod, given_batch, given_heads, n_q, n_k, block=block)
-    expected_shape = (1, 1) if not reads else (given_batch or 1, given_heads or 1)
-    assert tiles.classified == expected_shape
+    assert tiles.classified == (batch if reads_b else 1, heads if reads_h else 1)
     allowed = dense_mask(mask_mod, batch, heads, n_q, n_k)
     for tile in (block, (block[0] * multiple[0], block[1] * multiple[1])):
         got = tiles.tile_classes(tile)
@@ -110,11 +109,18 @@ def test_the_gpu_classification_matches_the_dense_mask(case):
         assert np.array_equal(visit, want != EMPTY) and np.array_equal(partly, want == PART)
 
 
-def test_masks_that_ignore_b_and_h_are_classified_once():
+def test_masks_are_classified_once_for_what_they_do_not_read():
+    from numba_flash.sparsity.mod_tiles import batch_and_head_reads
+
     assert numba_flash.tile_mask(mods.sliding_window(4) & mods.prefix_lm(2), 4, 8, 32, 32).classified == (1, 1)
     per_head = mods.Mod(_head_window, np.arange(1, 5, dtype=np.int32))
-    assert numba_flash.tile_mask(per_head, 3, 4, 32, 32).classified == (3, 4)
-    assert numba_flash.tile_mask(per_head, None, 4, 32, 32).classified == (1, 4)   # the caller's B=None
+    per_batch = mods.Mod(_batch_documents, np.zeros((3, 32), np.int32))
+    assert batch_and_head_reads(per_head.fn) == (False, True) and batch_and_head_reads(per_batch.fn) == (True, False)
+    assert numba_flash.tile_mask(per_head, 3, 4, 32, 32).classified == (1, 4)
+    assert numba_flash.tile_mask(per_batch, 3, 4, 32, 32).classified == (3, 1)
+    assert numba_flash.tile_mask(per_head & per_batch, 3, 4, 32, 32).classified == (3, 4)
+    assert numba_flash.tile_mask(per_head & per_batch, None, 4, 32, 32).classified == (1, 4)   # the caller's B=None
+    assert batch_and_head_reads(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + h * b) == (True, True)
 
 
 def problem(batch=2, heads=2, n_q=23, n_k=19, d=8, seed=0):

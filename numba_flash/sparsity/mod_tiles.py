@@ -11,8 +11,8 @@ A block is **empty** (MASKED alone: never visited), **full** (ALLOWED alone: vis
 or **partial** (both: the mask_mod tested per element); a thread stops after the first row that has shown it
 both.  The classes stay on the GPU in the returned ``TileMask``, (B', H', T_q, T_k) uint8, with B' = 1 where the
 mask is broadcast over the batch and H' = 1 over the heads: ``batch=None`` / ``heads=None`` say so
-(FlexAttention's B=None, H=None), and a mask_mod whose function reads neither b nor h (its bytecode,
-``reads_batch_or_head``) is classified once whatever they are.
+(FlexAttention's B=None, H=None), and a mask_mod whose function does not read b (or h; its bytecode,
+``batch_and_head_reads``) is classified once for every batch entry (or head) whatever they are.
 
 Kernel tiles.  A kernel's tile whose sizes are multiples of the block's is a union of whole blocks, so its class is
 the OR of theirs, exactly (the bits say "some entry is ..."): ``coarsen``, a second kernel, one thread per
@@ -102,24 +102,28 @@ def _coarsen(fine, q_blocks, k_blocks, coarse, q_tiles, k_tiles, blocks_per_row,
 coarsen = cuda_kernel(_coarsen, "coarsen_tile_classes")
 
 
-def reads_batch_or_head(fn):
-    """Whether a mask function reads its b or h parameter (a combinator: whether any of its parts does), from its
-    bytecode; True when unsure.  A mask that reads neither is classified once and broadcast over (batch, heads)."""
+def batch_and_head_reads(fn):
+    """(reads b, reads h): whether a mask function reads its b and its h parameter (a combinator: whether any of its
+    parts does), from its bytecode; True when unsure.  A mask is classified once for every batch entry it does not
+    read, and once for every head."""
     parts = getattr(fn, "__numba_flash_parts__", None)
     if parts is not None:
-        return any(reads_batch_or_head(part) for part in parts)
+        reads = [batch_and_head_reads(part) for part in parts]
+        return any(b for b, _ in reads), any(h for _, h in reads)
     code = getattr(fn, "__code__", None)
     if code is None or code.co_argcount < 2:
-        return True
-    names = set(code.co_varnames[:2])
-    if names & set(code.co_cellvars):   # captured by an inner function
-        return True
-    for instruction in dis.get_instructions(code):
-        value = instruction.argval
-        if instruction.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_DEREF")) and (
-                value in names or (isinstance(value, tuple) and names & set(value))):
+        return True, True
+    instructions = list(dis.get_instructions(code))
+
+    def reads(name):
+        if name in code.co_cellvars:   # captured by an inner function
             return True
-    return False
+        return any(instruction.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_DEREF"))
+                   and (instruction.argval == name or (isinstance(instruction.argval, tuple)
+                                                       and name in instruction.argval))
+                   for instruction in instructions)
+
+    return reads(code.co_varnames[0]), reads(code.co_varnames[1])
 
 
 def _launch(kernel, count, *args):
@@ -219,8 +223,8 @@ def tile_mask(mask_mod, batch, heads, n_q, n_k, *, block=DEFAULT_BLOCK):
     problem = mask_mod.fits(heads or 1, n_q, n_k) if mask_mod.fits else None
     if problem:   # the classifier reads the mask's arrays unchecked, as the kernels do
         raise ValueError(f"mask_mod {mask_mod.name}: {problem}")
-    shared = not reads_batch_or_head(mask_mod.fn)
-    classified = (1 if shared or batch is None else batch, 1 if shared or heads is None else heads)
+    reads_b, reads_h = batch_and_head_reads(mask_mod.fn)
+    classified = (batch if reads_b and batch is not None else 1, heads if reads_h and heads is not None else 1)
     q_blocks, k_blocks = cdiv(n_q, block[0]), cdiv(n_k, block[1])
     classes = cuda.device_array(classified[0] * classified[1] * q_blocks * k_blocks, np.uint8)
     _launch(_classifier(mask_mod), classes.size, classes, classified[1], q_blocks, k_blocks, n_q, n_k, *block,
