@@ -37,10 +37,10 @@ import numbers
 import numpy as np
 from numba import cuda
 
+from .._checks import positive_int_pair
 from ..mods import MASK, Mod, as_mod, jitable
 from ..runtime.arrays import kernel_array
 from ..runtime.launch import cuda_kernel
-from .._checks import positive_int_pair
 from ..tiling import cdiv
 from .tile_lists import MaskArguments, longest_first, mask_arguments, per_head_layout, tile_lists, tile_visits
 
@@ -50,6 +50,7 @@ PARTIAL = ALLOWED | MASKED
 #: The classification block (query rows, keys) that ``tile_mask`` takes by default: it divides every kernel tile the
 #: library picks.
 DEFAULT_BLOCK = (16, 16)
+#: Threads per block of the classification and coarsening kernels (one thread per block or tile of the mask).
 THREADS = 128
 
 _CLASSIFIERS = {}
