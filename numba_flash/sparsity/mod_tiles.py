@@ -31,16 +31,19 @@ the same path: a TileMask for the call's shape is built at its first call and ke
 arrays are read when classifying: a TileMask over arrays that change in place must be built anew.
 """
 import dis
+import linecache
 import math
 import numbers
+import warnings
 
 import numpy as np
 from numba import cuda
+from numba.core.errors import NumbaPerformanceWarning
 
 from .._checks import positive_int_pair
 from ..mods import MASK, Mod, as_mod, jitable
 from ..runtime.arrays import kernel_array
-from ..runtime.launch import cuda_kernel
+from ..runtime.launch import cuda_kernel, launch
 from ..tiling import cdiv
 from .tile_lists import MaskArguments, longest_first, mask_arguments, per_head_layout, tile_lists, tile_visits
 
@@ -80,7 +83,10 @@ def classify(classes, heads, q_blocks, k_blocks, n_q, n_k, block_m, block_n{tail
 """
         namespace = {"cuda": cuda, "mask": jitable(mask_mod.fn), "ALLOWED": ALLOWED, "MASKED": MASKED,
                      "PARTIAL": PARTIAL}
-        exec(compile(source, f"<numba_flash.sparsity.mod_tiles classify_tiles_{mask_mod.name}>", "exec"), namespace)
+        file_name = f"<numba_flash.sparsity.mod_tiles classify_tiles_{mask_mod.name}>"
+        # The source where line info (profilers, Numba's debug info) looks for it: without, a warning per compile.
+        linecache.cache[file_name] = (len(source), None, source.splitlines(True), file_name)
+        exec(compile(source, file_name, "exec"), namespace)
         _CLASSIFIERS[key] = cuda_kernel(namespace["classify"], f"classify_tiles_{mask_mod.name}")
     return _CLASSIFIERS[key]
 
@@ -128,8 +134,12 @@ def batch_and_head_reads(fn):
 
 
 def _launch(kernel, count, *args):
+    """``kernel`` on ``count`` threads (none for 0).  A small mask's grid is small: Numba's warning about
+    under-used multiprocessors says nothing useful here."""
     if count:
-        kernel[cdiv(count, THREADS), THREADS](*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NumbaPerformanceWarning)
+            launch(kernel, cdiv(count, THREADS), THREADS, args)
 
 
 class TileMask(Mod):
