@@ -181,12 +181,12 @@ class TileMask(Mod):
                 raise ValueError(f"mask_mod {self.name}: its tiles were classified in blocks of {self.block}, which "
                                  f"do not divide the kernel's tiles {tile}; build it with numba_flash.tile_mask(..., "
                                  f"block=({math.gcd(rows, block_m)}, {math.gcd(cols, block_n)}))")
-            heads = self.classified[0] * self.classified[1]
+            slabs = self.classified[0] * self.classified[1]   # (b, h) pairs classified
             q_blocks, k_blocks = cdiv(self.n_q, block_m), cdiv(self.n_k, block_n)
             q_tiles, k_tiles = cdiv(self.n_q, rows), cdiv(self.n_k, cols)
             classes = self.classes
             if tile != self.block:
-                classes = cuda.device_array(heads * q_tiles * k_tiles, np.uint8)
+                classes = cuda.device_array(slabs * q_tiles * k_tiles, np.uint8)
                 _launch(coarsen, classes.size, self.classes, q_blocks, k_blocks, classes, q_tiles, k_tiles,
                         rows // block_m, cols // block_n)
             self._tile_classes[tile] = classes.copy_to_host().reshape(self.classified + (q_tiles, k_tiles))
