@@ -30,9 +30,12 @@ derivative.
 
 Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``mma.sync`` when a mod is
 given; ``algorithm="wgmma"`` refuses), packed variable-length calls, KV caches, the transformers integration,
-gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
-``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do), and mask
-classification on the GPU (the host classifies a mask_mod's tiles: ``numba_flash/sparsity/mod_tiles.py``).
+and gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
+``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do).
+
+A mask_mod's tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/mod_tiles.py``) at a
+call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does it once ahead,
+returning a ``TileMask`` that calls take as their ``mask_mod`` (FlexAttention's ``create_block_mask``).
 See ``docs/mods.md``.
 """
 import inspect
