@@ -17,6 +17,7 @@ import numba_flash
 from numba_flash import mods
 from numba_flash.sparsity import mod_tiles
 from numba_flash.sparsity.mod_tiles import ALLOWED, MASKED, PARTIAL
+from tolerances import assert_close_to_reference
 
 MAX_N = 40 if numba_flash.in_simulator() else 300
 EMPTY, FULL, PART = "empty", "full", "partial"
@@ -159,6 +160,23 @@ def test_torch_attention_takes_a_tile_mask():
     q, k, v = (torch.from_numpy(x) for x in problem(batch=1, n_q=20, n_k=20))
     tiles = numba_flash.tile_mask(mods.sliding_window(5), None, None, 20, 20)
     assert torch.equal(nft.attention(q, k, v, mask_mod=tiles), nft.attention(q, k, v, mask_mod=mods.sliding_window(5)))
+
+
+def test_a_plain_mask_mod_is_classified_anew_when_its_tensor_changes_in_place():
+    """A training loop that rewrites its document ids in place between steps: the kept classification must follow,
+    or tiles of the new documents would be skipped silently."""
+    torch = pytest.importorskip("torch")
+    from reference import mods as reference_mods
+
+    q, k, v = problem(batch=1, heads=1, n_q=40, n_k=40)
+    ids = torch.zeros(40, dtype=torch.int32)          # one document: every tile visited
+    mask_mod = mods.document(ids)
+    numba_flash.attention(q, k, v, mask_mod=mask_mod)
+    ids[20:] = 1                                       # two documents: the off-diagonal tiles now empty
+    got, lse = numba_flash.attention(q, k, v, mask_mod=mask_mod, return_lse=True)
+    want, want_lse = reference_mods.attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                              mask_mod=mods.document(ids.numpy()))
+    assert_close_to_reference(got, lse, want, want_lse, q, k, v, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("args, error, words", [

@@ -27,7 +27,8 @@ Costs.  Classifying: one mask_mod call per entry of the (B' H', N_q, N_k) grid, 
 the simulator every entry is a Python call: keep shapes small there).  A call with a TileMask it has seen at
 that shape: no host work, no launch.  The first call at a new shape or tile: one coarsening launch, a copy of
 B' H' T_q T_k bytes and O(B H T_q T_k) host work for the lists.  A plain mask_mod passed to ``attention`` takes
-the same path: a TileMask for the call's shape is built at its first call and kept on the Mod.  The mask_mod's
+the same path: a TileMask for the call's shape is built at its first call and kept on the Mod, classified anew
+when one of its torch tensors has changed in place since (``array_versions``).  The mask_mod's
 arrays are read when classifying: a TileMask over arrays that change in place must be built anew.
 """
 import dis
@@ -260,11 +261,19 @@ def classify_tiles(mask_mod, batch, heads, n_q, n_k, tile):
     return (classes & ALLOWED) != 0, classes == PARTIAL
 
 
+def array_versions(mod):
+    """What says whether a plain Mod's arrays changed since its tiles were classified: torch tensors' in-place
+    version counters (``_version``: a training loop that rewrites its document ids in place gets its mask classified
+    anew, not the old lists silently).  NumPy arrays are copied to the GPU once per plan, Numba device arrays have no
+    counter: both are read as they were at the first call (``docs/mods.md``)."""
+    return tuple(getattr(a, "_version", None) for a in mod.arrays)
+
+
 def _kept_tile_mask(mask_mod, batch, heads, n_q, n_k, tile):
     """A plain Mod's TileMask for a call's shape: in the default blocks when they divide ``tile`` (then every role's
     tiles share it), else in ``tile``'s; kept on the Mod (the four latest shapes)."""
     block = DEFAULT_BLOCK if tile[0] % DEFAULT_BLOCK[0] == 0 and tile[1] % DEFAULT_BLOCK[1] == 0 else tuple(tile)
-    key = (batch, heads, n_q, n_k, block)
+    key = (batch, heads, n_q, n_k, block, array_versions(mask_mod))
     kept = mask_mod.__dict__.setdefault("_tile_masks", {})
     if key not in kept:
         if len(kept) >= 4:
@@ -276,7 +285,8 @@ def _kept_tile_mask(mask_mod, batch, heads, n_q, n_k, tile):
 def mod_mask_arguments(mask_mod, block_mask, leading_shape, n_q, n_k, tiles, causal_offset, role):
     """``mask_arguments`` for a call with a mask_mod (and perhaps a block mask): the role's tile lists from the mask's
     classification, the block mask's layout for the element test (all ones, in one block per head, without one)."""
-    key = (role, tuple(leading_shape), n_q, n_k, tuple(tiles), causal_offset, id(block_mask))
+    key = (role, tuple(leading_shape), n_q, n_k, tuple(tiles), causal_offset, id(block_mask),
+           None if isinstance(mask_mod, TileMask) else array_versions(mask_mod))
     forms = mask_mod.__dict__.setdefault("_device_forms", {})
     if key in forms:
         return forms[key]
