@@ -30,10 +30,13 @@ derivative.
 
 Where mods run: the forward and backward of ``algorithm="flash2"`` (the ``mma.sync`` kernels; on a Hopper GPU the
 ``wgmma`` ones wherever flash2 takes those without mods) and of ``algorithm="wgmma"``.  Not yet: packed
-variable-length calls, KV caches, the transformers integration,
-gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
-``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do), and mask
-classification on the GPU (the host classifies a mask_mod's tiles: ``numba_flash/sparsity/mod_tiles.py``).
+variable-length calls, KV caches, the transformers integration, and gradients into the mods' arrays (a
+relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
+after the kernel, do).
+
+A mask_mod's tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/mod_tiles.py``) at a
+call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does it once ahead,
+returning a ``TileMask`` that calls take as their ``mask_mod`` (FlexAttention's ``create_block_mask``).
 See ``docs/mods.md``.
 """
 import inspect
