@@ -785,12 +785,9 @@ def check_mods(score_mod, mask_mod, *, algorithm, backward=False, varlen=False):
 
     if score_mod is None and mask_mod is None:
         return None
-    if algorithm == "wgmma":
-        raise ValueError("score_mod/mask_mod do not run on algorithm='wgmma' yet; use algorithm='flash2' (the "
-                         "mma.sync kernels take them)")
     score_mod, mask_mod = as_mod(score_mod, "score_mod"), as_mod(mask_mod, "mask_mod")
-    if algorithm != "flash2":
-        raise ValueError(f"score_mod/mask_mod run on algorithm='flash2' (the mma.sync kernels), not {algorithm!r}")
+    if algorithm not in ("flash2", "wgmma"):
+        raise ValueError(f"score_mod/mask_mod run on algorithm='flash2' or 'wgmma', not {algorithm!r}")
     if varlen:
         raise ValueError("score_mod/mask_mod do not take packed variable-length calls or KV caches yet")
     count = sum(len(m.arrays) for m in (score_mod, mask_mod) if m is not None)

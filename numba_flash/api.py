@@ -33,7 +33,9 @@ from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import current_context, device_limits
+from .mods import MASK, Mod
 from .sparsity.block_mask import BlockMask
+from .sparsity.mod_tiles import array_versions
 from .tiling import padded_head_dim
 from .sparsity.tile_lists import device_layout
 
@@ -129,8 +131,8 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         FlexAttention's modifications (``numba_flash.mods``, ``docs/mods.md``):
         the logit of (b, h, i, j) is ``score_mod(scale q_i.k_j, b, h, i, j, *arrays)``
         where ``mask_mod(b, h, i, j, *arrays)`` (and causal, block_mask) allow it,
-        -inf elsewhere.  flash2 only, on the ``mma.sync`` kernel (the automatic
-        pick leaves wgmma for it; "wgmma" refuses mods); not with packed
+        -inf elsewhere.  flash2 (the kernel it picks: wgmma on Hopper where it
+        takes it without mods, else ``mma.sync``) and "wgmma"; not with packed
         sequences or KV caches yet.  A bad mod raises TypeError before any launch.
 
     NaN in the inputs reaches exactly the output rows that may see it: a NaN
@@ -187,7 +189,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     here), so both values run the same kernels.
 
     score_mod, mask_mod: those of the forward call (``attention``), on the
-    ``mma.sync`` backward; dS is multiplied by d score_mod / d score, derived
+    backward the call picks (``mma.sync`` or ``wgmma``, as without mods); dS
+    is multiplied by d score_mod / d score, derived
     by tracing the score_mod (``numba_flash.mods.derivative``) unless its Mod
     has ``grad=``.  The mods' arrays get no gradient.
     """
@@ -365,15 +368,22 @@ def _option_key(option):
     return tuple(option) if isinstance(option, list) else option
 
 
+def _mask_versions(options):
+    """The in-place version counters of a plain mask_mod's torch tensors (``mod_tiles.array_versions``): a plan holds
+    the tile lists classified from them, so a change (document ids rewritten for the next batch) builds a new plan
+    rather than skip tiles by the old ids.  A TileMask is the user's own classification, kept as it is."""
+    return tuple(array_versions(o) for o in options if type(o) is Mod and o.kind == MASK)
+
+
 def _plan(build, arrays, options):
     """The cached plan for these arrays' summaries and options, built (and checked) on first use."""
     signatures = tuple(map(_signature, arrays))
     try:
         try:  # options as given (a BlockMask hashes by identity); lists need _option_key
-            key = (build, signatures, *options)
+            key = (build, signatures, _mask_versions(options), *options)
             plan = _PLANS.get(key)
         except TypeError:
-            key = (build, signatures, *map(_option_key, options))
+            key = (build, signatures, _mask_versions(options), *map(_option_key, options))
             plan = _PLANS.get(key)
         if None in signatures:
             plan = None
@@ -440,7 +450,7 @@ class _ForwardPlan(_Plan):
                                                                         block_mask=block_mask, dropout_p=dropout_p,
                                                                         seed=0, algorithm=loop,
                                                                         block_sizes=block_sizes)))
-        if algorithm == "wgmma" or (algorithm == "flash2" and not mods and hopper.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper.chosen_for(self.call, block_sizes)):
             self.launch = hopper.forward_launch(self.call)
         else:
             self.launch = forward_launch(self.call) if algorithm == "flash2" else None
@@ -495,8 +505,7 @@ class _BackwardPlan(_Plan):
         check_deterministic(deterministic)
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
-        if algorithm == "wgmma" or (algorithm == "flash2" and not mods
-                                    and hopper_backward.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
                                                               hopper_backward.dq_mode(deterministic))
         else:

@@ -1,5 +1,5 @@
 """Programmable attention: score and mask modifications written in Python (FlexAttention's ``score_mod`` and
-``mask_mod``), compiled by Numba into the ``mma.sync`` kernels.
+``mask_mod``), compiled by Numba into the ``mma.sync`` kernels and, on Hopper, the ``wgmma`` ones.
 
 A mod is a plain Python function of scalars, plus the arrays it reads::
 
@@ -28,11 +28,15 @@ generate d score_mod / d score for the backward.  A score_mod whose derivative c
 ``if`` on the score, an unsupported function) needs ``grad=``: a function of the same parameters returning the
 derivative.
 
-Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``mma.sync`` when a mod is
-given; ``algorithm="wgmma"`` refuses), packed variable-length calls, KV caches, the transformers integration,
-gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
-``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do), and mask
-classification on the GPU (the host classifies a mask_mod's tiles: ``numba_flash/sparsity/mod_tiles.py``).
+Where mods run: the forward and backward of ``algorithm="flash2"`` (the ``mma.sync`` kernels; on a Hopper GPU the
+``wgmma`` ones wherever flash2 takes those without mods) and of ``algorithm="wgmma"``.  Not yet: packed
+variable-length calls, KV caches, the transformers integration, and gradients into the mods' arrays (a
+relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
+after the kernel, do).
+
+A mask_mod's tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/mod_tiles.py``) at a
+call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does it once ahead,
+returning a ``TileMask`` that calls take as their ``mask_mod`` (FlexAttention's ``create_block_mask``).
 See ``docs/mods.md``.
 """
 import inspect

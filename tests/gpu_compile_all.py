@@ -9,7 +9,9 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper      # the wgmma kernels (sm_90a), varlen too
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py decode      # decode_plan's layouts of issue 47's grid
-    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations and
+                                                                        # the mask_mods' tile classification
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper-mods # the same on the wgmma kernels (sm_90a)
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -198,11 +200,45 @@ def mod_kernels(head_dim):
         fast(make_dq(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
 
 
+def mod_tile_kernels():
+    """The classification kernel of each ``mod_pairs`` mask_mod (its arrays as NumPy ones arrive) and the coarsening
+    kernel (``sparsity/mod_tiles.py``: ``numba_flash.tile_mask``)."""
+    from numba import typeof
+    from numba_flash.sparsity import mod_tiles
+
+    classes = T.Array(T.uint8, 1, "C")
+    for _, mask_mod in mod_pairs():
+        if mask_mod is not None:
+            kernel = mod_tiles._classifier(mask_mod)
+            check(f"classify_tiles_{mask_mod.name}", kernel.py_func, (classes,) + (T.int64,) * 7
+                  + tuple(typeof(np.ascontiguousarray(a)) for a in mask_mod.arrays))
+    check("coarsen_tile_classes", mod_tiles.coarsen.py_func, (classes, T.int64, T.int64, classes) + (T.int64,) * 4)
+
+
+def hopper_mod_kernels(head_dims, element="f16"):
+    """The wgmma kernels with each ``mod_pairs`` pair, causal or not: the forward's loops (plain, overlapped, two
+    warpgroups), the dK/dV kernel in every way of summing dQ, and the dQ kernel (a mask_mod's tiles come as lists
+    with the element test: HAS_MASK, PARTLY_MASKED).  float16 only: bfloat16 differs in the packing alone."""
+    from numba_flash.kernels.fast.mod_steps import mod_steps
+    from numba_flash.kernels.hopper.backward import DQ_MODES, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.forward import make_wgmma_forward
+
+    for d, (score_mod, mask_mod), causal in itertools.product(head_dims, mod_pairs(), (False, True)):
+        has_mask = mask_mod is not None
+        steps = mod_steps(score_mod, mask_mod)
+        for overlap, warpgroups in ((False, 1), (True, 1), (False, 2)):
+            fast(make_wgmma_forward(d, element, causal, overlap, warpgroups, has_mask, True, MODS=steps), "sm_90a")
+        steps = mod_steps(score_mod, mask_mod, backward=True)
+        for dq_mode in DQ_MODES:
+            fast(make_wgmma_dkdv(d, element, causal, dq_mode, has_mask, True, MODS=steps), "sm_90a")
+        fast(make_wgmma_dq(d, element, causal, has_mask, True, MODS=steps), "sm_90a")
+
+
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper", "decode",
-                                                                            "mods"))
+                                                                            "mods", "hopper-mods"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
     parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96, 128 and 256) unless given")
@@ -219,7 +255,11 @@ def main(argv):
         planned_decoding(head_dims=(args.head_dim,) if "--head-dim" in argv else (64, 128))
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "mods":
+        mod_tile_kernels()
         mod_kernels(args.head_dim)
+        return f"{len(failures)} failed: {failures}" if failures else 0
+    if args.mode == "hopper-mods":
+        hopper_mod_kernels(head_dims)
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "tiles":
         # Every tile shape of the GPU test profile (tests/strategies.py), with dropout alone and with

@@ -27,8 +27,11 @@ a block taking turns along the keys; decode_swizzled: four key warps at d = 128,
 decode_paged: a paged cache, with its block table; decode_mqa, decode_many_splits, decode_paged_gqa: decode_plan's
 packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mods: mods_score a
 softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose tiles come
-as lists classified on the host; gqa_mods_mask the same with grouped heads, bottom-right causal; select them with
-the word "mods_score,mods_mask,gqa_mods_mask").
+as lists classified on the GPU; gqa_mods_mask the same with grouped heads, bottom-right causal; mods_mask_tile_mask
+the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the kernel's tiles; select
+them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"; on the wgmma kernels also
+mods_mask_overlap and gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and
+gqa_mods_mask_unordered, the backward's other ways of summing dQ).
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -164,6 +167,21 @@ RUNS = [
     ("backward", "flash2", np.float16, (32, 32), "mods_score"),
     ("backward", "flash2", np.float32, (32, 16), "mods_mask"),
     ("backward", "flash2", BF16, (32, 32), "gqa_mods_mask"),
+    # The mask classified ahead (numba_flash.tile_mask: the classification kernel, then its coarsening to the tiles).
+    ("forward", "flash2", np.float16, (64, 32), "mods_mask_tile_mask"),
+    ("backward", "flash2", np.float32, (32, 16), "mods_mask_tile_mask"),
+    # The same mods on the wgmma kernels: the forward's three loops (plain, overlapped, two warpgroups), the backward's
+    # three ways of summing dQ (its default, "separate"; "ordered"; "atomic" for the unordered runs).
+    ("forward", "wgmma", np.float16, None, "mods_score"),
+    ("forward", "wgmma", BF16, None, "mods_mask"),
+    ("forward", "wgmma", BF16, None, "gqa_mods_mask"),
+    ("forward", "wgmma", np.float16, None, "mods_mask_overlap"),
+    ("forward", "wgmma", BF16, None, "gqa_mods_mask_warpgroups2"),
+    ("backward", "wgmma", np.float16, None, "mods_score"),
+    ("backward", "wgmma", BF16, None, "mods_mask"),
+    ("backward", "wgmma", BF16, None, "gqa_mods_mask"),
+    ("backward", "wgmma", np.float16, None, "mods_mask_ordered"),
+    ("backward", "wgmma", BF16, None, "gqa_mods_mask_unordered"),
     # The wgmma forward on the 256-column layout (variants with "d256": WGMMA_WIDE_CASES, d = 256 and 192): blocks of
     # two warpgroups (its default there) and of one, grouped heads, the overlapped loop, block masks of 16 x 16 blocks
     # and of the 64 x 64 tiles (partly covering two warpgroups' 128-row tiles: the element test), packed sequences.
@@ -237,6 +255,8 @@ def inputs(variant, dtype, blocks, case, rng):
             kwargs.update(score_mod=mods.relative_position_bias(table),
                           mask_mod=mods.or_masks(mods.sliding_window(9), mods.prefix_lm(5)))
         ref_kwargs.update(score_mod=kwargs.get("score_mod"), mask_mod=kwargs.get("mask_mod"))
+        if "tile_mask" in variant:
+            kwargs.update(mask_mod=numba_flash.tile_mask(kwargs["mask_mod"], batch, heads, n_q, n_k))
     ref_kwargs["causal"] = kwargs["causal"]
     return device, [x.astype(np.float64) for x in host], kwargs, ref_kwargs
 
