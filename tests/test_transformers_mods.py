@@ -144,8 +144,9 @@ def test_padded_sliding_window_batches_match_eager(name):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_generation_gives_eagers_tokens(name, cache):
-    # The prompt is longer than the window and the new tokens cross it again; a static cache's steps with a
-    # softcap or sinks take the general path (the KV-cache kernel has no mods).
+    # The prompt is longer than the window and the new tokens cross it again; a static cache's full-attention
+    # steps with a softcap take the KV-cache kernel with it as a score_mod, those with sinks or a window the
+    # general path.
     reference, ours = pair(name)
     ids = tokens(1, 6 if SMALL else 40)
     options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3 if SMALL else 32, do_sample=False,
