@@ -28,12 +28,16 @@ generate d score_mod / d score for the backward.  A score_mod whose derivative c
 ``if`` on the score, an unsupported function) needs ``grad=``: a function of the same parameters returning the
 derivative.
 
+Packed sequences (``attention_varlen``, its backward, ``numba_flash.torch.attention_varlen``) hand the mods
+each sequence's indices (b its index in the pack, q_idx and kv_idx from its start); KV caches
+(``attention_with_kv_cache``) the query's position in its entry, L_b - N_q + i.  Neither classifies a mask_mod's
+tiles: it is evaluated on every visited tile's elements.
+
 Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``mma.sync`` when a mod is
-given; ``algorithm="wgmma"`` refuses), packed variable-length calls, KV caches, the transformers integration,
-gradients into the mods' arrays (a relative-position bias table learns nothing yet; sinks, which
-``numba_flash.torch.attention(..., sinks=)`` applies after the kernel, do), and mask
-classification on the GPU (the host classifies a mask_mod's tiles: ``numba_flash/sparsity/mod_tiles.py``).
-See ``docs/mods.md``.
+given; ``algorithm="wgmma"`` refuses), tile lists for packed sequences and caches, gradients into the mods'
+arrays (a relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(...,
+sinks=)`` applies after the kernel, do), and mask classification on the GPU (the host classifies a batched
+call's mask_mod tiles: ``numba_flash/sparsity/mod_tiles.py``).  See ``docs/mods.md``.
 """
 import inspect
 import math
