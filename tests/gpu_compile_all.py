@@ -10,7 +10,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper      # the wgmma kernels (sm_90a), varlen too
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py decode      # decode_plan's layouts of issue 47's grid
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations
-    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods_varlen_cache   # ... on packed sequences, KV caches
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods_varlen_cache   # only those of packed sequences, caches
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -241,6 +241,7 @@ def main(argv):
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "mods":
         mod_kernels(args.head_dim)
+        varlen_cache_mod_kernels(args.head_dim)
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "mods_varlen_cache":
         varlen_cache_mod_kernels(args.head_dim)
