@@ -21,6 +21,9 @@ from test_mods import _window_off_by_one, mask_mods, score_mods
 from tolerances import assert_close_to_reference, backward_tolerance
 
 varlen_dtypes = pytest.mark.parametrize("dtype", VARLEN_DTYPES, ids=dtype_name)
+#: Longest sequence drawn: the simulator's usual sizes; on a GPU the reference, which calls the mods in Python once
+#: per entry (and per earlier sequence: see ``at_batch``), bounds it.
+MAX_N = None if numba_flash.in_simulator() else 96
 
 
 def _keys_per_sequence(b, h, q_idx, kv_idx, limits):
@@ -36,7 +39,7 @@ def keys_per_sequence(limits):
 def packed_mod_problems(draw, dtype, backward=False):
     """A packed batch (``packed_problems``), a score_mod, and a mask_mod: the built-ins' compositions, or one that
     reads b, or both ANDed."""
-    p = draw(packed_problems(dtype=dtype, backward=backward))
+    p = draw(packed_problems(dtype=dtype, backward=backward, max_n=MAX_N))
     score_mod = draw(score_mods(p.q.shape[1]))
     used = len(score_mod.arrays) if score_mod else 0
     n_q, n_k = p.longest
