@@ -372,7 +372,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                  mask_cols, mask_t_r, mask_t_c, head_queries, query_position, mod_args):
             for r in range(LANE_ROWS):
                 row = q0 + row0 + 8 * r
-                q_idx, row_args = mod_row(row, query_position, head_queries, mod_args)
+                if SCORE_MOD or MASK_MOD:   # (only then: without mods the kernel's PTX is as before they came)
+                    q_idx, row_args = mod_row(row, query_position, head_queries, mod_args)
                 if QUERY_GROUPS:   # row g N_q + i of a packed group: query i's diagonal
                     end = (keys_end(int64(uint32(row) % uint32(head_queries)), head_queries, n_k, CAUSAL,
                                     causal_offset) if row < n_q else int64(0))
