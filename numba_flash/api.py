@@ -33,7 +33,9 @@ from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import current_context, device_limits
+from .mods import MASK, Mod
 from .sparsity.block_mask import BlockMask
+from .sparsity.mod_tiles import array_versions
 from .tiling import padded_head_dim
 from .sparsity.tile_lists import device_layout
 
@@ -383,15 +385,22 @@ def _option_key(option):
     return tuple(option) if isinstance(option, list) else option
 
 
+def _mask_versions(options):
+    """The in-place version counters of a plain mask_mod's torch tensors (``mod_tiles.array_versions``): a plan holds
+    the tile lists classified from them, so a change (document ids rewritten for the next batch) builds a new plan
+    rather than skip tiles by the old ids.  A TileMask is the user's own classification, kept as it is."""
+    return tuple(array_versions(o) for o in options if type(o) is Mod and o.kind == MASK)
+
+
 def _plan(build, arrays, options):
     """The cached plan for these arrays' summaries and options, built (and checked) on first use."""
     signatures = tuple(map(_signature, arrays))
     try:
         try:  # options as given (a BlockMask hashes by identity); lists need _option_key
-            key = (build, signatures, *options)
+            key = (build, signatures, _mask_versions(options), *options)
             plan = _PLANS.get(key)
         except TypeError:
-            key = (build, signatures, *map(_option_key, options))
+            key = (build, signatures, _mask_versions(options), *map(_option_key, options))
             plan = _PLANS.get(key)
         if None in signatures:
             plan = None

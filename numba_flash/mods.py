@@ -34,10 +34,14 @@ each sequence's indices (b its index in the pack, q_idx and kv_idx from its star
 tiles: it is evaluated on every visited tile's elements.
 
 Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``mma.sync`` when a mod is
-given; ``algorithm="wgmma"`` refuses), tile lists for packed sequences and caches, gradients into the mods'
+given; ``algorithm="wgmma"`` refuses), tile lists for packed sequences and caches, and gradients into the mods'
 arrays (a relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(...,
-sinks=)`` applies after the kernel, do), and mask classification on the GPU (the host classifies a batched
-call's mask_mod tiles: ``numba_flash/sparsity/mod_tiles.py``).  See ``docs/mods.md``.
+sinks=)`` applies after the kernel, do).
+
+A batched call's mask_mod tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/
+mod_tiles.py``) at a call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does
+it once ahead, returning a ``TileMask`` that calls take as their ``mask_mod`` (FlexAttention's
+``create_block_mask``).  See ``docs/mods.md``.
 """
 import inspect
 import math

@@ -9,7 +9,8 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py --ptx DIR   # also keep each kernel's PTX (to diff)
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper      # the wgmma kernels (sm_90a), varlen too
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py decode      # decode_plan's layouts of issue 47's grid
-    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations and
+                                                                        # the mask_mods' tile classification
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods_varlen_cache   # only those of packed sequences, caches
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
@@ -187,6 +188,21 @@ def mod_kernels(head_dim):
         fast(make_dq(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
 
 
+def mod_tile_kernels():
+    """The classification kernel of each ``mod_pairs`` mask_mod (its arrays as NumPy ones arrive) and the coarsening
+    kernel (``sparsity/mod_tiles.py``: ``numba_flash.tile_mask``)."""
+    from numba import typeof
+    from numba_flash.sparsity import mod_tiles
+
+    classes = T.Array(T.uint8, 1, "C")
+    for _, mask_mod in mod_pairs():
+        if mask_mod is not None:
+            kernel = mod_tiles._classifier(mask_mod)
+            check(f"classify_tiles_{mask_mod.name}", kernel.py_func, (classes,) + (T.int64,) * 7
+                  + tuple(typeof(np.ascontiguousarray(a)) for a in mask_mod.arrays))
+    check("coarsen_tile_classes", mod_tiles.coarsen.py_func, (classes, T.int64, T.int64, classes) + (T.int64,) * 4)
+
+
 def varlen_cache_mod_kernels(head_dim):
     """The mods on packed sequences (forward and both backward passes, every ``mod_pairs`` pair; no tile lists:
     the mask_mod tested on every tile) and on KV caches: split keys, four key warps on a paged cache, and
@@ -240,6 +256,7 @@ def main(argv):
         planned_decoding(head_dims=(args.head_dim,) if "--head-dim" in argv else (64, 128))
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "mods":
+        mod_tile_kernels()
         mod_kernels(args.head_dim)
         varlen_cache_mod_kernels(args.head_dim)
         return f"{len(failures)} failed: {failures}" if failures else 0

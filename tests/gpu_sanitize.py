@@ -27,11 +27,12 @@ a block taking turns along the keys; decode_swizzled: four key warps at d = 128,
 decode_paged: a paged cache, with its block table; decode_mqa, decode_many_splits, decode_paged_gqa: decode_plan's
 packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mods: mods_score a
 softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose tiles come
-as lists classified on the host; gqa_mods_mask the same with grouped heads, bottom-right causal; select them with
-the word "mods_score,mods_mask,gqa_mods_mask"), mods on packed sequences and caches (varlen_mods: the packed runs
-with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every tile tested, no dropout;
-decode_mods, decode_paged_mods: the decode runs with the same mods at each query's position in its entry, packed
-query groups, split keys, key warps; select them with "varlen_mods,decode_mods,decode_paged_mods").
+as lists classified on the GPU; gqa_mods_mask the same with grouped heads, bottom-right causal; mods_mask_tile_mask
+the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the kernel's tiles; select
+them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"), mods on packed sequences and caches
+(varlen_mods: the packed runs with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every
+tile tested, no dropout; decode_mods, decode_paged_mods: the decode runs with the same mods at each query's position in
+its entry, packed query groups, split keys, key warps; select them with "varlen_mods,decode_mods,decode_paged_mods").
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -167,6 +168,9 @@ RUNS = [
     ("backward", "flash2", np.float16, (32, 32), "mods_score"),
     ("backward", "flash2", np.float32, (32, 16), "mods_mask"),
     ("backward", "flash2", BF16, (32, 32), "gqa_mods_mask"),
+    # The mask classified ahead (numba_flash.tile_mask: the classification kernel, then its coarsening to the tiles).
+    ("forward", "flash2", np.float16, (64, 32), "mods_mask_tile_mask"),
+    ("backward", "flash2", np.float32, (32, 16), "mods_mask_tile_mask"),
     # The mods on packed sequences (every tile tests the mask_mod: no tile lists) and on KV caches (contiguous with
     # the library's layout: packed query groups, splits, key warps; paged with 16 x 16 tiles).
     ("forward", "flash2", np.float16, (32, 32), "varlen_mods"),
@@ -231,6 +235,8 @@ def inputs(variant, dtype, blocks, case, rng):
             kwargs.update(score_mod=mods.relative_position_bias(table),
                           mask_mod=mods.or_masks(mods.sliding_window(9), mods.prefix_lm(5)))
         ref_kwargs.update(score_mod=kwargs.get("score_mod"), mask_mod=kwargs.get("mask_mod"))
+        if "tile_mask" in variant:
+            kwargs.update(mask_mod=numba_flash.tile_mask(kwargs["mask_mod"], batch, heads, n_q, n_k))
     ref_kwargs["causal"] = kwargs["causal"]
     return device, [x.astype(np.float64) for x in host], kwargs, ref_kwargs
 

@@ -361,14 +361,14 @@ def test_torch_attention_sinks_and_their_gradient():
 
 
 def test_a_mask_that_reads_b_or_h_is_classified_per_head():
-    from numba_flash.sparsity.mod_tiles import classify_tiles, reads_batch_or_head
+    from numba_flash.sparsity.mod_tiles import batch_and_head_reads, classify_tiles
 
-    assert not reads_batch_or_head((mods.sliding_window(3) | mods.prefix_lm(2)).fn)   # classified once, broadcast
+    assert batch_and_head_reads((mods.sliding_window(3) | mods.prefix_lm(2)).fn) == (False, False)   # once, broadcast
 
     def head_window(b, h, q_idx, kv_idx):   # head 0 sees 1 key, head 1 the 17 up to its own
         return q_idx - (1 + 16 * h) < kv_idx and kv_idx <= q_idx + b
 
-    assert reads_batch_or_head(head_window)
+    assert batch_and_head_reads(head_window) == (True, True)
     visit, _ = classify_tiles(mods.Mod(head_window), 2, 2, 32, 32, (16, 16))
     assert visit.shape == (4, 2, 2) and visit[0].sum() == 2 and visit[1].sum() == 3 and visit[2].sum() == 3
     p = fixed_problem(n_q=21, n_k=18, heads=2, kv_heads=1)

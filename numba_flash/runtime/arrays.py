@@ -494,6 +494,18 @@ def _upload(host, stream):
     return cuda.to_device(host, stream=numba_stream(stream) or cuda.default_stream())
 
 
+def kernel_array(a):
+    """A mod's array as a kernel parameter: CUDA arrays in place (a contiguous copy of a non-contiguous tensor),
+    host arrays (NumPy, CPU tensors) copied to the GPU."""
+    if is_torch_tensor(a):
+        if not a.is_cuda:
+            return cuda.to_device(np.ascontiguousarray(a.detach().numpy()))
+        return a if a.is_contiguous() else a.contiguous()
+    if hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host"):
+        return a
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
 @functools.lru_cache(maxsize=None)
 def placeholder(dtype, ndim=1):
     """A one-element device array (of ``ndim`` dims) for array parameters a kernel specialisation never reads."""

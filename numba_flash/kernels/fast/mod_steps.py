@@ -21,7 +21,7 @@ from numba import float32
 from numba.extending import register_jitable
 
 from ...mods import MAX_MOD_ARRAYS, derivative, jitable
-from ...runtime.arrays import placeholder
+from ...runtime.arrays import kernel_array, placeholder
 from ...runtime.launch import inlined_device_function
 from .common import LOG2_E
 from .primitives import exp2
@@ -114,22 +114,7 @@ def _build(key, score_mod, mask_mod, backward):
 
 def mod_arrays(score_mod, mask_mod):
     """The kernels' fixed MOD0 .. MOD3 for a call: device arrays (NumPy ones copied once; CUDA ones in place)."""
-    from ...runtime.arrays import is_torch_tensor
-
-    arrays = []
-    for a in (score_mod.arrays if score_mod else ()) + (mask_mod.arrays if mask_mod else ()):
-        if is_torch_tensor(a):
-            if not a.is_cuda:
-                from numba import cuda
-                a = cuda.to_device(np.ascontiguousarray(a.detach().numpy()))
-            elif not a.is_contiguous():
-                a = a.contiguous()
-        elif hasattr(a, "__cuda_array_interface__") or hasattr(a, "copy_to_host"):
-            pass
-        else:
-            from numba import cuda
-            a = cuda.to_device(np.ascontiguousarray(a))
-        arrays.append(a)
+    arrays = [kernel_array(a) for a in (score_mod.arrays if score_mod else ()) + (mask_mod.arrays if mask_mod else ())]
     while len(arrays) < MAX_MOD_ARRAYS:
         arrays.append(placeholder(np.float32))
     return dict(zip(SLOTS, arrays))
