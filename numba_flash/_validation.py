@@ -777,7 +777,7 @@ def _check_compiles(mod, kind):
     _CHECKED_MODS[key] = True
 
 
-def check_mods(score_mod, mask_mod, *, algorithm, backward=False):
+def check_mods(score_mod, mask_mod, *, algorithm, backward=False, varlen=False):
     """The (score_mod, mask_mod) of a call as checked ``Mod``s, or None for neither; TypeError for a bad mod (wrong
     arity, arrays that are not arrays, a function Numba cannot compile, a non-scalar result, a derivative that
     cannot be traced in a backward), ValueError for a call outside the mods' scope -- all before any launch."""
@@ -785,12 +785,12 @@ def check_mods(score_mod, mask_mod, *, algorithm, backward=False):
 
     if score_mod is None and mask_mod is None:
         return None
-    if algorithm == "wgmma":
-        raise ValueError("score_mod/mask_mod do not run on algorithm='wgmma' yet; use algorithm='flash2' (the "
-                         "mma.sync kernels take them)")
     score_mod, mask_mod = as_mod(score_mod, "score_mod"), as_mod(mask_mod, "mask_mod")
-    if algorithm != "flash2":
-        raise ValueError(f"score_mod/mask_mod run on algorithm='flash2' (the mma.sync kernels), not {algorithm!r}")
+    if algorithm not in ("flash2", "wgmma"):
+        raise ValueError(f"score_mod/mask_mod run on algorithm='flash2' or 'wgmma', not {algorithm!r}")
+    if varlen and algorithm == "wgmma":
+        raise ValueError("score_mod/mask_mod on packed sequences run on algorithm='flash2' (the mma.sync kernels), "
+                         "not 'wgmma' yet")
     count = sum(len(m.arrays) for m in (score_mod, mask_mod) if m is not None)
     if count > MAX_MOD_ARRAYS:
         raise ValueError(f"score_mod and mask_mod read {count} arrays together; the kernels take at most "

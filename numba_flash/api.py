@@ -131,10 +131,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         FlexAttention's modifications (``numba_flash.mods``, ``docs/mods.md``):
         the logit of (b, h, i, j) is ``score_mod(scale q_i.k_j, b, h, i, j, *arrays)``
         where ``mask_mod(b, h, i, j, *arrays)`` (and causal, block_mask) allow it,
-        -inf elsewhere.  flash2 only, on the ``mma.sync`` kernel (the automatic
-        pick leaves wgmma for it; "wgmma" refuses mods); also on packed
-        sequences (``attention_varlen``) and KV caches (``attention_with_kv_cache``).
-        A bad mod raises TypeError before any launch.
+        -inf elsewhere.  flash2 (the kernel it picks: wgmma on Hopper where it
+        takes it without mods, else ``mma.sync``) and "wgmma"; also on packed
+        sequences (``attention_varlen``, mma.sync) and KV caches
+        (``attention_with_kv_cache``).  A bad mod raises TypeError before any launch.
 
     NaN in the inputs reaches exactly the output rows that may see it: a NaN
     in query row i makes row i of O and lse NaN (unless it may attend to no
@@ -190,7 +190,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
     here), so both values run the same kernels.
 
     score_mod, mask_mod: those of the forward call (``attention``), on the
-    ``mma.sync`` backward; dS is multiplied by d score_mod / d score, derived
+    backward the call picks (``mma.sync`` or ``wgmma``, as without mods); dS
+    is multiplied by d score_mod / d score, derived
     by tracing the score_mod (``numba_flash.mods.derivative``) unless its Mod
     has ``grad=``.  The mods' arrays get no gradient.
     """
@@ -467,7 +468,7 @@ class _ForwardPlan(_Plan):
                                                                         block_mask=block_mask, dropout_p=dropout_p,
                                                                         seed=0, algorithm=loop,
                                                                         block_sizes=block_sizes)))
-        if algorithm == "wgmma" or (algorithm == "flash2" and not mods and hopper.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper.chosen_for(self.call, block_sizes)):
             self.launch = hopper.forward_launch(self.call)
         else:
             self.launch = forward_launch(self.call) if algorithm == "flash2" else None
@@ -522,8 +523,7 @@ class _BackwardPlan(_Plan):
         check_deterministic(deterministic)
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
-        if algorithm == "wgmma" or (algorithm == "flash2" and not mods
-                                    and hopper_backward.chosen_for(self.call, block_sizes)):
+        if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
                                                               hopper_backward.dq_mode(deterministic))
         else:
@@ -590,7 +590,7 @@ class _VarlenForwardPlan(_ForwardPlan):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
         causal, scale, dropout_p, block_sizes, algorithm, score_mod, mask_mod, lengths = options
         check_loop(algorithm, VARLEN_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
-        mods = check_mods(score_mod, mask_mod, algorithm=algorithm)
+        mods = check_mods(score_mod, mask_mod, algorithm=algorithm, varlen=True)
         _Plan.__init__(self, q, check_mod_shapes(mods, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale,
                                                                          dropout_p=dropout_p, seed=0,
                                                                          block_sizes=block_sizes)))
@@ -609,7 +609,7 @@ class _VarlenBackwardPlan(_BackwardPlan):
         causal, scale, dropout_p, block_sizes, algorithm, deterministic, score_mod, mask_mod, lengths = options
         check_loop(algorithm, VARLEN_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
         check_deterministic(deterministic)
-        mods = check_mods(score_mod, mask_mod, algorithm=algorithm, backward=True)
+        mods = check_mods(score_mod, mask_mod, algorithm=algorithm, backward=True, varlen=True)
         _Plan.__init__(self, q, check_mod_shapes(mods, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale,
                                                                          dropout_p=dropout_p, seed=0,
                                                                          block_sizes=block_sizes, backward=True)))

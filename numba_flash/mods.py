@@ -1,5 +1,5 @@
 """Programmable attention: score and mask modifications written in Python (FlexAttention's ``score_mod`` and
-``mask_mod``), compiled by Numba into the ``mma.sync`` kernels.
+``mask_mod``), compiled by Numba into the ``mma.sync`` kernels and, on Hopper, the ``wgmma`` ones.
 
 A mod is a plain Python function of scalars, plus the arrays it reads::
 
@@ -28,15 +28,16 @@ generate d score_mod / d score for the backward.  A score_mod whose derivative c
 ``if`` on the score, an unsupported function) needs ``grad=``: a function of the same parameters returning the
 derivative.
 
-Packed sequences (``attention_varlen``, its backward, ``numba_flash.torch.attention_varlen``) hand the mods
-each sequence's indices (b its index in the pack, q_idx and kv_idx from its start); KV caches
+Where mods run: the forward and backward of ``algorithm="flash2"`` (the ``mma.sync`` kernels; on a Hopper GPU the
+``wgmma`` ones wherever flash2 takes those without mods) and of ``algorithm="wgmma"``.  Packed sequences
+(``attention_varlen``, its backward, ``numba_flash.torch.attention_varlen``; ``mma.sync`` only) hand the mods each
+sequence's indices (b its index in the pack, q_idx and kv_idx from its start); KV caches
 (``attention_with_kv_cache``) the query's position in its entry, L_b - N_q + i.  Neither classifies a mask_mod's
-tiles: it is evaluated on every visited tile's elements.
+tiles: it is evaluated on every visited tile's elements.  Not yet: gradients into the mods' arrays (a
+relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
+after the kernel, do).
 
-Not yet (this slice): the wgmma kernels (``algorithm="flash2"`` falls back to ``mma.sync`` when a mod is
-given; ``algorithm="wgmma"`` refuses), tile lists for packed sequences and caches, and gradients into the mods'
-arrays (a relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(...,
-sinks=)`` applies after the kernel, do).
+Not yet (this slice) besides: packed sequences on ``wgmma``, and tile lists for packed sequences and caches.
 
 A batched call's mask_mod tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/
 mod_tiles.py``) at a call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does

@@ -218,10 +218,11 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
     ``deterministic``: as for ``numba_flash.attention_backward`` (today both
     values give the same bits on every run: determinism measured free).
 
-    ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on flash2's
-    ``mma.sync`` kernels forward and backward; q, k and v get their gradients through the mods (the mods'
-    arrays get none yet).  Under ``torch.compile`` a call with mods is a graph break for now (it runs eagerly,
-    through ``torch.compiler.disable``): a Mod's Python function cannot travel through a custom operator.
+    ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on the kernels the
+    algorithm picks (wgmma or ``mma.sync``, as without mods) forward and backward; q, k and v get their gradients
+    through the mods (the mods' arrays get none yet).  Under ``torch.compile`` a call with mods is a graph break
+    for now (it runs eagerly, through ``torch.compiler.disable``): a Mod's Python function cannot travel through a
+    custom operator.
 
     ``sinks``: attention sinks (gpt-oss), a float tensor (H_q,) of logits, one per query head, that join each row's
     softmax denominator with no value: O' = O exp(lse - lse'), lse' = logaddexp(lse, sinks[h]).  Differentiable in

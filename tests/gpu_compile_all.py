@@ -11,6 +11,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py decode      # decode_plan's layouts of issue 47's grid
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations and
                                                                         # the mask_mods' tile classification
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper-mods # the same on the wgmma kernels (sm_90a)
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods_varlen_cache   # only those of packed sequences, caches
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
@@ -203,6 +204,25 @@ def mod_tile_kernels():
     check("coarsen_tile_classes", mod_tiles.coarsen.py_func, (classes, T.int64, T.int64, classes) + (T.int64,) * 4)
 
 
+def hopper_mod_kernels(head_dims, element="f16"):
+    """The wgmma kernels with each ``mod_pairs`` pair, causal or not: the forward's loops (plain, overlapped, two
+    warpgroups), the dK/dV kernel in every way of summing dQ, and the dQ kernel (a mask_mod's tiles come as lists
+    with the element test: HAS_MASK, PARTLY_MASKED).  float16 only: bfloat16 differs in the packing alone."""
+    from numba_flash.kernels.fast.mod_steps import mod_steps
+    from numba_flash.kernels.hopper.backward import DQ_MODES, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.forward import make_wgmma_forward
+
+    for d, (score_mod, mask_mod), causal in itertools.product(head_dims, mod_pairs(), (False, True)):
+        has_mask = mask_mod is not None
+        steps = mod_steps(score_mod, mask_mod)
+        for overlap, warpgroups in ((False, 1), (True, 1), (False, 2)):
+            fast(make_wgmma_forward(d, element, causal, overlap, warpgroups, has_mask, True, MODS=steps), "sm_90a")
+        steps = mod_steps(score_mod, mask_mod, backward=True)
+        for dq_mode in DQ_MODES:
+            fast(make_wgmma_dkdv(d, element, causal, dq_mode, has_mask, True, MODS=steps), "sm_90a")
+        fast(make_wgmma_dq(d, element, causal, has_mask, True, MODS=steps), "sm_90a")
+
+
 def varlen_cache_mod_kernels(head_dim):
     """The mods on packed sequences (forward and both backward passes, every ``mod_pairs`` pair; no tile lists:
     the mask_mod tested on every tile) and on KV caches: split keys, four key warps on a paged cache, and
@@ -239,7 +259,8 @@ def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper", "decode",
-                                                                            "mods", "mods_varlen_cache"))
+                                                                            "mods", "hopper-mods",
+                                                                            "mods_varlen_cache"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
     parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96 and 128) unless given")
@@ -262,6 +283,9 @@ def main(argv):
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "mods_varlen_cache":
         varlen_cache_mod_kernels(args.head_dim)
+        return f"{len(failures)} failed: {failures}" if failures else 0
+    if args.mode == "hopper-mods":
+        hopper_mod_kernels(head_dims)
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "tiles":
         # Every tile shape of the GPU test profile (tests/strategies.py), with dropout alone and with

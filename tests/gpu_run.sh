@@ -90,7 +90,8 @@ for s in $STEPS; do
              # sanitizers, then TFLOP/s beside cuBLAS
         step wgmma_layouts 150 python3 experiments/tuning/wgmma_layouts.py
         grep -E "True|Error" "$LOGS/wgmma_layouts.log" | tail -12
-        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} step wgmma_test 300 python3 -m pytest -q -p no:cacheprovider tests/test_hopper.py
+        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} step wgmma_test 300 python3 -m pytest -q -p no:cacheprovider tests/test_hopper.py \
+            tests/test_hopper_mods.py
         tail -3 "$LOGS/wgmma_test.log"
         for tool in memcheck racecheck synccheck; do
             step wgmma_$tool 150 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \

@@ -29,10 +29,12 @@ packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mo
 softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose tiles come
 as lists classified on the GPU; gqa_mods_mask the same with grouped heads, bottom-right causal; mods_mask_tile_mask
 the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the kernel's tiles; select
-them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"), mods on packed sequences and caches
-(varlen_mods: the packed runs with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every
-tile tested, no dropout; decode_mods, decode_paged_mods: the decode runs with the same mods at each query's position in
-its entry, packed query groups, split keys, key warps; select them with "varlen_mods,decode_mods,decode_paged_mods").
+them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"; on the wgmma kernels also
+mods_mask_overlap and gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and
+gqa_mods_mask_unordered, the backward's other ways of summing dQ), mods on packed sequences and caches (varlen_mods:
+the packed runs with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every tile tested,
+no dropout; decode_mods, decode_paged_mods: the decode runs with the same mods at each query's position in its entry,
+packed query groups, split keys, key warps; select them with "varlen_mods,decode_mods,decode_paged_mods").
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -171,6 +173,18 @@ RUNS = [
     # The mask classified ahead (numba_flash.tile_mask: the classification kernel, then its coarsening to the tiles).
     ("forward", "flash2", np.float16, (64, 32), "mods_mask_tile_mask"),
     ("backward", "flash2", np.float32, (32, 16), "mods_mask_tile_mask"),
+    # The same mods on the wgmma kernels: the forward's three loops (plain, overlapped, two warpgroups), the backward's
+    # three ways of summing dQ (its default, "separate"; "ordered"; "atomic" for the unordered runs).
+    ("forward", "wgmma", np.float16, None, "mods_score"),
+    ("forward", "wgmma", BF16, None, "mods_mask"),
+    ("forward", "wgmma", BF16, None, "gqa_mods_mask"),
+    ("forward", "wgmma", np.float16, None, "mods_mask_overlap"),
+    ("forward", "wgmma", BF16, None, "gqa_mods_mask_warpgroups2"),
+    ("backward", "wgmma", np.float16, None, "mods_score"),
+    ("backward", "wgmma", BF16, None, "mods_mask"),
+    ("backward", "wgmma", BF16, None, "gqa_mods_mask"),
+    ("backward", "wgmma", np.float16, None, "mods_mask_ordered"),
+    ("backward", "wgmma", BF16, None, "gqa_mods_mask_unordered"),
     # The mods on packed sequences (every tile tests the mask_mod: no tile lists) and on KV caches (contiguous with
     # the library's layout: packed query groups, splits, key warps; paged with 16 x 16 tiles).
     ("forward", "flash2", np.float16, (32, 32), "varlen_mods"),

@@ -248,7 +248,7 @@ def test_bad_mods_raise_type_errors_before_any_launch(no_launch):
         call(score_mod=mods.alibi(mods.alibi_slopes(3)))
     with pytest.raises(ValueError, match="document: 2 query and 2 key document ids for N_q = 3"):
         call(mask_mod=mods.sliding_window(2) & mods.document(np.zeros(2, np.int32)))
-    with pytest.raises(ValueError, match="wgmma"):
+    with pytest.raises(ValueError, match="float16 or bfloat16 for the wgmma forward"):   # (mods run there; float32 not)
         call(score_mod=mods.softcap(1.0), algorithm="wgmma")
     with pytest.raises(ValueError, match="flash2"):
         call(score_mod=mods.softcap(1.0), algorithm="standard")

@@ -211,3 +211,5 @@ def test_mods_on_packed_sequences_are_checked_before_any_launch(no_launch):
         numba_flash.attention_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, mask_mod=mods.document(ids))
     with pytest.raises(TypeError, match="mask_mod"):
         numba_flash.attention_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, mask_mod=mods.softcap(2.0))
+    with pytest.raises(ValueError, match="packed sequences run on algorithm='flash2'"):   # not on wgmma yet
+        numba_flash.attention_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, algorithm="wgmma", mask_mod=mods.causal_mask)

@@ -128,6 +128,22 @@ def no_mod_arrays():
 NO_MOD_SLOTS = {slot: np.float32 for slot in SLOTS}
 
 
+def slot_arrays(MODS):
+    """A kernel's ``arrays`` entries for MOD0 .. MOD3: the mods' (dtype, ndim), or float32 placeholders."""
+    return MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS
+
+
+def slot_arguments(mods):
+    """A launch's MOD0 .. MOD3 for a call's ``mods`` (``call.mods``: a pair, or None): their arrays, or
+    placeholders."""
+    return mod_arrays(*mods) if mods else no_mod_arrays()
+
+
+def mods_suffix(MODS):
+    """What a kernel specialisation's name says of its mods: "_mods_<names>", or nothing."""
+    return f"_mods_{MODS.name}" if MODS is not None else ""
+
+
 def entry_steps(MODS):
     """The kernels' per-entry steps for ``MODS`` (a ``ModSteps``; None gives steps that are never called).
 

@@ -64,6 +64,15 @@ is empty copies nothing and writes zeros.  Both are compile-time flags (HAS_MASK
 tiles compiles the element test out, and without a mask the kernels compile to the PTX instructions they had before
 (sm_90a; the mask's placeholder arguments added at the end of the parameter list).
 
+Score and mask mods (``numba_flash.mods``; every kernel's MODS, in every way of summing dQ): a mask_mod's tiles come
+as the lists above (classified on the host, ANDed with a block mask's), its partly covered tiles testing each entry
+with it in ``element_test``; a score_mod makes every step test every entry (the mod called only where allowed) and
+gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score, the derivative the
+backward's ``ModSteps`` traced (``fast.mod_steps.entry_steps``' ``mod_weight``).  The dK/dV kernel packs P^T for dV's
+product and keeps P^T o d score_mod / d score in S^T's registers in the same pass (``probability_pair``), so the
+slope needs no registers of its own.  Without mods the PTX instructions are unchanged (sm_90a, 2026-12-06).  Not yet
+run on a GPU.
+
 Deterministic.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so the order
 of the adds must not depend on timing.  Three ways of summing it are built (``DQ_MODES``), and the one that measured
 fastest is the default for every call (``DQ_MODE``; the others stay for ``NUMBA_FLASH_WGMMA_DQ``, to measure them):
@@ -103,14 +112,15 @@ from numba import cuda, float32, int64, uint32
 
 from ...runtime.arrays import placeholder
 from ...runtime.device import in_simulator
-from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
-from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, log2_lse, lse_slabs, partly_masked_tiles,
-                           sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode, tile_coordinates,
-                           warp_lane, word_extent)
+from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_tile_lists, log2_lse, lse_slabs,
+                           partly_masked_tiles, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
+                           tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
+from ..fast.mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
                                store_word, u32_as_f32)
 from . import forward
@@ -254,23 +264,29 @@ def tile_list(PARTLY_MASKED):
 
 
 @lru_cache(maxsize=None)
-def element_test(CAUSAL, TRANSPOSED):
-    """``hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t)``: bit i set where this lane's
-    register i of a 64 x 64 score tile (S: query rows, key columns; S^T where TRANSPOSED) holds an entry its query
-    may not see (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile the
-    block mask covers only partly, outside its blocks, read from the uint8 block layout); ``layout`` = (M, bh,
-    mask_rows, mask_cols, mask_t_r, mask_t_c).  One word, as the forward's ``hidden_entries``: the loop over the
-    registers that tests it then indexes S with constants only."""
+def element_test(CAUSAL, TRANSPOSED, MODS=None):
+    """``hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)``: bit i set where this
+    lane's register i of a 64 x 64 score tile (S: query rows, key columns; S^T where TRANSPOSED) holds an entry its
+    query may not see (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile
+    the block mask or mask_mod covers only partly, outside its blocks, read from the uint8 block layout, and outside
+    the mask_mod: ``fast.mod_steps.entry_steps``' ``mod_allows``); ``layout`` = (M, bh, mask_rows, mask_cols,
+    mask_t_r, mask_t_c).  One word, as the forward's ``hidden_entries``: the loop over the registers that tests it
+    then indexes S with constants only."""
+    MASK_MOD = MODS is not None and MODS.has_mask
+    mod_allows = entry_steps(MODS)[0]
 
     @inlined_device_function
-    def hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t):
+    def hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args):
         M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
         bits = uint32(0)
         for i in range(S_REGISTERS):
             row, column = lane_entry(i, g, t, warp)
             query, key = (q0 + column, k0 + row) if TRANSPOSED else (q0 + row, k0 + column)
-            if not allowed(query, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols,
-                           mask_t_r, mask_t_c):
+            visible = allowed(query, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols,
+                              mask_t_r, mask_t_c)
+            if MASK_MOD and partly:   # (tiles the mask_mod fills skip its test: ``sparsity/mod_tiles.py``)
+                visible = mod_allows(visible, query, key, mod_args)
+            if not visible:
                 bits |= uint32(1) << uint32(i)
         return bits
 
@@ -374,7 +390,8 @@ def contributors(m, k_tiles, causal_offset):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False):
+def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False,
+                    MODS=None):
     """dK and dV: one warpgroup per (key tile, batch, key/value head); see the module docstring.  With DQ_MODE
     "ordered" or "atomic" it also adds each step's dS K into DQ_SUM (float32, (batch * heads, q_tiles * 64, d)):
     "ordered" in a fixed order of the key tiles per query tile, kept by the counters TURNS (one per query tile and
@@ -392,16 +409,30 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     sequence's (the grid covers the longest: a block past its sequence's keys leaves before any barrier), its rows
     offset by the sequence's first query and key, lse and D where ``lse_row`` puts them.  dQ's float32 sum and its
     turns keep their layout (a slab of the longest sequence's query tiles per (sequence, head)), the ordered turns
-    counted over the sequence's own key tiles."""
+    counted over the sequence's own key tiles.
+
+    MODS (``fast.mod_steps.ModSteps`` built for the backward, or None): a mask_mod's tiles come as lists (HAS_MASK,
+    classified on the host) and its partly covered tiles take it in the element test; a score_mod makes every step
+    test every entry (``hidden_entries``: its calls only where allowed) and compute P^T = exp2(score_mod(scale S^T)
+    log2(e) - lse) and d score_mod / d score by ``mod_weight`` (``fast.mod_steps.entry_steps``), so that
+    dS^T = P^T o (dP^T - D) o d score_mod / d score (``mod_probabilities``).  Without mods every step compiles as
+    before (MOD0 .. MOD3 placeholders at the end of the parameter list)."""
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
+    assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
     sequence, lse_row = sequence_bounds(VARLEN)
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
     SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's P^T may need the block mask's element test
+    HAS_MODS = MODS is not None
+    SCORE_MOD = HAS_MODS and MODS.has_score
+    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
     stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
     list_bounds, listed = tile_list(PARTLY_MASKED)
-    hidden_entries = element_test(CAUSAL, True)
+    hidden_entries = element_test(CAUSAL, True, MODS)
+    mod_weight = entry_steps(MODS)[2]
+    _, pack = sixteen_bit_ops(ELEMENT)
 
     # ---- which query tiles a block visits, in what order, and (ordered) when it adds to each one's dQ ----
     @inlined_device_function
@@ -485,8 +516,36 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             st[i] = p
 
     @inlined_device_function
+    def entry_weight(i, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
+        """(SCORE_MOD) (P^T, d score_mod / d score) of register i of S^T: 0 and 0 where bit i of ``hidden`` is set."""
+        if (hidden >> uint32(i)) & uint32(1):
+            return float32(0), float32(0)
+        key, column = lane_entry(i, g, t, warp)
+        return mod_weight(st[i], u32_as_f32(load_word(smem, scalars_at + column)), q0 + column, k0 + key, mod_args)
+
+    def probability_pair(x):
+        """(SCORE_MOD) ``pair(st, p_words, ...)``: registers 2x and 2x + 1 of S^T to P^T, packed into word x of
+        ``p_words`` (``pack_pairs``' layout: dV's A operand), and st to P^T o d score_mod / d score, the factor of
+        (dP^T - D) in dS^T (``score_gradients``): no registers beside st hold the slope.  One function per pair,
+        written out by ``unrolled``: NVVM leaves a loop whose body calls a mod rolled, and S^T indexed at run time
+        goes to local memory."""
+
+        @inlined_device_function
+        def pair(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
+            p_even, slope_even = entry_weight(2 * x, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t)
+            p_odd, slope_odd = entry_weight(2 * x + 1, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t)
+            p_words[x] = pack(p_even, p_odd)
+            st[2 * x] = p_even * slope_even
+            st[2 * x + 1] = p_odd * slope_odd
+
+        return pair
+
+    #: (SCORE_MOD) mod_probabilities(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t): every pair.
+    mod_probabilities = unrolled([probability_pair(x) for x in range(A_WORDS)]) if SCORE_MOD else None
+
+    @inlined_device_function
     def score_gradients(dpt, st, smem, scalars_at, warp, g, t):
-        """dpt: dP^T -> dS^T = P^T o (dP^T - D), for P^T in st."""
+        """dpt: dP^T -> dS^T = P^T o (dP^T - D), for P^T in st (with a score_mod, P^T o d score_mod / d score)."""
         for i in range(S_REGISTERS):
             _, column = lane_entry(i, g, t, warp)
             dpt[i] = st[i] * (dpt[i] - u32_as_f32(load_word(smem, scalars_at + BLOCK_N + column)))
@@ -522,14 +581,16 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
                do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
                causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r,
-               mask_t_c, row_offsets, row_entries, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh):
+               mask_t_c, row_offsets, row_entries, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
+               MOD0, MOD1, MOD2, MOD3):
         # Q, K, V, dO, dK, dV: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte
         # aligned); LSE, D: (batch * heads, n_q) float32.  Query heads h_kv group .. h_kv group + group - 1 read
         # key/value head h_kv.  DQ_SUM and TURNS: see above (unused when dQ has its own pass).  HAS_MASK: the query
         # tiles of key tile kt of head bh are tile_entries[tile_offsets[bh (k_tiles + 1) + kt] ...], the key tiles
         # of query tile qt row_entries[row_offsets[bh (q_tiles + 1) + qt] ...] (``MASK_TILES``), M the uint8
         # (bh, mask_t_r, mask_t_c) block layout of blocks (mask_rows, mask_cols); placeholders without a mask.
-        # VARLEN: q_bounds, k_bounds bound each sequence's rows (``sequence_bounds``; placeholders without).
+        # VARLEN: q_bounds, k_bounds bound each sequence's rows (``sequence_bounds``; placeholders without).  MODS:
+        # MOD0 .. MOD3 the score_mod's arrays, then the mask_mod's (``fast.mod_steps``); placeholders otherwise.
         rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
         # Causal: rank 0 is key tile 0, the one the most query rows see (longest first), or when the adds are
         # ordered from the diagonal down, the last key tile (shortest first: every block it waits for started
@@ -616,20 +677,28 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                            (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, tid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
+            # What the mods read besides the entry (``fast.mod_steps.entry_steps``): batch, this step's query head,
+            # scale, their arrays (without mods, never read).
+            mod_args = (b, h_kv * group + (x if HAS_MASK else step // per_head) if HAS_MODS else 0,
+                        float32(scale), MOD0, MOD1, MOD2, MOD3)
             # With the element test, the entries it hides, before the products are issued: its temporaries are
-            # then never live beside S^T and dP^T (found after them, at d = 128 they spilled 100-372 bytes).
+            # then never live beside S^T and dP^T (found after them, at d = 128 they spilled 100-372 bytes).  A
+            # score_mod tests every tile's (its calls only where allowed).
             hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, partly,
-                                     (M, bh0 + x, mask_rows, mask_cols, mask_t_r, mask_t_c), warp, g, t)
-                      if ELEMENT_TEST and (partly or (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset)
-                                           or k0 + BLOCK_N > n_k) else uint32(0))
+                                     (M, bh0 + x, mask_rows, mask_cols, mask_t_r, mask_t_c), warp, g, t, mod_args)
+                      if ENTRY_TEST and (SCORE_MOD or partly or (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset)
+                                         or k0 + BLOCK_N > n_k) else uint32(0))
             # The products in the order their inputs are ready, each waited for only when its result is needed:
             # P^T's exponentials run under dP^T's products, dS^T's under dV's.
             issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
             wait_all_but_one()   # S^T
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
             scalars = scalars_at + stage * 2 * BLOCK_N
-            probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t)
-            pack_pairs(p_words, st)
+            if SCORE_MOD:
+                mod_probabilities(st, p_words, smem, scalars, k0, q0, hidden, mod_args, warp, g, t)
+            else:
+                probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t)
+                pack_pairs(p_words, st)
             wgmma_fence()   # P^T's registers, before the product reads them
             issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
             wgmma_commit()
@@ -656,9 +725,11 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
 
     name = f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
         "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE}") + (
-        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "")
+        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "") + (
+        mods_suffix(MODS))
     return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
-                                                    row_offsets=np.int32, row_entries=np.int32, **BOUNDS_ARRAYS))
+                                                    row_offsets=np.int32, row_entries=np.int32, **BOUNDS_ARRAYS,
+                                                    **slot_arrays(MODS)))
 
 
 @lru_cache(maxsize=None)
@@ -694,18 +765,43 @@ def make_dq_convert(HEAD_DIM, ELEMENT, VARLEN=False):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False):
+def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False, MODS=None):
     """dQ: one warpgroup per (query tile, batch, query head); see the module docstring.  HAS_MASK: a block mask
     lists the key tiles each query tile visits and the order of the blocks (the wgmma forward's lists at one
-    warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED and VARLEN as the dK/dV kernel's (a block past
-    its sequence's queries leaves before any barrier)."""
+    warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED, VARLEN and MODS as the dK/dV kernel's (a block
+    past its sequence's queries leaves before any barrier; a score_mod's dS = P o (dP - D) o d score_mod / d score
+    in ``score_gradients``)."""
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
+    assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
     sequence, lse_row = sequence_bounds(VARLEN)
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED
+    SCORE_MOD = MODS is not None and MODS.has_score
+    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
     list_bounds, listed = tile_list(PARTLY_MASKED)
-    hidden_entries = element_test(CAUSAL, False)
+    hidden_entries = element_test(CAUSAL, False, MODS)
+    mod_weight = entry_steps(MODS)[2]
+
+    def gradient_entry(i):
+        """(SCORE_MOD) ``entry(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args)``: register i of dP to dS = P (dP
+        - D) d score_mod / d score (``mod_weight``), 0 where bit i of ``hidden`` is set.  One function per register,
+        written out by ``unrolled``: NVVM leaves a loop whose body calls a mod rolled, and S and dP indexed at run
+        time go to local memory."""
+
+        @inlined_device_function
+        def entry(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args):
+            r = (i % 4) // 2
+            p, slope = float32(0), float32(0)
+            if not (hidden >> uint32(i)) & uint32(1):
+                row, key = lane_entry(i, g, t, warp)
+                p, slope = mod_weight(s[i], lse2[r], q0 + row, k0 + key, mod_args)
+            dp[i] = p * slope * (dp[i] - d_i[r])
+
+        return entry
+
+    mod_gradients = unrolled([gradient_entry(i) for i in range(S_REGISTERS)]) if SCORE_MOD else None
 
     # ---- which query tile a block takes, and which key tiles it visits (the forward's steps of the same names) ----
     @inlined_device_function
@@ -740,11 +836,16 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
 
     @inlined_device_function
     def score_gradients(s, dp, lse2, d_i, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
-                        t):
+                        t, mod_args):
         """s: S -> P = exp2(c S - lse), dp: dP -> dS = P o (dP - D); both 0 where the key may not be seen (in a
-        tile a block mask covers only partly, by the element test)."""
-        hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t) if masked
-                   else uint32(0)) if ELEMENT_TEST else uint32(0))
+        tile a block mask or mask_mod covers only partly, by the element test).  With a score_mod, P =
+        exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score (``mod_weight``, called
+        only where the entry is allowed: every tile tests every entry)."""
+        hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)
+                   if SCORE_MOD or masked else uint32(0)) if ENTRY_TEST else uint32(0))
+        if SCORE_MOD:
+            mod_gradients(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args)
+            return
         for i in range(S_REGISTERS):
             row, key = lane_entry(i, g, t, warp)
             r = (i % 4) // 2
@@ -759,10 +860,11 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
                dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2, tile_offsets,
                tile_entries, tile_order, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds,
-               k_step, bottom_right, lse_sb, lse_sh):
+               k_step, bottom_right, lse_sb, lse_sh, MOD0, MOD1, MOD2, MOD3):
         # As the dK/dV kernel's; key/value head h // group serves query head h.  HAS_MASK: the key tiles of query
         # tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...], block i runs tile
-        # tile_order[i]; placeholders without a mask.  VARLEN: the sequences' bounds, as the dK/dV kernel's.
+        # tile_order[i]; placeholders without a mask.  VARLEN: the sequences' bounds, MODS: the mods' arrays, as the
+        # dK/dV kernel's.
         q0, h, b, bh = block_tile(tile_order, q_tiles, heads)
         lse_rows = n_q   # of lse and D per (batch, head), or per head over the packed sequences (VARLEN)
         first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
@@ -807,6 +909,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
         copy_async_commit()
         c_log2 = float32(scale_log2)
         layout = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
+        mod_args = (b, h, float32(scale), MOD0, MOD1, MOD2, MOD3)   # (``fast.mod_steps.entry_steps``)
         for j in range(n_tiles):
             stage = j & 1
             k0, partly = key_tile(tile_entries, first, j, n_tiles)
@@ -824,7 +927,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
             wait_all_products()
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k or partly
             score_gradients(s, dp, lse2, d_i, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
-                            t)
+                            t, mod_args)
             pack_pairs(ds_words, dp)
             wgmma_fence()   # dS's registers, before the product reads them
             issue_weighted(dq_acc, ds_words, advanced_device(kt_desc, offset))
@@ -835,8 +938,9 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
                    warp, g, t)
 
     return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
-        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else ""),
-                   ("dQ",), dict(MASK_ARRAYS, tile_order=np.int32, **BOUNDS_ARRAYS))
+        ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "")
+                   + mods_suffix(MODS), ("dQ",), dict(MASK_ARRAYS, tile_order=np.int32, **BOUNDS_ARRAYS,
+                                                      **slot_arrays(MODS)))
 
 
 @dataclass(frozen=True)
@@ -901,7 +1005,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
                     do_sn=do_strides.row, group=call.group, n_q=call.n_q, n_k=call.n_k,
                     causal_offset=call.causal_offset, scale=call.scale, scale_log2=call.scale * LOG2_E,
-                    **sequence_arguments(call))
+                    **sequence_arguments(call), **slot_arguments(call.mods))
     bounds, bounds_extents = sequence_arrays(call)   # (packed sequences: cu_seqlens_q and _k, after the rest)
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), dO=words(q_shape, do_strides),
                    LSE=rows, D=rows, **bounds_extents)
@@ -918,9 +1022,10 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
                          **block_mask_arguments(call, MASK_TILES, "dkdv"), row_offsets=rows_lists["tile_offsets"],
                          row_entries=rows_lists["tile_entries"])
     dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
-    has_mask = call.block_mask is not None
+    has_mask = has_tile_lists(call)   # a block mask's, or a mask_mod's classified tiles
+    compiled_mods = mod_steps(*call.mods, backward=True) if call.mods else None
     dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode, has_mask,
-                                  partly_masked_tiles(call, MASK_TILES, "dkdv"), varlen)
+                                  partly_masked_tiles(call, MASK_TILES, "dkdv"), varlen, compiled_mods)
     dkdv_grid = k_tiles * call.batch * call.kv_heads
     preprocess = preprocess_launch(call, o_strides, do_strides)
     if dq_mode != "separate":
@@ -936,7 +1041,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
                   dict(dkdv_operands, DQ_SUM=placeholder(np.float32), TURNS=placeholder(np.int32)),
                   inputs + ("dK", "dV") + bounds, dkdv_extents)
     dq_kernel = make_wgmma_dq(call.head_dim, call.precision, bool(call.causal), has_mask,
-                              partly_masked_tiles(call, MASK_TILES, "forward"), varlen)
+                              partly_masked_tiles(call, MASK_TILES, "forward"), varlen, compiled_mods)
     dq = Launch(dq_kernel, q_tiles * call.batch_heads,
                 WARPGROUP, shared, dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads,
                                         q_tiles=q_tiles, **rows_lists),

@@ -79,6 +79,15 @@ last query tile leaves before any barrier.  flash2 takes it where it takes the b
 Departure from the dense kernel: none in the loop; the flag
 compiles out of the kernels without it (their PTX instructions unchanged, sm_90a, 2026-12-05).
 
+Score and mask mods (``numba_flash.mods``, ``make_wgmma_forward``'s MODS): the mma.sync forward's steps
+(``fast.mod_steps.entry_steps``) in this kernel's mask step.  A mask_mod's tiles are classified on the host into the
+block-mask lists above (empty tiles never visited, full ones without the test, partly covered ones testing each entry
+with the mask_mod in ``hidden_entries``, ANDed with a block mask's); a score_mod makes every tile take the element
+test, so that it is called (and reads its arrays) only for entries inside both sequences, the causal mask and the
+masks, and replaces each allowed score by score_mod(scale S) log2(e) before the softmax, whose scale is then 1.
+Without mods the kernels' PTX instructions are unchanged (sm_90a, 2026-12-06; MOD0 .. MOD3's placeholders added to the
+parameter list).  flash2 takes this kernel with mods wherever it takes it without; not yet run on a GPU.
+
 Barriers and fences, each where it sits:
 
 * after a thread's ``cp.async`` copies land (``land_tiles``), ``fence_proxy_async``: the copies are
@@ -106,13 +115,14 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from ...runtime.device import in_simulator
-from ...runtime.launch import Kernel, Launch, inlined_device_function
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
 from ...sparsity.tile_lists import listed_tile
 from ...tiling import cdiv
-from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, lane_flags, lse_slabs,
-                           nan_cleaner, pair_has_nan, partly_masked_tiles, row_lse, sequence_arguments, sequence_arrays,
-                           sequence_bounds, sequence_mode, tile_coordinates, warp_lane, word_extent)
+from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_flags,
+                           lse_slabs, nan_cleaner, pair_has_nan, partly_masked_tiles, row_lse, sequence_arguments,
+                           sequence_arrays, sequence_bounds, sequence_mode, tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
+from ..fast.mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
 from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, layout_dim, mn_major_descriptor,
@@ -149,7 +159,7 @@ def shared_bytes(head_dim, warpgroups=1, overlap=False):
 
 @lru_cache(maxsize=None)
 def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK=False, PARTLY_MASKED=True,
-                       VARLEN=False):
+                       VARLEN=False, MODS=None):
     """The kernel for head dim D (``common.HEAD_DIMS``: a multiple of 16 up to 128), ELEMENT "f16" or
     "bf16", causal or not, with a block mask or not.
 
@@ -195,13 +205,27 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     before its first copy (the grid covers the longest sequence), and one whose sequence has no key copies nothing
     and writes O = 0, lse = -inf.  Without it ``sequence`` returns the call's own lengths and rows 0, which the
     compiler folds away (the bounds' placeholder arguments added to the parameter list).
+
+    MODS (``fast.mod_steps.ModSteps``, or None): a score_mod and/or mask_mod, the mma.sync forward's steps
+    (``fast.mod_steps.entry_steps``) in this kernel's mask step.  A mask_mod's tiles come as the lists above
+    (HAS_MASK: classified on the host, ``sparsity/mod_tiles.py``), its partly covered tiles (PARTLY_MASKED) testing
+    each entry with it in ``hidden_entries``; a score_mod replaces every allowed score of every tile by its
+    score_mod(scale S) in log2 units (so the softmax's scale is 1), the hidden ones by -inf, and is called only for
+    entries inside both sequences, the causal mask and the mask_mod (its array reads in bounds).  Without mods the
+    steps compile as before (MOD0 .. MOD3 placeholders added to the parameter list).
     """
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
+    assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
+    SCORE_MOD = MODS is not None and MODS.has_score
+    MASK_MOD = MODS is not None and MODS.has_mask
+    mod_allows, mod_score, _ = entry_steps(MODS)
     assert VARLEN in (False, True), "the wgmma forward reads packed sequences, not a KV cache"
     sequence, lse_row = sequence_bounds(VARLEN)
     THREADS = WARPGROUP * WARPGROUPS
     ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
+    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS, O_REGISTERS = BLOCK_N // 2, D // 2   # O: m64n{D}, the layout's pad columns left out
     P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
@@ -317,19 +341,23 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         return x * BLOCK_N, False
 
     @inlined_device_function
-    def hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout):
-        """With the element test (ELEMENT_TEST), bit i set where this lane's score register i is hidden from its query
+    def hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
+        """With the element test (ENTRY_TEST), bit i set where this lane's score register i is hidden from its query
         (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile the mask
-        covers only partly, outside its blocks, read from the uint8 block layout); ``layout`` = (M, bh,
-        mask_rows, mask_cols, mask_t_r, mask_t_c), where this head's layout is.  One word, so that this loop
+        covers only partly, outside its blocks, read from the uint8 block layout, and outside the mask_mod's);
+        ``layout`` = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c), where this head's layout is; ``mod_args``:
+        the mods' (``fast.mod_steps.entry_steps``).  One word, so that this loop
         indexes no register of S: with the layout's loads NVVM leaves it rolled, and a rolled loop over S
         would put S in local memory (ptxas: a 128-byte stack frame, and waits injected after the products)."""
         M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
         bits = uint32(0)
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
-            if not allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols,
-                           mask_t_r, mask_t_c):
+            visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols, mask_t_r,
+                              mask_t_c)
+            if MASK_MOD and partly:   # (tiles the mask_mod fills skip its test: ``sparsity/mod_tiles.py``)
+                visible = mod_allows(visible, row, key, mod_args)
+            if not visible:
                 bits |= uint32(1) << uint32(i)
         return bits
 
@@ -355,11 +383,33 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             scores_by_keys(s, advanced_device(q_desc, k_step_bytes(step)), advanced_device(k_desc, k_step_bytes(step)))
         wgmma_commit()
 
+    def score_entry(i):
+        """(SCORE_MOD) ``entry(s, hidden, q0, k0, warp, g, t, mod_args)``: score register i to score_mod(scale S)
+        log2(e), or to -inf where bit i of ``hidden`` is set.  One function per register, written out by ``unrolled``:
+        NVVM leaves a loop whose body calls a mod rolled, and S indexed at run time goes to local memory."""
+
+        @inlined_device_function
+        def entry(s, hidden, q0, k0, warp, g, t, mod_args):
+            if (hidden >> uint32(i)) & uint32(1):
+                s[i] = float32(NEG_INF)
+            else:
+                row, key = row_and_key(i, q0, k0, warp, g, t)
+                s[i] = mod_score(s[i], row, key, mod_args)
+
+        return entry
+
+    modded_scores = unrolled([score_entry(i) for i in range(S_REGISTERS)]) if SCORE_MOD else None
+
     @inlined_device_function
-    def mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout):
-        """Scores of keys past N_k, (causal) right of the diagonal, and (a tile a block mask covers only partly)
-        outside the mask's blocks, to -inf (with the element test, also every score of a row past N_q)."""
-        hidden = hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout) if ELEMENT_TEST else 0
+    def mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
+        """Scores of keys past N_k, (causal) right of the diagonal, and (a tile a block mask or mask_mod covers only
+        partly) outside the mask, to -inf (with the element test, also every score of a row past N_q); with a
+        score_mod, every other score to score_mod(scale S) log2(e) (``mod_score``: only where allowed)."""
+        hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args) if ENTRY_TEST
+                  else 0)
+        if SCORE_MOD:
+            modded_scores(s, hidden, q0, k0, warp, g, t, mod_args)
+            return
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
             if ELEMENT_TEST:
@@ -392,13 +442,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             m_i[r] = m_new
 
     @inlined_device_function
-    def poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout):
+    def poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
         """NaN where this lane's key is allowed and its value row held a NaN (``clean_values``' flags)."""
-        hidden = hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout) if ELEMENT_TEST else 0
+        hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args) if ENTRY_TEST
+                  else 0)
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
             flagged = (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1)
-            if ELEMENT_TEST:
+            if ENTRY_TEST:
                 if flagged and not (hidden >> uint32(i)) & uint32(1):
                     s[i] = float32(math.nan)
             elif flagged and key <= row + causal_offset:
@@ -424,13 +475,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M, mask_rows,
                mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds, k_step, bottom_right, new_keys, lse_sb,
-               lse_sh):
+               lse_sh, MOD0, MOD1, MOD2, MOD3):
         # Q, K, V, O: flat 16-bit pairs, element (b, h, n, x) at b sb + h sh + n sn + x (rows 16-byte aligned);
         # key/value head h // group serves query head h; LSE: (batch * heads, n_q) float32.  HAS_MASK: the key tiles
         # of query tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...] (``key_tile``),
         # block i runs tile tile_order[i], and M is the (bh, mask_t_r, mask_t_c) uint8 block layout, blocks of
         # (mask_rows, mask_cols) (``block_mask_arguments``; placeholders without a mask).  VARLEN: q_bounds,
-        # k_bounds bound each sequence's rows (``sequence_bounds``; placeholders without).
+        # k_bounds bound each sequence's rows (``sequence_bounds``; placeholders without).  MODS: MOD0 .. MOD3 the
+        # score_mod's arrays, then the mask_mod's (``fast.mod_steps``); placeholders otherwise.
         q0, h, b, bh = block_tile(tile_order, q_tiles, heads)
         lse_rows = n_q   # of lse per (batch, head), or per head over the packed sequences (VARLEN)
         first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
@@ -440,7 +492,10 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         layout = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
         tid = cuda.threadIdx.x
         warp, g, t = warp_lane(tid)
-        c_log2 = float32(scale_log2)
+        # A score_mod's scores come in log2 units, scaled (``mask``): the softmax's scale is then 1.
+        c_log2 = float32(1) if SCORE_MOD else float32(scale_log2)
+        # What the mods read besides the entry (``fast.mod_steps.entry_steps``): batch, query head, scale, arrays.
+        mod_args = (b, h, float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
         pad = first_atom_words(base)
@@ -513,11 +568,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                     copy_async_commit()
                 v_nan = (clean_values(smem, k_at + v_buffer * TILE_WORDS, flags_at, t, tid) if v_has_nan
                          else uint64(0))
-                if mixed or k0 + BLOCK_N > n_k:   # tiles below the diagonal (and wholly in the mask) need no mask
-                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
+                if SCORE_MOD or mixed or k0 + BLOCK_N > n_k:   # tiles below the diagonal (and wholly in the mask)
+                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)   # need no mask
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
-                    poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
+                    poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
                 issue_values(acc, alpha, s, p_words, staged(v_desc, v_buffer))
                 wait_all_products()
                 k_buffer, v_buffer = next_k, next_v
@@ -551,11 +606,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                          else uint64(0))
                 if ahead:   # S_{j+1} runs while this tile's softmax does
                     issue_scores(s_next, q_desc, staged(k_desc, stage ^ 1))
-                if mixed or k0 + BLOCK_N > n_k:
-                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
+                if SCORE_MOD or mixed or k0 + BLOCK_N > n_k:
+                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
-                    poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout)
+                    poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
                 issue_values(acc, alpha, s, p_words, staged(v_desc, stage))
                 wait_all_products()   # S_{j+1} and P_j V_j
                 if ahead:
@@ -581,12 +636,13 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
                   + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}")
                   + (("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "")
-                  + ("_varlen" if VARLEN else ""),
+                  + ("_varlen" if VARLEN else "") + mods_suffix(MODS),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32, tile_offsets=np.int32,
                               tile_entries=np.int32, tile_order=np.int32, M=np.uint8, q_bounds=np.int32,
-                              k_bounds=np.int32),
+                              k_bounds=np.int32, **slot_arrays(MODS)),
                   floats=("scale_log2",),
-                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS, ELEMENT_TEST)))
+                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS,
+                                                                    ELEMENT_TEST or MODS is not None)))
 
 
 def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_test=False):
@@ -604,7 +660,8 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_tes
     At d = 128 a block of one warpgroup takes 66 KB of shared memory with the ring of three K/V buffers (83 KB
     with four), room for three blocks; left alone ptxas takes 180-184 registers, which allow two, so the cap
     asks for three (168).  The overlapped loop would spill under any cap (64-96 bytes at d = 64), and blocks of
-    two warpgroups at d = 128 (180-196 registers) fit once either way.
+    two warpgroups at d = 128 (180-196 registers) fit once either way.  A kernel with mods (``element_test`` too)
+    has no cap either, as the mma.sync forward with mods (``experiments/tuning/results/mods_wgmma_ptxas_sm90.md``).
 
     Other head dims take the choices of their layout's width (``layout_dim``: d < 64 those of 64, 64 < d < 128
     those of 128: the same shared memory a block), with fewer accumulator registers (D / 2) under the same caps.
@@ -683,8 +740,8 @@ def forward_launch(call):
     # A block mask's lists are of the block's query tiles (64 rows a warpgroup) and of BLOCK_N keys.
     tiles = (BLOCK_M * warpgroups, BLOCK_N)
     kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
-                                call.block_mask is not None, partly_masked_tiles(call, tiles, "forward"),
-                                sequence_mode(call))
+                                has_tile_lists(call), partly_masked_tiles(call, tiles, "forward"),
+                                sequence_mode(call), mod_steps(*call.mods) if call.mods else None)
     words = word_extent(call)
     (qs, ks, vs), os_ = call.strides, call.result_strides("q")
     q_shape, kv_shape = call.kernel_shapes
@@ -693,7 +750,8 @@ def forward_launch(call):
                  v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, o_sb=os_.batch, o_sh=os_.head, o_sn=os_.row,
                  heads=call.heads, group=call.group, n_q=call.n_q, n_k=call.n_k, q_tiles=q_tiles,
                  causal_offset=call.causal_offset, scale_log2=call.scale * LOG2_E,
-                 **block_mask_arguments(call, tiles, "forward"), **sequence_arguments(call))
+                 **block_mask_arguments(call, tiles, "forward"), **sequence_arguments(call),
+                 **slot_arguments(call.mods))
     bounds, bounds_extents = sequence_arrays(call)   # (packed sequences: cu_seqlens_q and _k, per call)
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), O=words(q_shape, os_),
                    LSE=lse_slabs(call) * call.n_q, **bounds_extents)
