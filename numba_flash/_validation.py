@@ -788,8 +788,9 @@ def check_mods(score_mod, mask_mod, *, algorithm, backward=False, varlen=False):
     score_mod, mask_mod = as_mod(score_mod, "score_mod"), as_mod(mask_mod, "mask_mod")
     if algorithm not in ("flash2", "wgmma"):
         raise ValueError(f"score_mod/mask_mod run on algorithm='flash2' or 'wgmma', not {algorithm!r}")
-    if varlen:
-        raise ValueError("score_mod/mask_mod do not take packed variable-length calls or KV caches yet")
+    if varlen and algorithm == "wgmma":
+        raise ValueError("score_mod/mask_mod on packed sequences run on algorithm='flash2' (the mma.sync kernels), "
+                         "not 'wgmma' yet")
     count = sum(len(m.arrays) for m in (score_mod, mask_mod) if m is not None)
     if count > MAX_MOD_ARRAYS:
         raise ValueError(f"score_mod and mask_mod read {count} arrays together; the kernels take at most "
@@ -806,15 +807,28 @@ def check_mods(score_mod, mask_mod, *, algorithm, backward=False, varlen=False):
     return (score_mod, mask_mod)
 
 
+def mod_extents(call):
+    """(query heads, query positions, key positions) that a call's mods may see: the batched call's H_q, N_q, N_k; a
+    packed call's longest sequences; a KV cache's N_max for both (query i of entry b is at position L_b - N_q + i),
+    its query heads unpacked (``Varlen.head_queries``)."""
+    sequences = call.varlen
+    if sequences is None:
+        return call.heads, call.n_q, call.n_k
+    if sequences.kv_cache:
+        packed = call.n_q // sequences.head_queries if sequences.head_queries else 1
+        return call.heads * packed, call.n_k, call.n_k
+    return call.heads, sequences.longest_q, sequences.longest_k
+
+
 def check_mod_shapes(mods, call):
-    """ValueError if a mod's arrays do not fit the call (a built-in's ``Mod.fits``: the kernels read them unchecked);
-    ``call`` with ``mods`` attached, or ``call`` itself without mods."""
+    """ValueError if a mod's arrays do not fit the call (a built-in's ``Mod.fits``, for ``mod_extents``: the kernels
+    read them unchecked); ``call`` with ``mods`` attached, or ``call`` itself without mods."""
     if not mods:
         return call
     from dataclasses import replace
 
     for mod in mods:
-        problem = mod.fits(call.heads, call.n_q, call.n_k) if mod is not None and mod.fits else None
+        problem = mod.fits(*mod_extents(call)) if mod is not None and mod.fits else None
         if problem:
             raise ValueError(f"{mod.kind} {mod.name}: {problem}")
     return replace(call, mods=mods)

@@ -132,8 +132,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         the logit of (b, h, i, j) is ``score_mod(scale q_i.k_j, b, h, i, j, *arrays)``
         where ``mask_mod(b, h, i, j, *arrays)`` (and causal, block_mask) allow it,
         -inf elsewhere.  flash2 (the kernel it picks: wgmma on Hopper where it
-        takes it without mods, else ``mma.sync``) and "wgmma"; not with packed
-        sequences or KV caches yet.  A bad mod raises TypeError before any launch.
+        takes it without mods, else ``mma.sync``) and "wgmma"; also on packed
+        sequences (``attention_varlen``, mma.sync) and KV caches
+        (``attention_with_kv_cache``).  A bad mod raises TypeError before any launch.
 
     NaN in the inputs reaches exactly the output rows that may see it: a NaN
     in query row i makes row i of O and lse NaN (unless it may attend to no
@@ -202,7 +203,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_m
 
 @_frees_after_the_call
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
-                     block_sizes=None, return_lse=False, algorithm="flash2"):
+                     block_sizes=None, return_lse=False, algorithm="flash2", score_mod=None, mask_mod=None):
     """Attention over a batch of sequences of different lengths packed without padding (flash-attn's varlen).
 
     Parameters
@@ -235,6 +236,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
         the mma.sync kernel.  "wgmma" asks for the Hopper
         forward (16-bit, d a multiple of 16 up to 128, no dropout, no
         ``block_sizes``; on a GPU of compute capability 9.0).
+    score_mod, mask_mod : function or numba_flash.mods.Mod, optional
+        As ``attention``'s, per sequence: b is the sequence's index in the
+        pack, q_idx and kv_idx count from its first query and key (the causal
+        mask, when asked for, is still bottom-right).  On the mma.sync kernels
+        ("flash2" leaves wgmma for them); a mask_mod is evaluated on every
+        tile's elements (no tile is skipped: ``docs/mods.md``).
 
     Returns
     -------
@@ -242,23 +249,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     (H_q, total_q) float32 (flash-attn's varlen layout).
     """
     plan, sequences = _varlen_plan(_VarlenForwardPlan, (q, k, v), cu_seqlens_q, cu_seqlens_k,
-                                   (causal, scale, dropout_p, block_sizes, algorithm))
+                                   (causal, scale, dropout_p, block_sizes, algorithm, score_mod, mask_mod))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, seed, return_lse, sequences)
 
 
 @_frees_after_the_call
 def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              dropout_p=0.0, seed=0, block_sizes=None, algorithm="flash2", deterministic=True):
+                              dropout_p=0.0, seed=0, block_sizes=None, algorithm="flash2", deterministic=True,
+                              score_mod=None, mask_mod=None):
     """Gradients (dq, dk, dv) of sum(O * do) for O = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...).
 
     ``o`` and ``lse`` are what ``attention_varlen(..., return_lse=True)`` returned for the same
     arguments; the other arguments must be the forward's.  Results are shaped like q, k and v.
     ``algorithm``: "flash2" (the default: the forward's pick) or "wgmma" (the Hopper backward, asked for; as
-    ``attention_backward``'s).  ``deterministic``: as ``attention_backward``'s.
+    ``attention_backward``'s).  ``deterministic``: as ``attention_backward``'s.  ``score_mod``, ``mask_mod``: the
+    forward's (``attention_backward`` says how they enter the gradients).
     """
     plan, sequences = _varlen_plan(_VarlenBackwardPlan, (q, k, v, o, lse, do), cu_seqlens_q, cu_seqlens_k,
-                                   (causal, scale, dropout_p, block_sizes, algorithm, deterministic))
+                                   (causal, scale, dropout_p, block_sizes, algorithm, deterministic, score_mod,
+                                    mask_mod))
     _check_seed(seed, dropout_p)
     return plan(q, k, v, o, lse, do, seed, sequences)
 
@@ -266,7 +276,7 @@ def attention_varlen_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *
 @_frees_after_the_call
 def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=True, scale=None,
                             block_sizes=None, num_splits=0, kv_stages=0, key_warps=0, return_lse=False,
-                            block_table=None):
+                            block_table=None, score_mod=None, mask_mod=None):
     """Decoding: new queries against a KV cache, optionally appending their keys and values to it first.
 
     Grouped heads run the group's queries as the rows of one tile (row g N_q + i: query i of the group's head
@@ -321,6 +331,13 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
         Warps of a block that share its query rows and take turns along the keys, merging their results in
         shared memory at the end (a tuning knob); 0 (default): ``tiling.DECODE_KEY_WARPS`` where the tile is
         one warp's 16 rows and its tiles travel by ``cp.async`` (fewer where their buffers do not fit), else 1.
+    score_mod, mask_mod : function or numba_flash.mods.Mod, optional
+        As ``attention``'s (``numba_flash.mods``), with every layout above (pages, splits, key warps, grouped
+        heads): b is the batch row, h the query head, q_idx query i's position in its entry, L_b - N_q + i (L_b
+        = cache_seqlens[b] + N_new, as the causal mask places it), kv_idx the key's position.  So
+        ``mods.sliding_window(W)`` and ``mods.softcap(c)`` decode without a mask tensor.  A mask_mod is
+        evaluated on every visited tile's elements (no tile is skipped).  Its arrays are read for positions up
+        to N_max - 1.
 
     Returns
     -------
@@ -333,7 +350,8 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v
     table = None
     if block_table is not None:
         table = replace(_arrays.describe("block_table", block_table), stream=0, aligned=True)
-    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages, key_warps, table))
+    plan = _plan(_CachePlan, arrays, (causal, scale, block_sizes, num_splits, kv_stages, key_warps, table, score_mod,
+                                      mask_mod))
     paging = plan.call.varlen.paging
     pages = None   # a host table, as NumPy
     if table is not None and not table.on_device:
@@ -570,11 +588,13 @@ class _VarlenForwardPlan(_ForwardPlan):
 
     def __init__(self, arrays, options):
         q, k, v = (_arrays.describe(name, x) for name, x in zip("qkv", arrays))
-        causal, scale, dropout_p, block_sizes, algorithm, lengths = options
+        causal, scale, dropout_p, block_sizes, algorithm, score_mod, mask_mod, lengths = options
         check_loop(algorithm, VARLEN_ALGORITHMS, block_sizes, (hopper.BLOCK_M, hopper.BLOCK_N))
-        _Plan.__init__(self, q, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale, dropout_p=dropout_p,
-                                                  seed=0, block_sizes=block_sizes))
-        if algorithm == "wgmma" or hopper.chosen_for(self.call, block_sizes):
+        mods = check_mods(score_mod, mask_mod, algorithm=algorithm, varlen=True)
+        _Plan.__init__(self, q, check_mod_shapes(mods, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale,
+                                                                         dropout_p=dropout_p, seed=0,
+                                                                         block_sizes=block_sizes)))
+        if algorithm == "wgmma" or (not mods and hopper.chosen_for(self.call, block_sizes)):
             self.launch = hopper.forward_launch(self.call)
         else:
             self.launch = forward_launch(self.call)
@@ -586,14 +606,16 @@ class _VarlenBackwardPlan(_BackwardPlan):
     def __init__(self, arrays, options):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
-        causal, scale, dropout_p, block_sizes, algorithm, deterministic, lengths = options
+        causal, scale, dropout_p, block_sizes, algorithm, deterministic, score_mod, mask_mod, lengths = options
         check_loop(algorithm, VARLEN_ALGORITHMS, block_sizes, (hopper_backward.BLOCK_N,) * 2)
         check_deterministic(deterministic)
-        _Plan.__init__(self, q, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale, dropout_p=dropout_p,
-                                                  seed=0, block_sizes=block_sizes, backward=True))
+        mods = check_mods(score_mod, mask_mod, algorithm=algorithm, backward=True, varlen=True)
+        _Plan.__init__(self, q, check_mod_shapes(mods, check_varlen_args(q, k, v, lengths, causal=causal, scale=scale,
+                                                                         dropout_p=dropout_p, seed=0,
+                                                                         block_sizes=block_sizes, backward=True)))
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
-        if algorithm == "wgmma" or hopper_backward.chosen_for(self.call, block_sizes):
+        if algorithm == "wgmma" or (not mods and hopper_backward.chosen_for(self.call, block_sizes)):
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
                                                               hopper_backward.dq_mode(deterministic))
         else:
@@ -608,10 +630,12 @@ class _CachePlan(_Plan):
         operands = [_arrays.describe(name, x) for name, x in zip(names, arrays)]
         q, k_cache, v_cache = operands[:3]
         k_new, v_new = operands[3:] if len(operands) == 5 else (None, None)
-        causal, scale, block_sizes, num_splits, kv_stages, key_warps, block_table = options
-        super().__init__(q, check_cache_args(q, k_cache, v_cache, k_new, v_new, causal=causal, scale=scale,
-                                             block_sizes=block_sizes, num_splits=num_splits, kv_stages=kv_stages,
-                                             block_table=block_table))
+        causal, scale, block_sizes, num_splits, kv_stages, key_warps, block_table, score_mod, mask_mod = options
+        mods = check_mods(score_mod, mask_mod, algorithm="flash2")
+        super().__init__(q, check_mod_shapes(mods, check_cache_args(q, k_cache, v_cache, k_new, v_new, causal=causal,
+                                                                    scale=scale, block_sizes=block_sizes,
+                                                                    num_splits=num_splits, kv_stages=kv_stages,
+                                                                    block_table=block_table)))
         call = self.call
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]

@@ -13,7 +13,8 @@ The decisions, in order
    from memory once per group instead of G times (issue 47 found MQA, G = 32, reading K/V at 5% of the copy rate).
    q must allow the view: one query (N_q = 1: the heads are the rows, any strides), or heads N_q rows apart
    (``packable``, as C-ordered q is).  Otherwise each query head keeps its own tile (the unpacked path).  The
-   kernel's causal mask takes each row's own query index i = row mod N_q (``forward.py``, QUERY_GROUPS).
+   kernel's causal mask takes each row's own query index i = row mod N_q (``forward.py``, QUERY_GROUPS), and so do
+   a call's mods, with its query head h_kv G + g (causal or not).
 2. **The tile.**  Rows R = G N_q (packed) or N_q.  16-bit tiles whose rows start on 16-byte boundaries travel
    by cp.async (``streamed``): up to 16 rows, one warp owns the rows and ``DECODE_KEY_WARPS`` warps of the block
    take turns along the keys (cuDNN's layout; ``tiling.DECODE_KEY_WARPS``), B_c = 32 up to d = 128

@@ -29,15 +29,20 @@ generate d score_mod / d score for the backward.  A score_mod whose derivative c
 derivative.
 
 Where mods run: the forward and backward of ``algorithm="flash2"`` (the ``mma.sync`` kernels; on a Hopper GPU the
-``wgmma`` ones wherever flash2 takes those without mods) and of ``algorithm="wgmma"``.  Not yet: packed
-variable-length calls, KV caches, the transformers integration, and gradients into the mods' arrays (a
+``wgmma`` ones wherever flash2 takes those without mods) and of ``algorithm="wgmma"``.  Packed sequences
+(``attention_varlen``, its backward, ``numba_flash.torch.attention_varlen``; ``mma.sync`` only) hand the mods each
+sequence's indices (b its index in the pack, q_idx and kv_idx from its start); KV caches
+(``attention_with_kv_cache``) the query's position in its entry, L_b - N_q + i.  Neither classifies a mask_mod's
+tiles: it is evaluated on every visited tile's elements.  Not yet: gradients into the mods' arrays (a
 relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
 after the kernel, do).
 
-A mask_mod's tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/mod_tiles.py``) at a
-call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does it once ahead,
-returning a ``TileMask`` that calls take as their ``mask_mod`` (FlexAttention's ``create_block_mask``).
-See ``docs/mods.md``.
+Not yet (this slice) besides: packed sequences on ``wgmma``, and tile lists for packed sequences and caches.
+
+A batched call's mask_mod tiles are classified on the GPU (empty, full, partial: ``numba_flash/sparsity/
+mod_tiles.py``) at a call's first use of its shape; ``numba_flash.tile_mask(mask_mod, batch, heads, n_q, n_k)`` does
+it once ahead, returning a ``TileMask`` that calls take as their ``mask_mod`` (FlexAttention's
+``create_block_mask``).  See ``docs/mods.md``.
 """
 import inspect
 import math

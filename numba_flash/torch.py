@@ -303,13 +303,14 @@ def _sink_attention(q, k, v, sinks, options):
 
 
 @torch.compiler.disable
-def _modded_attention(q, k, v, options):
-    """A call with a score_mod or mask_mod: the autograd function, eagerly (a graph break under torch.compile)."""
-    return FlashAttentionFunction.apply(q, k, v, options)
+def _modded_attention(q, k, v, options, *sequences):
+    """A call with a score_mod or mask_mod (packed with ``sequences``): the autograd function, eagerly (a graph
+    break under torch.compile)."""
+    return FlashAttentionFunction.apply(q, k, v, options, *sequences)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
-                     block_sizes=None, algorithm="flash2", deterministic=True):
+                     block_sizes=None, algorithm="flash2", deterministic=True, score_mod=None, mask_mod=None):
     """Differentiable ``numba_flash.attention_varlen`` on torch tensors: sequences of different lengths packed
     without padding, q (total_q, H_q, d), k and v (total_k, H_kv, d), sequence b in rows cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1] - 1 (and cu_seqlens_k for keys), as flash-attn's ``flash_attn_varlen_func``.
@@ -320,11 +321,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     flash-attn does.  Returns O shaped like q; ``O.backward()`` gives q, k and v their gradients.
     ``algorithm`` ("flash2" or "wgmma") and ``deterministic``: as for ``numba_flash.attention_varlen`` and
     ``numba_flash.attention_varlen_backward`` (flash2 keeps packed sequences on mma.sync for now; "wgmma" runs the
-    forward and backward on Hopper's warpgroup instructions).
+    forward and backward on Hopper's warpgroup instructions).  ``score_mod``, ``mask_mod``: as for
+    ``numba_flash.attention_varlen`` (indices within each sequence), differentiable in q, k and v as ``attention``'s
+    mods are, and eager only as they are (a graph break under ``torch.compile``).
     """
     _check_tensors((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
     if in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if score_mod is not None or mask_mod is not None:
+        options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, algorithm=algorithm,
+                       block_sizes=block_sizes, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
+        return _modded_attention(q, k, v, options, cu_seqlens_q, cu_seqlens_k)
     if torch.compiler.is_compiling():
         out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
                                       float(dropout_p), seed & 0xFFFFFFFF, seed >> 32, algorithm,

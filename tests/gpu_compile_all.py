@@ -12,6 +12,7 @@ not type or compile on the GPU target, spills and stack frames.
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods        # score_mod / mask_mod specialisations and
                                                                         # the mask_mods' tile classification
     NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py hopper-mods # the same on the wgmma kernels (sm_90a)
+    NUMBA_ENABLE_CUDASIM=0 python3 tests/gpu_compile_all.py mods_varlen_cache   # only those of packed sequences, caches
 
 Kernels compile with line info, as ``cuda_kernel`` compiles them on a GPU.
 Use the NVVM and ptxas of the CUDA version the GPU machine has (13.x:
@@ -234,11 +235,44 @@ def hopper_mod_kernels(head_dims, element="f16"):
         fast(make_wgmma_dq(d, element, causal, has_mask, True, MODS=steps), "sm_90a")
 
 
+def varlen_cache_mod_kernels(head_dim):
+    """The mods on packed sequences (forward and both backward passes, every ``mod_pairs`` pair; no tile lists:
+    the mask_mod tested on every tile) and on KV caches: split keys, four key warps on a paged cache, and
+    ``decode_plan``'s packed query groups (causal N_q = 4, and one query, packed for the mods' sake), with Gemma 2's
+    pair (a softcap, a sliding window) and the composed one."""
+    from numba_flash import mods
+    from numba_flash.decode_plan import decode_plan
+    from numba_flash.kernels.fast.mod_steps import mod_steps
+
+    tiles = tiles_for_head_dim(FORWARD_BLOCK_SIZES["f16"], head_dim)
+    for precision, (score_mod, mask_mod) in itertools.chain(itertools.product(("f16",), mod_pairs()),
+                                                            [("tf32x3", mod_pairs()[-1])]):
+        f32_tiles = tiles_for_head_dim(FORWARD_BLOCK_SIZES["tf32x3"], head_dim)
+        fast(make_forward(*(f32_tiles if precision == "tf32x3" else tiles), head_dim, precision, True, True, False,
+                          False, True, POSITIVE_SCALE=score_mod is None, MODS=mod_steps(score_mod, mask_mod)))
+        steps = mod_steps(score_mod, mask_mod, backward=True)
+        fast(make_dkdv(128, 64, head_dim, precision, True, True, False, False, True, MODS=steps))
+        fast(make_dq(128, 64, head_dim, precision, True, True, False, False, True, MODS=steps))
+    gemma = (mods.softcap(50.0), mods.sliding_window(4096))
+    for score_mod, mask_mod in (gemma, mod_pairs()[-1]):
+        steps = mod_steps(score_mod, mask_mod)
+        fast(make_forward(*decode_block_sizes(1, head_dim, "f16"), head_dim, "f16", True, False, False, False, "cache",
+                          True, POSITIVE_SCALE=False, MODS=steps))
+        fast(make_forward(*default_tile(1, head_dim, 2, True)[:2], head_dim, "f16", True, False, False, False, "cache",
+                          True, POSITIVE_SCALE=False, KEY_WARPS=4, PAGED=True, MODS=steps))
+        for n_q in (4, 1):
+            plan = decode_plan(16, 32, 8, n_q, 8192, head_dim, 2)
+            fast(make_forward(*plan.block_sizes, head_dim, "f16", True, n_q > 1, False, False, "cache", plan.splits > 1,
+                              POSITIVE_SCALE=False, WARP_ROWS=plan.warp_rows, KV_STAGES=plan.kv_stages,
+                              KEY_WARPS=plan.key_warps, QUERY_GROUPS=plan.packed, MODS=steps))
+
+
 def main(argv):
     global PTX_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="flags", choices=("flags", "tiles", "hopper", "decode",
-                                                                            "mods", "hopper-mods"))
+                                                                            "mods", "hopper-mods",
+                                                                            "mods_varlen_cache"))
     parser.add_argument("shard", nargs="?", default="0/1")
     parser.add_argument("--ptx", default=None, help="folder for each kernel's PTX")
     parser.add_argument("--head-dim", type=int, default=None, help="64 (hopper: 64, 96, 128 and 256) unless given")
@@ -257,6 +291,10 @@ def main(argv):
     if args.mode == "mods":
         mod_tile_kernels()
         mod_kernels(args.head_dim)
+        varlen_cache_mod_kernels(args.head_dim)
+        return f"{len(failures)} failed: {failures}" if failures else 0
+    if args.mode == "mods_varlen_cache":
+        varlen_cache_mod_kernels(args.head_dim)
         return f"{len(failures)} failed: {failures}" if failures else 0
     if args.mode == "hopper-mods":
         hopper_mod_kernels(head_dims)

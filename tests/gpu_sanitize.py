@@ -31,7 +31,10 @@ as lists classified on the GPU; gqa_mods_mask the same with grouped heads, botto
 the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the kernel's tiles; select
 them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"; on the wgmma kernels also
 mods_mask_overlap and gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and
-gqa_mods_mask_unordered, the backward's other ways of summing dQ).
+gqa_mods_mask_unordered, the backward's other ways of summing dQ), mods on packed sequences and caches (varlen_mods:
+the packed runs with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every tile tested,
+no dropout; decode_mods, decode_paged_mods: the decode runs with the same mods at each query's position in its entry,
+packed query groups, split keys, key warps; select them with "varlen_mods,decode_mods,decode_paged_mods").
 Every result
 is checked against the float64 reference too, so a run that the sanitizer passes
 but that computes garbage still fails.
@@ -182,6 +185,12 @@ RUNS = [
     ("backward", "wgmma", BF16, None, "gqa_mods_mask"),
     ("backward", "wgmma", np.float16, None, "mods_mask_ordered"),
     ("backward", "wgmma", BF16, None, "gqa_mods_mask_unordered"),
+    # The mods on packed sequences (every tile tests the mask_mod: no tile lists) and on KV caches (contiguous with
+    # the library's layout: packed query groups, splits, key warps; paged with 16 x 16 tiles).
+    ("forward", "flash2", np.float16, (32, 32), "varlen_mods"),
+    ("backward", "flash2", BF16, (32, 32), "varlen_mods"),
+    ("forward", "flash2", np.float16, None, "decode_mods"),
+    ("forward", "flash2", BF16, (16, 16), "decode_paged_mods"),
     # The wgmma forward on the 256-column layout (variants with "d256": WGMMA_WIDE_CASES, d = 256 and 192): blocks of
     # two warpgroups (its default there) and of one, grouped heads, the overlapped loop, block masks of 16 x 16 blocks
     # and of the 64 x 64 tiles (partly covering two warpgroups' 128-row tiles: the element test), packed sequences.
@@ -311,7 +320,8 @@ def main(selected=()):
                            "decode_many_splits": dict(num_splits=20, key_warps=1, rows=640),
                            "decode_paged_gqa": dict(heads=32, kv_heads=4)}.get(variant, {}))
             worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, d=128 if wide else 40,
-                                      page_size=32 if "paged" in variant else 0, **layout))
+                                      page_size=32 if "paged" in variant else 0, with_mods="mods" in variant,
+                                      **layout))
             continue
         if "varlen" in variant:
             for d in ([case[4] for case in cases] if algorithm == "wgmma" else [VARLEN_HEAD_DIM]):
@@ -372,7 +382,8 @@ def packed(direction, algorithm, variant, dtype, blocks, d, rng):
     relative error."""
     wgmma = algorithm == "wgmma"
     heads, kv_heads = (4, 2) if "gqa" in variant or not wgmma else (2, 2)
-    dropout_p = 0.0 if wgmma else DROPOUT_P
+    modded = "mods" in variant
+    dropout_p = 0.0 if wgmma or modded else DROPOUT_P
     lengths = packed_lengths(algorithm)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in lengths)
     host = [rng.standard_normal((total, h, d)).astype(dtype)
@@ -385,21 +396,69 @@ def packed(direction, algorithm, variant, dtype, blocks, d, rng):
     q, k, v = (device(x) for x in host)
     longest = (max(lengths[0]), max(lengths[1]))
     keep = numba_flash.dropout_mask((len(cu_q) - 1, heads) + longest, dropout_p, seed=7) if dropout_p else None
-    options = dict(causal=True, dropout_p=dropout_p, seed=7)
+    options = dict(causal=True, dropout_p=dropout_p, seed=7, **(sanitized_mods(heads) if modded else {}))
     cu = (torch.as_tensor(cu_q, device="cuda"), torch.as_tensor(cu_k, device="cuda"))
     # The backward starts from flash2's forward (the wgmma forward is the forward runs' subject).
     o, lse = numba_flash.attention_varlen(q, k, v, *cu, return_lse=True, block_sizes=blocks,
                                           algorithm=algorithm if direction == "forward" else "flash2", **options)
-    ref, _ = reference.attention_varlen(*host, cu_q, cu_k, causal=True, dropout_keep=keep, dropout_p=dropout_p)
+    do_host = rng.standard_normal(host[0].shape).astype(dtype)
+    if modded:
+        ref, want = modded_varlen_reference(host, do_host, cu_q, cu_k, options)
+    else:
+        ref, _ = reference.attention_varlen(*host, cu_q, cu_k, causal=True, dropout_keep=keep, dropout_p=dropout_p)
+        want = reference.attention_varlen_backward(*host, do_host, cu_q, cu_k, causal=True, dropout_keep=keep,
+                                                   dropout_p=dropout_p)
     if direction == "forward":
         return check("O", o, ref, dtype)
-    do_host = rng.standard_normal(host[0].shape).astype(dtype)
     with named_dq(variant) as deterministic:
         grads = numba_flash.attention_varlen_backward(q, k, v, o, lse, device(do_host), *cu, block_sizes=blocks,
                                                       algorithm=algorithm, deterministic=deterministic, **options)
-    want = reference.attention_varlen_backward(*host, do_host, cu_q, cu_k, causal=True, dropout_keep=keep,
-                                               dropout_p=dropout_p)
     return max(check(label, got, expected, dtype) for label, got, expected in zip(("dq", "dk", "dv"), grads, want))
+
+
+def sanitized_mods(heads):
+    """The varlen_mods and decode mods runs' mods: a softcap composed with ALiBi, and a sliding window OR a prefix."""
+    from numba_flash import mods
+    return dict(score_mod=mods.compose(mods.softcap(5.0), mods.alibi(mods.alibi_slopes(heads))),
+                mask_mod=mods.or_masks(mods.sliding_window(9), mods.prefix_lm(5)))
+
+
+def seen_from(mod, b, offset):
+    """``mod`` as the float64 reference must call it for batch entry b alone, its query i at position offset + i: a
+    copy whose Python function fixes b and shifts q_idx (the reference calls ``fn`` in Python; the kernels never
+    see this copy, and its derivative comes from central differences, ``slope="numeric"``)."""
+    import copy
+
+    if mod is None:
+        return None
+    fn, shifted = mod.fn, copy.copy(mod)
+    if mod.kind == "score_mod":
+        shifted.fn = lambda score, _, h, i, j, *arrays: fn(score, b, h, i + offset, j, *arrays)
+    else:
+        shifted.fn = lambda _, h, i, j, *arrays: fn(b, h, i + offset, j, *arrays)
+    return shifted
+
+
+def modded_varlen_reference(host, do, cu_q, cu_k, options):
+    """The float64 O and (dq, dk, dv) of a packed call with mods, sequence by sequence (``reference.mods``, b its
+    index in the pack, indices from its start), bottom-right causal."""
+    from reference import mods as reference_mods
+
+    q, k, v = (x.astype(np.float64) for x in host)
+    out, grads = np.zeros(q.shape), [np.zeros(x.shape) for x in (q, k, v)]
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.start == rows.stop or keys.start == keys.stop:
+            continue
+        seq = [np.swapaxes(x, 0, 1) for x in (q[rows], k[keys], v[keys])]
+        mod_options = dict(causal="bottom_right", score_mod=seen_from(options["score_mod"], b, 0),
+                           mask_mod=seen_from(options["mask_mod"], b, 0))
+        out[rows] = np.swapaxes(reference_mods.attention(*seq, **mod_options)[0], 0, 1)
+        found = reference_mods.attention_backward(*seq, np.swapaxes(do[rows], 0, 1).astype(np.float64),
+                                                  slope="numeric", **mod_options)
+        for grad, where, got in zip(grads, (rows, keys, keys), found):
+            grad[where] = np.swapaxes(got, 0, 1)
+    return out, grads
 
 
 #: Cache entries' lengths before the append (one empty), in caches of DECODE_ROWS rows.
@@ -407,12 +466,16 @@ DECODE_LENGTHS, DECODE_ROWS = [200, 0, 37], 256
 
 
 def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0, heads=8, kv_heads=2, num_splits=0,
-           rows=DECODE_ROWS):
+           rows=DECODE_ROWS, with_mods=False):
     """attention_with_kv_cache on torch tensors: one query per head, grouped heads (split keys), its lengths on
     the GPU (read by the forward itself), then three queries (causal), lengths on the host; each
     appends as many keys.  ``page_size``: the caches are pools of that many rows a page, the entries' pages
     scattered through them (two spare), the table with the lengths (on the GPU, then the host).  ``rows``: of
-    each entry's cache.  Returns the worst relative error."""
+    each entry's cache.  ``with_mods``: ``sanitized_mods``, which see query i at position L_b - N_q + i.  Returns the
+    worst relative error."""
+    from reference import mods as reference_mods
+
+    mod_options = sanitized_mods(heads) if with_mods else {}
     batch = len(DECODE_LENGTHS)
     group = heads // kv_heads
 
@@ -455,13 +518,15 @@ def decode(dtype, blocks, rng, kv_stages=0, key_warps=0, d=40, page_size=0, head
         out = numba_flash.attention_with_kv_cache(device(q), k_cache, v_cache, held,
                                                   k_new=device(new[0]), v_new=device(new[1]), block_sizes=blocks,
                                                   kv_stages=kv_stages, key_warps=key_warps, num_splits=num_splits,
-                                                  **paged)
+                                                  **paged, **mod_options)
         lengths = lengths + n_q
         k64, v64 = (host(gathered(x)).astype(np.float64) for x in (k_cache, v_cache))
         ref = np.zeros(q.shape)
         for b, length in enumerate(lengths):
-            ref[b], _ = reference.attention(q[b].astype(np.float64), np.repeat(k64[b, :, :length], group, axis=0),
-                                            np.repeat(v64[b, :, :length], group, axis=0), causal="bottom_right")
+            seen = {name: seen_from(mod, b, length - n_q) for name, mod in mod_options.items()}
+            ref[b], _ = (reference_mods if seen else reference).attention(
+                q[b].astype(np.float64), np.repeat(k64[b, :, :length], group, axis=0),
+                np.repeat(v64[b, :, :length], group, axis=0), causal="bottom_right", **seen)
         worst = max(worst, check(f"O (N_q = {n_q})", out, ref, dtype))
     return worst
 

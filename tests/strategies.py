@@ -272,10 +272,11 @@ def cumulative(lengths):
 
 
 @st.composite
-def packed_problems(draw, *, dtype=np.float32, backward=False, equal_lengths=False):
+def packed_problems(draw, *, dtype=np.float32, backward=False, equal_lengths=False, max_n=None):
     """A random packed batch: 1-4 sequences of 0 to max_n queries and keys each (never all empty), grouped
-    heads, drawn tiles, scale and causal alignment.  ``equal_lengths``: every sequence N_q queries, N_k keys."""
-    max_n = SIZES.max_n["flash2"]
+    heads, drawn tiles, scale and causal alignment.  ``equal_lengths``: every sequence N_q queries, N_k keys.
+    ``max_n``: the longest sequence (default ``SIZES``')."""
+    max_n = max_n or SIZES.max_n["flash2"]
     batch = draw(st.integers(1, 4 if not in_simulator() else 3))
     if equal_lengths:
         lengths_q = [draw(st.integers(1, max_n))] * batch

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numba_flash import mods
 import reference
 from strategies import cumulative
 from test_hopper import _where
@@ -253,9 +254,11 @@ def test_flash2_picks_the_wgmma_forward_for_packed_sequences_where_it_takes_the_
     monkeypatch.setattr(common, "device_limits", lambda: device)
     monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
 
-    def kernel(d=64, dtype=np.float16, causal=False, algorithm="flash2", block_sizes=None, dropout_p=0.0):
+    def kernel(d=64, dtype=np.float16, causal=False, algorithm="flash2", block_sizes=None, dropout_p=0.0,
+               score_mod=None):
         q = np.zeros((70, 2, d), dtype)
-        plan = api._VarlenForwardPlan((q, q, q), (causal, None, dropout_p, block_sizes, algorithm, (2, 40, 40)))
+        plan = api._VarlenForwardPlan((q, q, q), (causal, None, dropout_p, block_sizes, algorithm, score_mod, None,
+                                                  (2, 40, 40)))
         return plan.launch.kernel.name
 
     monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", {(64, False), (128, True)})
@@ -265,7 +268,7 @@ def test_flash2_picks_the_wgmma_forward_for_packed_sequences_where_it_takes_the_
     assert kernel() == "wgmma_forward_d64_f16_varlen"
     assert kernel(d=128, causal=True, dtype=np.dtype("bfloat16")) == "wgmma_forward_d128_bf16_causal_varlen"
     for outside in (kernel(d=128), kernel(causal=True), kernel(d=32), kernel(dtype=np.float32),
-                    kernel(dropout_p=0.1), kernel(block_sizes=(64, 64))):
+                    kernel(dropout_p=0.1), kernel(block_sizes=(64, 64)), kernel(score_mod=mods.softcap(2.0))):
         assert outside.startswith("flash2_forward") and "_varlen" in outside, outside
     device.compute_capability = (8, 0)
     assert kernel().startswith("flash2_forward")
@@ -287,10 +290,11 @@ def test_flash2_picks_the_wgmma_backward_for_packed_sequences_where_it_takes_the
     monkeypatch.setattr(common, "device_limits", lambda: device)
     monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
 
-    def kernel(d=64, causal=False, algorithm="flash2", deterministic=True):
+    def kernel(d=64, causal=False, algorithm="flash2", deterministic=True, score_mod=None):
         x = np.zeros((70, 2, d), np.float16)
         plan = api._VarlenBackwardPlan((x, x, x, x, np.zeros((2, 70), np.float32), x),
-                                       (causal, None, 0.0, None, algorithm, deterministic, (2, 40, 40)))
+                                       (causal, None, 0.0, None, algorithm, deterministic, score_mod, None,
+                                        (2, 40, 40)))
         launches = plan.launches
         return (launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]).kernel.name
 
@@ -300,6 +304,7 @@ def test_flash2_picks_the_wgmma_backward_for_packed_sequences_where_it_takes_the
     assert kernel() == "wgmma_backward_dkdv_d64_f16_varlen"
     assert kernel(d=128, causal=True) == "wgmma_backward_dkdv_d128_f16_causal_varlen"
     assert kernel(d=128).startswith("flash2_backward_dkdv") and kernel(d=32).startswith("flash2_backward_dkdv")
+    assert kernel(score_mod=mods.softcap(2.0)).startswith("flash2_backward_dkdv")   # mods: mma.sync for now
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "atomic")   # NUMBA_FLASH_WGMMA_DQ=atomic
     assert kernel(deterministic=False) == "wgmma_backward_dkdv_d64_f16_dq_atomic_varlen"
     assert kernel() == "wgmma_backward_dkdv_d64_f16_varlen"

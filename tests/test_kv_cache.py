@@ -541,7 +541,8 @@ def test_queries_whose_heads_are_not_n_q_rows_apart_keep_a_tile_per_head():
     out, lse = numba_flash.attention_with_kv_cache(q_view, *device, return_lse=True)
     q = np.ascontiguousarray(base.transpose(0, 2, 1, 3))
     want, want_lse = numba_flash.attention_with_kv_cache(q, k_cache, v_cache, seqlens, return_lse=True)
-    defaults = (True, None, None, 0, 0, 0, None)   # causal, scale, block_sizes, num_splits, kv_stages, key_warps, table
+    # causal, scale, block_sizes, num_splits, kv_stages, key_warps, table, score_mod, mask_mod
+    defaults = (True, None, None, 0, 0, 0, None, None, None)
     for x, packed in ((q_view, False), (q, True)):
         plan = numba_flash.api._CachePlan((x, k_cache if packed else device[0], v_cache if packed else device[1]),
                                           defaults)

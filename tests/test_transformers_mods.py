@@ -144,8 +144,9 @@ def test_padded_sliding_window_batches_match_eager(name):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_generation_gives_eagers_tokens(name, cache):
-    # The prompt is longer than the window and the new tokens cross it again; a static cache's steps with a
-    # softcap or sinks take the general path (the KV-cache kernel has no mods).
+    # The prompt is longer than the window and the new tokens cross it again; a static cache's full-attention
+    # steps with a softcap take the KV-cache kernel with it as a score_mod, those with sinks or a window the
+    # general path.
     reference, ours = pair(name)
     ids = tokens(1, 6 if SMALL else 40)
     options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3 if SMALL else 32, do_sample=False,
@@ -162,3 +163,18 @@ def test_window_mask_is_transformers_sliding_window():
         for kv in range(6):
             want = bool(rule(0, 0, torch.tensor(q + 2), torch.tensor(kv)))   # query q sits at position q + 2
             assert bool(mod.fn(0, 0, q, kv, mod.arrays[0])) == want, (q, kv)
+
+
+def test_static_cache_softcap_layers_take_the_kv_cache_kernel(monkeypatch):
+    # Gemma 2's full-attention layers (a softcap, no window) decode a static cache on the KV-cache kernel, the
+    # softcap its score_mod; the sliding layers take the general path.  The tokens are eager's (the greedy test).
+    calls = []
+    cache_attention = numba_flash_hf.cache_attention
+    monkeypatch.setattr(numba_flash_hf, "cache_attention",
+                        lambda *args: calls.append(args[6]) or cache_attention(*args))
+    _, ours = pair("gemma2")
+    ids = tokens(1, 6)
+    with torch.no_grad():
+        ours.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                      cache_implementation="static", disable_compile=True)
+    assert calls and all(score_mod is not None and score_mod.name == "softcap" for score_mod in calls)

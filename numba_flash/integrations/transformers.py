@@ -64,10 +64,13 @@ Arguments passed through ``numba_flash.mods`` (issue 46):
 * ``s_aux`` / ``sinks`` (gpt-oss): ``numba_flash.torch.attention(sinks=)``,
   differentiable in the sink logits.
 
-A static cache's fast path (``attention_with_kv_cache``) takes no mods yet: a
-call with a softcap, sinks or a window goes through the general path (the
+A static cache's fast path (``attention_with_kv_cache``) takes the softcap as
+its score_mod (the kernel's mods see a query at its position in the cache).
+A call with sinks or a window still goes through the general path (the
 window's mask_mod where the mask is its pattern, otherwise the mask element by
-element), so ``generate`` works, more slowly.
+element), so ``generate`` works, more slowly: a sliding layer's mask is not the
+plain causal one that ``attention_mask`` tags with lengths, and sinks need the
+lse after the kernel.
 
 Arguments numba-flash does not implement (position biases, ``head_mask``,
 ``output_attentions``) raise a ValueError naming them.
@@ -134,13 +137,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise ValueError(f"numba_flash attention takes boolean masks (transformers' sdpa_mask), got "
                              f"{attention_mask.dtype}")
         # Eager only: under torch.compile (transformers' generate compiles a static cache's forward on a GPU
-        # unless told disable_compile=True) the call takes the general path.  The KV-cache kernel takes no mods:
-        # a call with a softcap or sinks takes the general path too.
+        # unless told disable_compile=True) the call takes the general path.  The KV-cache kernel takes the
+        # softcap as its score_mod; a call with sinks or a window takes the general path.
         lengths = None if torch.compiler.is_compiling() else getattr(attention_mask, _LENGTHS, None)
-        if (lengths is not None and causal and not dropout and score_mod is None and sinks is None
-                and window is None and lengths.device == query.device
-                and _fits_cache_call(query, key, value, attention_mask)):
-            return cache_attention(query, key, value, lengths, attention_mask, scaling), None
+        if (lengths is not None and causal and not dropout and sinks is None and window is None
+                and lengths.device == query.device and _fits_cache_call(query, key, value, attention_mask)):
+            return cache_attention(query, key, value, lengths, attention_mask, scaling, score_mod), None
         if window is not None and _is_bottom_right_window(attention_mask, n_q, n_k, int(window)):
             mask_mod, alignment = window_mask(int(window), n_k - n_q), False
         elif not _is_bottom_right_causal(attention_mask, n_q, n_k):
@@ -185,9 +187,10 @@ def _fits_cache_call(query, key, value, mask):
     return mask.dim() == 4 and tuple(mask.shape[::2]) == (batch, n_q) and mask.shape[-1] == n_k and not grads
 
 
-def cache_attention(query, key, value, lengths, mask=None, scaling=None):
+def cache_attention(query, key, value, lengths, mask=None, scaling=None, score_mod=None):
     """One layer's attention against a static cache: row b's query i sees keys j < L_b with
-    j <= i + L_b - N_q (``numba_flash.attention_with_kv_cache``, no append).  Returns (B, N_q, H_q, d).
+    j <= i + L_b - N_q (``numba_flash.attention_with_kv_cache``, no append; ``score_mod``: a softcap's, or any
+    of ``numba_flash.mods``).  Returns (B, N_q, H_q, d).
 
     ``lengths``: int32 (B,) on the query's device, L_b (-1: the row gets NaN).  With
     ``CHECK_STATIC_CACHE`` the mask is compared with that pattern on the host first."""
@@ -195,7 +198,7 @@ def cache_attention(query, key, value, lengths, mask=None, scaling=None):
         check_cache_mask(mask, lengths)
     check_tensors((("query", query), ("key", key), ("value", value), ("cache_seqlens", lengths)))
     out, _ = _run(api.attention_with_kv_cache, (query, key, value, lengths), causal="bottom_right",
-                 scale=scaling, return_lse=True)
+                 scale=scaling, return_lse=True, score_mod=score_mod)
     return out.transpose(1, 2).contiguous()
 
 

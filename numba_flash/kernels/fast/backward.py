@@ -146,9 +146,9 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     query_flags = lane_flags(Q_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
-    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
     SCORE_MOD = MODS is not None and MODS.has_score
     MASK_MOD = MODS is not None and MODS.has_mask
+    MOD_EVERY_TILE = MASK_MOD and not HAS_MASK   # packed sequences: no tile lists, every tile tested (``forward``)
     mod_allows, _, mod_weight = entry_steps(MODS)
 
     @inlined_device_function
@@ -222,8 +222,8 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                     dp = dpt[mt, 2 * half + e]
                     visible = True
                     if masked:
-                        visible = allowed(q, key, n_q, n_k, CAUSAL, causal_offset, partly_masked, M, bh, mask_rows,
-                                          mask_cols, mask_t_r, mask_t_c)
+                        visible = allowed(q, key, n_q, n_k, CAUSAL, causal_offset, HAS_MASK and partly_masked, M, bh,
+                                          mask_rows, mask_cols, mask_t_r, mask_t_c)
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
                             visible = mod_allows(visible, q, key, mod_args)
                         if SCORE_MOD:
@@ -303,7 +303,7 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                 if HAS_MASK:
                     q0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_QUERIES)
                 else:
-                    q0, partly_masked = (first + j) * BLOCK_QUERIES, False
+                    q0, partly_masked = (first + j) * BLOCK_QUERIES, MOD_EVERY_TILE
                 stage = (j % 2) * QS_STAGE        # the word offset of tile j's buffer
                 if not ASYNC:
                     cuda.syncthreads()  # every warp is done with the previous Q_i, dO_i, which this one overwrites
@@ -377,9 +377,9 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     store_fragment_row = fragment_row_store(D_PAD, PRECISION, VEC)
     key_flags = lane_flags(K_TILES)
     sequence, lse_row = sequence_bounds(VARLEN)
-    assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
     SCORE_MOD = MODS is not None and MODS.has_score
     MASK_MOD = MODS is not None and MODS.has_mask
+    MOD_EVERY_TILE = MASK_MOD and not HAS_MASK   # packed sequences: no tile lists, every tile tested (``forward``)
     mod_allows, _, mod_weight = entry_steps(MODS)
 
     @inlined_device_function
@@ -427,8 +427,8 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                     p = float32(0) if SCORE_MOD else exp2(s[nt, 2 * half + e] * c_log2 - lse2[half])
                     visible = True
                     if masked:
-                        visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly_masked, M, bh, mask_rows,
-                                          mask_cols, mask_t_r, mask_t_c)
+                        visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, HAS_MASK and partly_masked, M,
+                                          bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
                             visible = mod_allows(visible, row, key, mod_args)
                         if SCORE_MOD:
@@ -506,7 +506,7 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_KEYS)
             else:
-                k0, partly_masked = j * BLOCK_KEYS, False
+                k0, partly_masked = j * BLOCK_KEYS, MOD_EVERY_TILE
             stage = (j % 2) * KV_STAGE            # the word offset of tile j's buffer
             if not ASYNC:
                 cuda.syncthreads()  # every warp is done with the previous K_j, V_j, which this one overwrites

@@ -91,8 +91,10 @@ def dropout_arguments(call):
 
 
 def has_tile_lists(call):
-    """Whether a call's kernels visit listed tiles (HAS_MASK): a block mask's, or a mask_mod's classification."""
-    return call.block_mask is not None or mask_mod_of(call) is not None
+    """Whether a call's kernels visit listed tiles (HAS_MASK): a block mask's, or a batched call's mask_mod
+    classified.  (Packed sequences and KV caches have per-call lengths that the plan does not know: their kernels
+    test a mask_mod on every tile's elements.)"""
+    return call.block_mask is not None or (mask_mod_of(call) is not None and call.varlen is None)
 
 
 def mask_mod_of(call):

@@ -163,11 +163,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     pages, is copied tile by tile).  Every block first checks the entry's table entries against the pool: an entry
     that names a page outside it sees no key and gets NaN rows, as one whose length overflows does.
 
-    QUERY_GROUPS (decoding, causal): the tile's rows are the query heads of a group packed as rows (row g N_q + i is
-    query i of the group's head g, ``head_queries`` = N_q; ``decode_plan.py``), so that the group reads each K/V tile
-    once.  The causal mask of a row takes its own query index i = row mod N_q, the key bound of the tile its last
-    query's (N_q - 1), and every tile that reaches past the first query's diagonal is masked (some row of the tile
-    may be a group's query 0).  Without causal the packed rows need nothing of the kernel: every row sees every key.
+    QUERY_GROUPS (decoding, causal or with mods): the tile's rows are the query heads of a group packed as rows (row
+    g N_q + i is query i of the group's head g, ``head_queries`` = N_q; ``decode_plan.py``), so that the group reads
+    each K/V tile once.  The causal mask of a row takes its own query index i = row mod N_q, the key bound of the tile
+    its last query's (N_q - 1), and every tile that reaches past the first query's diagonal is masked (some row of the
+    tile may be a group's query 0); the mods see query head h G + g and query i (``mod_row``).  Without causal or mods
+    the packed rows need nothing of the kernel: every row sees every key.
 
     MODS (``mod_steps.ModSteps``, or None): a score_mod and/or mask_mod, one step of ``mask_scores`` and
     ``poison_weights`` (``mod_steps.entry_steps``).  The mask_mod ANDs into the keys an entry may see; its tiles
@@ -175,18 +176,23 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     never visited and only partly masked ones test it element by element (and are cleaned of NaN, as a block
     mask's partly masked tiles are); the score_mod replaces the scaled score (the kernel then takes the
     scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both are called only for keys inside the sequences
-    (and the causal mask), so that a mod's array reads stay in bounds.  Compiled out when None.
+    (and the causal mask), so that a mod's array reads stay in bounds.  With VARLEN there are no tile lists (the
+    host does not know a call's sequences when it plans it): a mask_mod is tested on every element of every tile
+    (``MOD_EVERY_TILE``).  The indices the mods see are the sequence's: a packed sequence's rows and keys from its
+    start, b its index in the pack; a KV cache's query i at its position L_b - N_q + i (L_b the entry's keys after
+    the append, as its bottom-right causal mask places it: ``mod_row``).  Compiled out when None.
     """
-    assert MODS is None or not (SPLIT or PAGED or VARLEN or KEY_WARPS > 1), "mods: not with varlen or a KV cache yet"
     assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
-    assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
+    assert MODS is None or not MODS.has_mask or HAS_MASK or VARLEN, "a batched mask_mod's tiles come as lists"
     SCORE_MOD = MODS is not None and MODS.has_score
     MASK_MOD = MODS is not None and MODS.has_mask
+    MOD_EVERY_TILE = MASK_MOD and not HAS_MASK   # no tile lists (VARLEN): every tile tested as a partly masked one
     mod_allows, mod_score, _ = entry_steps(MODS)
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
     assert not PAGED or VARLEN == "cache", "pages hold a KV cache's rows"
-    assert not QUERY_GROUPS or (VARLEN == "cache" and CAUSAL), "query groups serve causal decoding"
+    assert not QUERY_GROUPS or (VARLEN == "cache" and (CAUSAL or MODS is not None)), \
+        "query groups serve decoding whose rows differ (causal, or mods that read the query head and index)"
     SIXTEEN = PRECISION != "tf32x3"
     ROW_THREADS = flash2_threads(BLOCK_M, WARP_ROWS)   # the threads that own the tile's rows
     assert KEY_WARPS == 1 or (ROW_THREADS == 32 and WARP_ROWS == ROWS_PER_WARP and not HAS_MASK
@@ -344,6 +350,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             if row >= first_row and row < BLOCK_N:
                 store_word(smem, at + row * V_ROW_STRIDE + word % V_ROW_WORDS, uint32(0))
 
+    @inlined_device_function
+    def mod_row(row, query_position, head_queries, mod_args):
+        """(q_idx, mod_args) that the mods see for the tile's ``row``: the row itself (a packed sequence's rows
+        count from its start), a KV cache's query at ``query_position`` + i, and with QUERY_GROUPS row g N_q + i as
+        query i of head h G + g (``mod_args`` then holds h G)."""
+        if QUERY_GROUPS:
+            b, first_head, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+            g = uint32(row) // uint32(head_queries)   # (32-bit: as the causal mask's row mod N_q)
+            query = int64(uint32(row) - g * uint32(head_queries))
+            return query + query_position, (b, first_head + int64(g), scale, MOD0, MOD1, MOD2, MOD3)
+        return row + query_position, mod_args
+
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
         row's visible keys computed once (one compare per entry, so that NVVM unrolls the loops: rolled,
@@ -351,9 +369,11 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
 
         @inlined_device_function
         def walk(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh, mask_rows,
-                 mask_cols, mask_t_r, mask_t_c, head_queries, mod_args):
+                 mask_cols, mask_t_r, mask_t_c, head_queries, query_position, mod_args):
             for r in range(LANE_ROWS):
                 row = q0 + row0 + 8 * r
+                if SCORE_MOD or MASK_MOD:   # (only then: without mods the kernel's PTX is as before they came)
+                    q_idx, row_args = mod_row(row, query_position, head_queries, mod_args)
                 if QUERY_GROUPS:   # row g N_q + i of a packed group: query i's diagonal
                     end = (keys_end(int64(uint32(row) % uint32(head_queries)), head_queries, n_k, CAUSAL,
                                     causal_offset) if row < n_q else int64(0))
@@ -363,16 +383,16 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     x_row, half = (r // 2) * N_TILES + nt, r % 2
                     for e in range(2):
                         key = k0 + nt * 8 + 2 * t + e
-                        visible = allowed_below(end, row, key, partly_masked, M, bh, mask_rows, mask_cols, mask_t_r,
-                                                mask_t_c)
+                        visible = allowed_below(end, row, key, HAS_MASK and partly_masked, M, bh, mask_rows,
+                                                mask_cols, mask_t_r, mask_t_c)
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
-                            visible = mod_allows(visible, row, key, mod_args)
+                            visible = mod_allows(visible, q_idx, key, row_args)
                         if POISON:
                             if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
                                 s[x_row, 2 * half + e] = float32(math.nan)
                         elif SCORE_MOD:   # the mod's score, in log2 units (only where allowed: its reads in bounds)
-                            s[x_row, 2 * half + e] = (mod_score(s[x_row, 2 * half + e], row, key, mod_args) if visible
-                                                      else float32(NEG_INF))
+                            s[x_row, 2 * half + e] = (mod_score(s[x_row, 2 * half + e], q_idx, key, row_args)
+                                                      if visible else float32(NEG_INF))
                         else:
                             x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
                             s[x_row, 2 * half + e] = x if visible else float32(NEG_INF)
@@ -587,8 +607,10 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         v_head = b * v_sb + kv_h * v_sh
         pages = (PAGES, b * pages_sb, page_size, num_pages)   # where a paged entry's rows are (``row_start``)
         c_log2 = float32(scale_log2)             # softmax scale times log2(e)
-        # What the mods read besides the entry (``mod_steps.entry_steps``): batch, query head, scale, their arrays.
-        mod_args = (b, h, float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
+        # What the mods read besides the entry (``mod_steps.entry_steps``): batch, query head (a packed group's
+        # first: ``mod_row``), scale, their arrays.
+        mod_args = (b, h * int64(uint32(n_q) // uint32(head_queries)) if QUERY_GROUPS else h,
+                    float32(scale_log2 / LOG2_E), MOD0, MOD1, MOD2, MOD3)
         smem = cuda.shared.array(0, uint32)
         # The next K and V tiles in flight (register path only; cp.async needs no registers, and these go unused).
         k_regs = cuda.local.array((K_ITERS, 4), WORD)
@@ -626,6 +648,8 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
         overflowing = KV_CACHE and n_k < 0   # a cache entry whose keys do not fit: NaN out
         if VARLEN and q0 >= n_q:  # the grid covers the longest sequence; the whole block leaves together
             return
+        # A cache's query i sits at position L_b - N_q + i of its entry (what its mods see: ``mod_row``).
+        query_position = n_k - (head_queries if QUERY_GROUPS else n_q) if KV_CACHE else int64(0)
         k_row = k_head + k_first * k_sn          # row 0 of this sequence's K (and V)
         v_row = v_head + k_first * v_sn
 
@@ -671,7 +695,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 if not PARTLY_MASKED:  # a constant for the compiler: the element test below is compiled out
                     partly_masked = False
             else:
-                k0, partly_masked = k_first_tile + j * tile_step, False
+                k0, partly_masked = k_first_tile + j * tile_step, MOD_EVERY_TILE
             stage = own + buffer_of(j)   # the word offset of tile j's buffer
             if not ASYNC:
                 cuda.syncthreads()  # every warp is done with tile j - 1, which tile j overwrites
@@ -688,7 +712,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 clear_rows_from(smem, V_HI + stage, n_k - k0, cleaner)   # V holds what the cache holds there
                 sync_tile()
             # Tiles that some query may not fully see: crossing the diagonal, or partly
-            # covered by the block mask (their masked weights are 0: see common.py on NaN).
+            # covered by the block mask or a mask_mod (their masked weights are 0: see common.py on NaN).
             mixed = (CAUSAL and k0 + BLOCK_N - 1 > (0 if QUERY_GROUPS else q0) + causal_offset) or partly_masked
             if mixed:  # the same for every thread of the block (of the warp, for key warps): all reach the barrier
                 sanitize_v(smem, stage, V_NAN + own, cleaner)
@@ -698,14 +722,16 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             v_nan = key_flags(smem, V_NAN + own, t) if mixed else uint64(0)
             if mixed or k0 + BLOCK_N > n_k or not POSITIVE_SCALE:
                 mask_scores(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                            mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries, mod_args)
+                            mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries, query_position,
+                            mod_args)
             for r in range(LANE_ROWS):
                 alpha[r] = online_softmax(s, m_i, l_i, r, c_log2)
             if HAS_DROPOUT:
                 dropout(s, q0, row0, k0, t, bh, keep_threshold, keep_scale, seed0, seed1)
             if v_nan != uint64(0):  # this lane's keys of a partly masked tile include a NaN value row
                 poison_weights(s, v_nan, c_log2, q0, row0, k0, t, n_q, n_k, causal_offset, partly_masked, M, bh,
-                               mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries, mod_args)
+                               mask_rows, mask_cols, mask_t_r, mask_t_c, head_queries, query_position,
+                            mod_args)
             accumulate_product(acc, alpha, s, smem, V_HI + stage, V_LO + stage, g, t)  # O = alpha O + P V_j
 
         if EARLY_COPIES and rounds < AHEAD:   # rounds copied early that the entry does not have: every thread's
@@ -790,7 +816,8 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1, warp_rows=None):
     mode = sequence_mode(call)
     paging = call.varlen.paging if call.varlen else None
     head_queries = call.varlen.head_queries if call.varlen and call.varlen.head_queries else call.n_q
-    query_groups = bool(call.varlen and call.varlen.head_queries and call.causal)
+    # (packed rows need the kernel's attention when they differ: under causal, or to the mods)
+    query_groups = bool(call.varlen and call.varlen.head_queries and (call.causal or mods))
     kernel = make_forward(block_m, block_n, d_pad, call.precision, call.vec, call.causal, has_mask, has_dropout,
                           mode, splits > 1, positive_scale, warp_rows, partly, stages, key_warps, paging is not None,
                           query_groups, steps)
