@@ -175,6 +175,8 @@ def out_of_scope(call, kernel):
         return f"scale must be positive for {name}, not {call.scale}"
     if call.dropout_p > 0:
         return f"{name} has no dropout yet"
+    if call.mods and call.head_dim > max(HEAD_DIMS):   # the 256-column forward with mods: not compiled or tested yet
+        return f"{name} takes score_mod / mask_mod at head dims up to {max(HEAD_DIMS)}, not {call.head_dim}"
     if call.varlen is not None and (call.varlen.kv_cache or not call.varlen.packed):
         return f"{name} takes packed sequences (attention_varlen), not a KV cache"
     if not in_simulator() and device_limits().compute_capability != (9, 0):
