@@ -76,15 +76,15 @@ EXPERIMENT_ROOMS = ("paper", "tuning")
 #: Experiments the command runs: experiments/<room>/<name>.py (every script with a main(); ncu_case.py runs
 #: under ncu by itself).
 EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice", "mask_gallery",
-               "float32_accuracy", "train_gpt",
+               "float32_accuracy", "train_gpt", "mods_gallery",
                "tune_flash2", "mma_throughput", "mma_accumulation", "host_profile", "causal_schedule",
                "decode_bandwidth", "decode_key_warps", "decode_splits", "decode_breakdown", "cp_async_stream",
                "ring_scaling", "wgmma_layouts", "wgmma_probe", "sass_counts", "decode_grid", "generate_bench",
-               "wgmma_backward_bench")
+               "wgmma_backward_bench", "mods_bench")
 #: Those with a --quick mode (a tiny version the simulator can run).
 QUICK_EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice",
                      "mask_gallery", "train_gpt", "tune_flash2", "decode_bandwidth", "decode_key_warps",
-                     "ring_scaling", "decode_grid", "generate_bench")
+                     "ring_scaling", "decode_grid", "generate_bench", "mods_gallery")
 
 
 def experiment_path(name):
