@@ -56,7 +56,7 @@ from numba import cuda, float32, uint32, uint64
 from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile
-from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
+from .mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
                        padded_head_dim)
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
@@ -343,10 +343,10 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dkdv", (BLOCK_KEYS, BLOCK_QUERIES), D_PAD, PRECISION, VEC,
                                       CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN)
-                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
+                  + mods_suffix(MODS),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dK=data, dV=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
-                              k_bounds=np.int32, **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
+                              k_bounds=np.int32, **slot_arrays(MODS)),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
@@ -542,10 +542,10 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
                                       HAS_MASK, HAS_DROPOUT, VARLEN)
-                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
+                  + mods_suffix(MODS),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
-                              k_bounds=np.int32, **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
+                              k_bounds=np.int32, **slot_arrays(MODS)),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
@@ -575,7 +575,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
                     v_sb=vs.batch, v_sh=vs.head, v_sn=vs.row, do_sb=do_strides.batch, do_sh=do_strides.head,
                     do_sn=do_strides.row, group=call.group, n_k=call.n_k, causal_offset=call.causal_offset,
                     scale=call.scale, scale_log2=call.scale * LOG2_E, **sizes, **dropout_arguments(call),
-                    **sequence_arguments(call), **(mod_arrays(*call.mods) if call.mods else no_mod_arrays()))
+                    **sequence_arguments(call), **slot_arguments(call.mods))
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs),
                    dO=words(q_shape, do_strides), LSE=rows, D=rows)
     extents.update(bounds_extents)

@@ -112,7 +112,7 @@ from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache
                      partly_masked_tiles, row_lse, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
                      tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
-from .mod_steps import NO_MOD_SLOTS, entry_steps, mod_arrays, mod_steps, no_mod_arrays
+from .mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
 
@@ -760,12 +760,12 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                   + (f"_stages{STAGES}" if STAGES > 2 else "")
                   + (f"_key_warps{KEY_WARPS}" if KEY_WARPS > 1 else "") + ("_paged" if PAGED else "")
                   + ("_query_groups" if QUERY_GROUPS else "")
-                  + (f"_mods_{MODS.name}" if MODS is not None else ""),
+                  + mods_suffix(MODS),
                   arrays=dict(Q=data, K=data, V=data, O=np.float32 if SPLIT else data, LSE=np.float32,
                               MERGED_O=output_element(PRECISION)[1], MERGED_LSE=np.float32, ARRIVALS=np.uint32,
                               tile_offsets=np.int32, tile_entries=np.int32, tile_order=np.int32, M=np.uint8,
                               q_bounds=np.int32, k_bounds=np.int32, PAGES=np.int32,
-                              **(MODS.kernel_arrays() if MODS is not None else NO_MOD_SLOTS)),
+                              **slot_arrays(MODS)),
                   floats=("scale_log2", "keep_scale"),
                   # Dense: two blocks per multiprocessor (128 registers for 2 x 8 warps), at d <= 64,
                   # and for 16-bit at d <= 128 once K_j, V_j come by cp.async (no registers hold them: ptxas
@@ -845,7 +845,7 @@ def forward_launch(call, splits=1, kv_stages=2, key_warps=1, warp_rows=None):
                  **dropout_arguments(call), **block_mask_arguments(call, (block_m, block_n), "forward"),
                  **sequence_arguments(call), **paging_arguments(paging), **split_layout,
                  k_sp=ks.batch if paging else 0, v_sp=vs.batch if paging else 0, head_queries=head_queries,
-                 **(mod_arrays(*mods) if mods else no_mod_arrays()))
+                 **slot_arguments(mods))
     if paging:   # pools of pages: an entry's pages come from the table, so no batch stride
         fixed.update(k_sb=0, v_sb=0)
     extents.update(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs))

@@ -112,19 +112,7 @@ def _build(key, score_mod, mask_mod, backward):
                     wrap(score_step), wrap(mask_step), wrap(slope_step), tuple(sources))
 
 
-def mod_arrays(score_mod, mask_mod):
-    """The kernels' fixed MOD0 .. MOD3 for a call: device arrays (NumPy ones copied once; CUDA ones in place)."""
-    arrays = [kernel_array(a) for a in (score_mod.arrays if score_mod else ()) + (mask_mod.arrays if mask_mod else ())]
-    while len(arrays) < MAX_MOD_ARRAYS:
-        arrays.append(placeholder(np.float32))
-    return dict(zip(SLOTS, arrays))
-
-
-#: What the kernels get without mods: placeholder slots.
-def no_mod_arrays():
-    return {slot: placeholder(np.float32) for slot in SLOTS}
-
-
+#: A kernel's MOD0 .. MOD3 parameters without mods: float32 placeholders.
 NO_MOD_SLOTS = {slot: np.float32 for slot in SLOTS}
 
 
@@ -134,9 +122,12 @@ def slot_arrays(MODS):
 
 
 def slot_arguments(mods):
-    """A launch's MOD0 .. MOD3 for a call's ``mods`` (``call.mods``: a pair, or None): their arrays, or
-    placeholders."""
-    return mod_arrays(*mods) if mods else no_mod_arrays()
+    """A launch's MOD0 .. MOD3 for a call's ``mods`` (``call.mods``: a (score_mod, mask_mod) pair, or None): the
+    mods' arrays on the device (NumPy ones copied once per plan, CUDA ones in place), placeholders after them."""
+    score_mod, mask_mod = mods if mods else (None, None)
+    arrays = [kernel_array(a) for a in (score_mod.arrays if score_mod else ()) + (mask_mod.arrays if mask_mod else ())]
+    arrays += [placeholder(np.float32)] * (MAX_MOD_ARRAYS - len(arrays))
+    return dict(zip(SLOTS, arrays))
 
 
 def mods_suffix(MODS):
