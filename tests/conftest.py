@@ -119,3 +119,23 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(flash1_forward, "launch", forbidden)
     monkeypatch.setattr(standard_attention, "launch", forbidden)
     monkeypatch.setattr(launch.Launch, "__call__", forbidden)
+
+
+@pytest.fixture
+def hopper_lookalike(monkeypatch):
+    """The device made to look like an H100/H200 (compute capability 9.0; sm_90a not enabled, nothing launched), so
+    that tests of flash2's pick build plans in the simulator.  Returns the device: set its ``compute_capability``
+    to see the pick on another GPU."""
+    from types import SimpleNamespace
+
+    from numba_flash.kernels.hopper import backward as hopper_backward
+    from numba_flash.kernels.hopper import common
+    from numba_flash.kernels.hopper import forward as hopper
+
+    device = SimpleNamespace(compute_capability=(9, 0))
+    for module in (hopper_backward, hopper, common):
+        monkeypatch.setattr(module, "in_simulator", lambda: False)
+    monkeypatch.setattr(common, "device_limits", lambda: device)
+    for module in (hopper, hopper_backward):
+        monkeypatch.setattr(module, "enable_sm90a", lambda: None)
+    return device

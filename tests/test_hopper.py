@@ -326,21 +326,14 @@ def test_the_wgmma_forward_rejects_what_it_cannot_run():
         attention(*arrays(), dropout_p=0.1, algorithm="wgmma")
 
 
-def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeypatch):
+def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeypatch, hopper_lookalike):
     """Which kernel ``algorithm="flash2"`` lays out, with the device made to look like an H200 (the plan is built,
     nothing launched): wgmma inside its scope, mma.sync outside it and wherever the caller names tiles."""
-    from types import SimpleNamespace
-
     import numba_flash
     from numba_flash import api
-    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper, common):
-        monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
-    monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
+    device = hopper_lookalike
 
     def kernel(d=64, dtype=np.float16, causal=False, scale=None, block_mask=None, dropout_p=0.0, block_sizes=None,
                whole_name=False):
@@ -372,27 +365,18 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     assert kernel() == kernel(block_mask=whole) == "flash2"
 
 
-def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups_and_flash2_waits_for_its_gpu_tests(monkeypatch):
+def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups_and_flash2_waits_for_its_gpu_tests(monkeypatch, hopper_lookalike):
     """d = 256 on a device made to look like an H200, nothing launched: flash2 keeps it on mma.sync until its GPU
     tests pass (``AUTOMATIC_SCOPE``); with d = 256 in that scope (as it will be), flash2's forward on wgmma in blocks
     of two warpgroups (``DEFAULT_WARPGROUPS``; one where NUMBA_FLASH_WGMMA_WARPGROUPS says so), block masks of whole
     128 x 64 tiles there but not of 64 x 64 blocks (they cut its 128-row tiles); the other head dims of the
     256-column layout on wgmma only when asked for; the backward on mma.sync (its dK and dV would not fit in a
     warpgroup's registers)."""
-    from types import SimpleNamespace
-
     import numba_flash
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
-    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper_backward, hopper, common):
-        monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
-    monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
-    monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
 
     def forward(d=256, dtype=np.float16, causal=False, block_mask=None, algorithm="flash2"):
         x = np.zeros((1, 2, 70, d), dtype)
@@ -419,25 +403,18 @@ def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups_and_flash2_w
     assert forward() == "wgmma_forward_d256_f16"
 
 
-def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch):
+def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch, hopper_lookalike):
     """Which backward ``algorithm="flash2"`` lays out on a device made to look like an H200 (nothing launched): the
     wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), summing
     dQ in a kernel of its own whether or not the caller asks for determinism (``DQ_MODE``), with no block mask or
     one of whole 64 x 64 tiles (the forward's pick); mma.sync outside the scope, at the scope's other head dims, for
     other block masks and wherever the caller names tiles."""
-    from types import SimpleNamespace
-
     import numba_flash
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
-    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper_backward, hopper, common):   # (the pick is the forward's: ``forward.chosen_for``)
-        monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
-    monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
+    device = hopper_lookalike
 
     def kernel(d=64, dtype=np.float16, causal=False, block_mask=None, dropout_p=0.0, block_sizes=None,
                deterministic=True):

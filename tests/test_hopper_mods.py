@@ -201,22 +201,13 @@ def test_a_window_off_by_one_fails_the_comparison():
         check_forward(q, k, v, False, None, None, window, kernel_mask_mod=mutant)
 
 
-def test_flash2_picks_the_wgmma_kernels_with_mods_where_it_picks_them_without(monkeypatch):
+def test_flash2_picks_the_wgmma_kernels_with_mods_where_it_picks_them_without(monkeypatch, hopper_lookalike):
     """On a device made to look like an H100 (plans built, nothing launched): the wgmma forward and backward with
     a score_mod, a mask_mod or both, wherever flash2 takes them without mods; mma.sync where it does not."""
-    from types import SimpleNamespace
-
     from numba_flash import api
-    from numba_flash.kernels.hopper import backward as hopper_backward
-    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper_backward, hopper, common):
-        monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
-    monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
-    monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
+    device = hopper_lookalike
     softcap, window = mods.softcap(30.0), mods.sliding_window(16)
 
     def kernels(d=64, dtype=np.float16, score_mod=None, mask_mod=None, dropout_p=0.0):

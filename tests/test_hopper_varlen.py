@@ -238,21 +238,14 @@ def test_packed_sequences_of_equal_lengths_give_the_bits_of_the_batched_wgmma_ca
         np.testing.assert_array_equal(to_host(got).view(np.uint16), packed(to_host(want)).view(np.uint16))
 
 
-def test_flash2_picks_the_wgmma_forward_for_packed_sequences_where_it_takes_the_batched_call(monkeypatch):
+def test_flash2_picks_the_wgmma_forward_for_packed_sequences_where_it_takes_the_batched_call(monkeypatch, hopper_lookalike):
     """Which forward ``attention_varlen(..., algorithm="flash2")`` lays out on a device made to look like an H200
     (nothing launched): wgmma wherever the batched call of the same head dim and causality would take it
     (``AUTOMATIC_SCOPE``), mma.sync elsewhere and on other GPUs; "wgmma" asks for it."""
-    from types import SimpleNamespace
-
     from numba_flash import api
-    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper, common):
-        monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
-    monkeypatch.setattr(hopper, "enable_sm90a", lambda: None)
+    device = hopper_lookalike
 
     def kernel(d=64, dtype=np.float16, causal=False, algorithm="flash2", block_sizes=None, dropout_p=0.0,
                score_mod=None):
@@ -274,21 +267,13 @@ def test_flash2_picks_the_wgmma_forward_for_packed_sequences_where_it_takes_the_
     assert kernel().startswith("flash2_forward")
 
 
-def test_flash2_picks_the_wgmma_backward_for_packed_sequences_where_it_takes_the_batched_call(monkeypatch):
+def test_flash2_picks_the_wgmma_backward_for_packed_sequences_where_it_takes_the_batched_call(monkeypatch, hopper_lookalike):
     """The backward's pick, the forward's (``backward.chosen_for``): wgmma for packed sequences where the batched
     call would take it, mma.sync elsewhere, summing dQ as the batched call would (``DQ_MODE``, ``deterministic``)."""
-    from types import SimpleNamespace
-
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
-    from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
-    for module in (hopper_backward, hopper, common):
-        monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
-    monkeypatch.setattr(hopper_backward, "enable_sm90a", lambda: None)
 
     def kernel(d=64, causal=False, algorithm="flash2", deterministic=True, score_mod=None):
         x = np.zeros((70, 2, d), np.float16)
