@@ -365,9 +365,8 @@ def test_flash2_picks_the_wgmma_forward_on_hopper_for_calls_in_its_scope(monkeyp
     assert kernel() == kernel(block_mask=whole) == "flash2"
 
 
-def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups_and_flash2_waits_for_its_gpu_tests(monkeypatch, hopper_lookalike):
-    """d = 256 on a device made to look like an H200, nothing launched: flash2 keeps it on mma.sync until its GPU
-    tests pass (``AUTOMATIC_SCOPE``); with d = 256 in that scope (as it will be), flash2's forward on wgmma in blocks
+def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups(monkeypatch, hopper_lookalike):
+    """d = 256 on a device made to look like an H200, nothing launched: flash2's forward on wgmma in blocks
     of two warpgroups (``DEFAULT_WARPGROUPS``; one where NUMBA_FLASH_WGMMA_WARPGROUPS says so), block masks of whole
     128 x 64 tiles there but not of 64 x 64 blocks (they cut its 128-row tiles); the other head dims of the
     256-column layout on wgmma only when asked for; the backward on mma.sync (its dK and dV would not fit in a
@@ -389,9 +388,7 @@ def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups_and_flash2_w
                                                              None)).launches
         return (launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]).kernel.name
 
-    assert forward().startswith("flash2") and forward(algorithm="wgmma") == "wgmma_forward_d256_f16_warpgroups2"
-    monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", hopper.AUTOMATIC_SCOPE | {(256, False), (256, True)})
-    assert forward() == "wgmma_forward_d256_f16_warpgroups2"
+    assert forward() == forward(algorithm="wgmma") == "wgmma_forward_d256_f16_warpgroups2"
     assert forward(causal="bottom_right", dtype=np.dtype("bfloat16")) == "wgmma_forward_d256_bf16_causal_warpgroups2"
     tiles = numba_flash.BlockMask(np.ones((1, 2), bool), (128, 64))
     assert forward(block_mask=tiles) == "wgmma_forward_d256_f16_warpgroups2_sparse_whole_tiles"

@@ -201,11 +201,10 @@ def test_a_window_off_by_one_fails_the_comparison():
         check_forward(q, k, v, False, None, None, window, kernel_mask_mod=mutant)
 
 
-def test_flash2_picks_the_wgmma_kernels_with_mods_where_it_picks_them_without(monkeypatch, hopper_lookalike):
+def test_flash2_picks_the_wgmma_kernels_with_mods_where_it_picks_them_without(hopper_lookalike):
     """On a device made to look like an H100 (plans built, nothing launched): the wgmma forward and backward with
     a score_mod, a mask_mod or both, wherever flash2 takes them without mods; mma.sync where it does not."""
     from numba_flash import api
-    from numba_flash.kernels.hopper import forward as hopper
 
     device = hopper_lookalike
     softcap, window = mods.softcap(30.0), mods.sliding_window(16)
@@ -224,8 +223,7 @@ def test_flash2_picks_the_wgmma_kernels_with_mods_where_it_picks_them_without(mo
     assert kernels(d=128, dtype=np.dtype("bfloat16"), score_mod=softcap, mask_mod=window) == (
         "wgmma_forward_d128_bf16_sparse_mods_softcap_sliding_window",
         "wgmma_backward_dkdv_d128_bf16_sparse_mods_softcap_sliding_window")
-    # d = 256 (once in flash2's scope) takes the wgmma forward without mods, not with them
-    monkeypatch.setattr(hopper, "AUTOMATIC_SCOPE", hopper.AUTOMATIC_SCOPE | {(256, False)})
+    # d = 256 takes the wgmma forward without mods, not with them
     assert kernels(d=256)[0].startswith("wgmma")
     for outside in (kernels(d=32, score_mod=softcap), kernels(dtype=np.float32, mask_mod=window),
                     kernels(score_mod=softcap, dropout_p=0.1), kernels(d=256, score_mod=softcap)):

@@ -752,12 +752,12 @@ DEFAULT_WARPGROUPS = {64: 1, 128: 1, 256: 2}
 #: chunks (2026-12-02, GPU time, ``experiments/tuning/results/bench_wgmma_warpgroups1_h200.md``;
 #: ``experiments/tuning/results/sass_counts_wgmma.md``).  d = 96 (Phi-style heads, on the 128-column layout with its pad
 #: columns zero): taken on the strength of d = 128's numbers, pending its own GPU measurement against mma.sync.
-#: d = 256 (Gemma-style heads, two warpgroups a block: ``DEFAULT_WARPGROUPS``) is not taken yet, though timed at 2.2x
-#: the mma.sync forward and 1.45x torch flash (H100, 2026-12-06, (4, 16, 4096, 256) bfloat16 dense, GPU time,
-#: ``experiments/tuning/results/bench_d256_h100.md``): its GPU property tests and sanitizer runs have not completed
-#: (the device call ran out of time), and flash2's default must not change on the simulator's word alone.  Add
-#: (256, False) and (256, True) here once they pass; ``algorithm="wgmma"`` runs it meanwhile.
-AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True)}
+#: d = 256 (Gemma-style heads, two warpgroups a block: ``DEFAULT_WARPGROUPS``): 2.2x the mma.sync forward and 1.45x
+#: torch flash (H100, 2026-12-06, (4, 16, 4096, 256) bfloat16 dense, GPU time, ``experiments/tuning/results/
+#: bench_d256_h100.md``), taken since its GPU property tests and memcheck / racecheck / synccheck runs passed (H100,
+#: 2026-12-06 afternoon, ``experiments/tuning/results/gpu_tests_h200.md``).  Its backward stays on mma.sync.
+AUTOMATIC_SCOPE = {(64, False), (64, True), (96, False), (96, True), (128, False), (128, True), (256, False),
+                   (256, True)}
 
 
 def whole_tiles(block_mask, rows=BLOCK_M):
