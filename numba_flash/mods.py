@@ -221,12 +221,18 @@ def _combined(name, kind, parts, body):
     return Mod(fn, *(a for part in parts for a in part.arrays), name=name, fits=fits if checks else None)
 
 
+def _each(calls):
+    """Each part's verdict as a bool, all evaluated (``&``, ``|``: no short circuit, so that the compiled mask has no
+    branch per part and its array reads are not each behind one: ``kernels/fast/mod_steps.entry_steps``)."""
+    return [f"bool({call})" for call in calls]
+
+
 def and_masks(*masks):
     """A mask_mod that attends where every mask does."""
     masks = [as_mod(m, MASK) for m in masks]
     if not masks:
         raise TypeError("and_masks needs at least one mask_mod")
-    return _combined("and_" + "_".join(m.name for m in masks), MASK, masks, lambda calls: " and ".join(calls))
+    return _combined("and_" + "_".join(m.name for m in masks), MASK, masks, lambda calls: " & ".join(_each(calls)))
 
 
 def or_masks(*masks):
@@ -234,7 +240,7 @@ def or_masks(*masks):
     masks = [as_mod(m, MASK) for m in masks]
     if not masks:
         raise TypeError("or_masks needs at least one mask_mod")
-    return _combined("or_" + "_".join(m.name for m in masks), MASK, masks, lambda calls: " or ".join(calls))
+    return _combined("or_" + "_".join(m.name for m in masks), MASK, masks, lambda calls: " | ".join(_each(calls)))
 
 
 def compose(*score_mods):
@@ -263,14 +269,18 @@ def _param(value, dtype, name, what):
 
 
 def _softcap(score, b, h, q_idx, kv_idx, cap):
-    return cap[0] * math.tanh(score / cap[0])
+    return cap[0] * math.tanh(score * cap[1])
 
 
 def softcap(cap):
-    """score -> cap * tanh(score / cap) (Gemma 2: cap 50 on the attention logits).  d/dscore = 1 - tanh^2."""
+    """score -> cap * tanh(score / cap) (Gemma 2: cap 50 on the attention logits).  d/dscore = 1 - tanh^2.
+
+    Its array holds (cap, 1 / cap) in float32: a multiply by the reciprocal where a division by the cap would cost an
+    IEEE division (a multi-instruction sequence) per entry."""
     if not isinstance(cap, numbers.Real) or not cap > 0:
         raise ValueError(f"softcap: cap must be a positive number, got {cap!r}")
-    return Mod(_softcap, _param(cap, np.float32, "softcap", "cap"), name="softcap")
+    value = _param(cap, np.float32, "softcap", "cap")
+    return Mod(_softcap, np.concatenate([value, np.float32(1) / value]), name="softcap")
 
 
 def _alibi(score, b, h, q_idx, kv_idx, slopes):

@@ -37,14 +37,20 @@ DOCUMENTS = 7
 
 @contextlib.contextmanager
 def wgmma_automatic(enabled):
-    """flash2's pick of the wgmma kernels on or off (off: the mma.sync kernels)."""
+    """flash2's pick of the wgmma kernels on or off (off: the mma.sync kernels).  The pick is made when a call's
+    plan is built, and plans are cached by the call's arrays and options (``numba_flash.api._PLANS``): the cache is
+    emptied on the way in and out, or the calls after this block would run the plans built inside it (as this
+    script's first runs did, 2026-12-06: their "ours" with mods was the mma.sync kernels')."""
+    from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper_forward
     before = hopper_forward.AUTOMATIC
     hopper_forward.AUTOMATIC = enabled
+    api._PLANS.clear()
     try:
         yield
     finally:
         hopper_forward.AUTOMATIC = before
+        api._PLANS.clear()
 
 
 def document_ids(n, rng):

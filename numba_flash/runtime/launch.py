@@ -83,6 +83,20 @@ def unrolled(functions):
     return both
 
 
+def unrolled_or(functions):
+    """One inlined device function returning the bitwise OR of ``functions``' results, each called with the same
+    arguments: ``unrolled`` for a loop that gathers a word of bits, one per step (a mask's hidden entries, say)."""
+    if len(functions) == 1:
+        return functions[0]
+    head, rest = functions[0], unrolled_or(functions[1:])
+
+    @inlined_device_function
+    def either(*args):
+        return head(*args) | rest(*args)
+
+    return either
+
+
 _opted_in = set()
 
 

@@ -43,10 +43,11 @@ from numba.core.errors import NumbaPerformanceWarning
 
 from .._checks import positive_int_pair
 from ..mods import MASK, Mod, as_mod, jitable
-from ..runtime.arrays import kernel_array
+from ..runtime.arrays import kernel_array, placeholder
 from ..runtime.launch import cuda_kernel, launch
 from ..tiling import cdiv
-from .tile_lists import MaskArguments, longest_first, mask_arguments, per_head_layout, tile_lists, tile_visits
+from .tile_lists import (LAYOUT, MASK_MOD_ALONE, MaskArguments, longest_first, mask_arguments, per_head_layout,
+                         tile_lists, tile_visits)
 
 #: A block's bits: some entry allowed, some entry masked; both: partial.
 ALLOWED, MASKED = 1, 2
@@ -303,6 +304,7 @@ def mod_mask_arguments(mask_mod, block_mask, leading_shape, n_q, n_k, tiles, cau
         layout = per_head_layout(block_mask, leading, n_q, n_k)
         block_visit, block_partly = tile_visits(layout, block_mask.block_size, tile, n_q, n_k, causal_offset)
         visit &= block_visit
+        layout_cut = bool((visit & block_partly).any())   # some listed tile needs the layout's test
         partly = visit & (partly | block_partly)
         element_layout, mask_rows, mask_cols = block.layout, block.mask_rows, block.mask_cols
         t_r, t_c = block.mask_t_r, block.mask_t_c
@@ -311,9 +313,8 @@ def mod_mask_arguments(mask_mod, block_mask, leading_shape, n_q, n_k, tiles, cau
             q_last = np.minimum(np.arange(0, n_q, tile[0]) + tile[0], n_q) - 1
             visit &= np.arange(0, n_k, tile[1])[None, None, :] <= q_last[None, :, None] + causal_offset
             partly &= visit
-        # The element test reads a layout too: all ones, one block per head, so that only the mask_mod decides.
-        element_layout = cuda.to_device(np.ones(batch * heads, np.uint8))
-        mask_rows, mask_cols, t_r, t_c = max(n_q, 1), max(n_k, 1), 1, 1
+        layout_cut = False   # (the kernels read no layout: ``tile_lists.reads_layout``)
+        element_layout, mask_rows, mask_cols, t_r, t_c = placeholder(np.uint8), 1, 1, 1, 1
     if role == "dkdv":
         offsets, entries = tile_lists(visit.transpose(0, 2, 1), partly.transpose(0, 2, 1))
     else:
@@ -321,5 +322,6 @@ def mod_mask_arguments(mask_mod, block_mask, leading_shape, n_q, n_k, tiles, cau
     forms[key] = MaskArguments(cuda.to_device(offsets.reshape(-1)),
                                cuda.to_device(entries if entries.size else np.zeros(1, np.int32)),
                                cuda.to_device(longest_first(offsets)) if role == "forward" else None,
-                               element_layout, mask_rows, mask_cols, t_r, t_c, partly=bool((entries & 1).any()))
+                               element_layout, mask_rows, mask_cols, t_r, t_c,
+                               partly=LAYOUT if layout_cut else MASK_MOD_ALONE if (entries & 1).any() else False)
     return forms[key]

@@ -95,6 +95,19 @@ def per_head_layout(block_mask, leading_shape, n_q, n_k):
     return np.ascontiguousarray(np.broadcast_to(block_mask.layout, tuple(leading_shape) + grid).reshape((heads,) + grid))
 
 
+#: ``MaskArguments.partly`` (a kernel's PARTLY_MASKED): what a listed tile's entries are tested against where its
+#: list entry's bit says it is only partly covered.  False: no listed tile is partly covered (the element test
+#: compiles out); ``LAYOUT``: the block mask's uint8 layout (and the mask_mod, where there is one); ``MASK_MOD_ALONE``:
+#: the mask_mod alone (no block mask cuts a listed tile), so the kernels read no layout (``reads_layout``).
+LAYOUT, MASK_MOD_ALONE = True, "mask_mod alone"
+
+
+def reads_layout(partly):
+    """Whether a kernel whose PARTLY_MASKED is ``partly`` tests partly covered tiles' entries against the block
+    layout (an index computed with two divisions and a byte read per entry: work a mask_mod alone does not need)."""
+    return partly is LAYOUT
+
+
 @dataclass(frozen=True)
 class MaskArguments:
     """A block mask as a fast kernel's arguments (device arrays, flat)."""
@@ -107,7 +120,7 @@ class MaskArguments:
     mask_cols: int
     mask_t_r: int
     mask_t_c: int
-    partly: bool           # some listed tile is partly masked (its kernel must test elements against the layout)
+    partly: object         # False, LAYOUT or MASK_MOD_ALONE: what a partly masked listed tile tests (above)
 
 
 ROLES = ("forward", "dq", "dkdv")
@@ -137,7 +150,7 @@ def mask_arguments(block_mask, leading_shape, n_q, n_k, tiles, causal_offset, ro
                                    cuda.to_device(longest_first(offsets)) if role == "forward" else None,
                                    cuda.to_device(layout.view(np.uint8).reshape(-1)),  # flat on the host: Numba
                                    *block_mask.block_size, *layout.shape[1:],      # reshapes few device arrays
-                                   partly=bool((entries & 1).any()))
+                                   partly=LAYOUT if (entries & 1).any() else False)
     return forms[key]
 
 

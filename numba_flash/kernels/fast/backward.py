@@ -55,14 +55,15 @@ from numba import cuda, float32, uint32, uint64
 
 from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
-from ...sparsity.tile_lists import listed_tile
-from .mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
+from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
                        padded_head_dim)
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
-                     has_tile_lists, kernel_name, lane_flags, log2_lse, lse_slabs, operand_extent, sequence_arguments,
-                     sequence_arrays, sequence_bounds, tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
+                     has_tile_lists, kernel_name, lane_flags, log2_lse, lse_slabs, operand_extent, partly_masked_tiles,
+                     sequence_arguments, sequence_arrays, sequence_bounds, tile_coordinates, tile_copier, tile_movers,
+                     warp_lane, word_extent)
 from .fragments import fragment_row_store, tile_products, widening
+from .mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from .primitives import WARP_SIZE, exp2, f32_as_u32, load_word, shfl_xor, store_word, u32_as_f32
 
 #: Rows of O and dO per block of the preprocess kernel, and its warps (each reads one row at a time).
@@ -120,9 +121,11 @@ def _tile_offsets(tiles, name, sixteen):
 
 @lru_cache(maxsize=None)
 def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False,
-              MODS=None):
+              MODS=None, READS_LAYOUT=True):
     """dK and dV: one thread block per (key tile of BLOCK_KEYS, batch, key/value head); see the module docstring.
-    MODS: a score_mod / mask_mod (``mod_steps``), as ``gradient_terms`` says."""
+    MODS: a score_mod / mask_mod (``mod_steps``), as ``gradient_terms`` says.  READS_LAYOUT (with HAS_MASK): a
+    partly masked tile's entries are tested against the block layout (``tile_lists.reads_layout``; False: a
+    mask_mod alone cuts tiles)."""
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_KEYS)
     WORD = uint32 if SIXTEEN else float32
@@ -222,14 +225,15 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
                     dp = dpt[mt, 2 * half + e]
                     visible = True
                     if masked:
-                        visible = allowed(q, key, n_q, n_k, CAUSAL, causal_offset, HAS_MASK and partly_masked, M, bh,
-                                          mask_rows, mask_cols, mask_t_r, mask_t_c)
+                        visible = allowed(q, key, n_q, n_k, CAUSAL, causal_offset,
+                                          partly_masked if HAS_MASK and READS_LAYOUT else False, M, bh, mask_rows,
+                                          mask_cols, mask_t_r, mask_t_c)
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
-                            visible = mod_allows(visible, q, key, mod_args)
+                            visible = mod_allows(visible, inside(q, n_q), inside(key, n_k), mod_args)
                         if SCORE_MOD:
                             lse2 = u32_as_f32(load_word(smem, LSE2 + stage + r))
-                            p, slope = (mod_weight(st[mt, 2 * half + e], lse2, q, key, mod_args) if visible
-                                        else (float32(0), float32(0)))
+                            p, slope = mod_weight(st[mt, 2 * half + e], lse2, visible, inside(q, n_q),
+                                                  inside(key, n_k), mod_args)
                         if not visible:
                             p = float32(0)
                         elif (q_nan >> uint64(2 * mt + e)) & uint64(1):
@@ -352,9 +356,9 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
 
 @lru_cache(maxsize=None)
 def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False,
-            MODS=None):
+            MODS=None, READS_LAYOUT=True):
     """dQ: one thread block per (query tile of BLOCK_QUERIES, batch, head); see the module docstring.
-    MODS: a score_mod / mask_mod (``mod_steps``), as ``gradient_terms`` says."""
+    MODS, READS_LAYOUT: as ``make_dkdv``'s."""
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_QUERIES)
     WORD = uint32 if SIXTEEN else float32
@@ -427,13 +431,14 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                     p = float32(0) if SCORE_MOD else exp2(s[nt, 2 * half + e] * c_log2 - lse2[half])
                     visible = True
                     if masked:
-                        visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, HAS_MASK and partly_masked, M,
-                                          bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
+                        visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset,
+                                          partly_masked if HAS_MASK and READS_LAYOUT else False, M, bh, mask_rows,
+                                          mask_cols, mask_t_r, mask_t_c)
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
-                            visible = mod_allows(visible, row, key, mod_args)
+                            visible = mod_allows(visible, inside(row, n_q), inside(key, n_k), mod_args)
                         if SCORE_MOD:
-                            p, slope = (mod_weight(s[nt, 2 * half + e], lse2[half], row, key, mod_args) if visible
-                                        else (float32(0), float32(0)))
+                            p, slope = mod_weight(s[nt, 2 * half + e], lse2[half], visible, inside(row, n_q),
+                                                  inside(key, n_k), mod_args)
                         if not visible:
                             p = float32(0)
                         elif (k_nan >> uint64(2 * nt + e)) & uint64(1):
@@ -582,7 +587,8 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
     threads = flash2_threads(own)
 
     k_tiles = cdiv(call.longest_k, own)
-    dkdv = make_dkdv(own, streamed, *flags)
+    dkdv = make_dkdv(own, streamed, *flags, READS_LAYOUT=reads_layout(partly_masked_tiles(call, (own, streamed),
+                                                                                          "dkdv")))
     dkdv_stages = flash2_stages(flash2_dkdv_smem, own, streamed, d_pad, precision=call.precision, vec=vec)
     dkdv_launch = Launch(
         dkdv, k_tiles * call.batch * call.kv_heads, threads,
@@ -594,7 +600,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
         dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s)))
 
     q_tiles = cdiv(call.longest_q, own)
-    dq = make_dq(own, streamed, *flags)
+    dq = make_dq(own, streamed, *flags, READS_LAYOUT=reads_layout(partly_masked_tiles(call, (own, streamed), "dq")))
     dq_stages = flash2_stages(flash2_dq_smem, own, streamed, d_pad, precision=call.precision, vec=vec)
     dq_launch = Launch(
         dq, q_tiles * call.batch_heads, threads,

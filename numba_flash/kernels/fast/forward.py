@@ -103,7 +103,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ...runtime.arrays import Strides, placeholder
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
-from ...sparsity.tile_lists import listed_tile
+from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import (ROWS_PER_WARP, cdiv, flash2_forward_smem, flash2_forward_warp_rows, flash2_stages,
                        flash2_threads, padded_head_dim, row_stride, swizzled_rows)
 from .cache import last_to_arrive, output_element, tile_merger
@@ -112,7 +112,7 @@ from .common import (LOG2_E, NEG_INF, allowed_below, block_mask_arguments, cache
                      partly_masked_tiles, row_lse, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
                      tile_coordinates, tile_copier, tile_movers, warp_lane, word_extent)
 from .fragments import fragment_row_store, pair_store, tile_products
-from .mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
+from .mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from .primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, f32_as_u32, load_word,
                          shfl_xor, store_word, sync_warp, u32_as_f32)
 
@@ -187,6 +187,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     SCORE_MOD = MODS is not None and MODS.has_score
     MASK_MOD = MODS is not None and MODS.has_mask
     MOD_EVERY_TILE = MASK_MOD and not HAS_MASK   # no tile lists (VARLEN): every tile tested as a partly masked one
+    READS_LAYOUT = HAS_MASK and reads_layout(PARTLY_MASKED)   # partly masked tiles test the block layout
     mod_allows, mod_score, _ = entry_steps(MODS)
     assert not (HAS_MASK and SPLIT), "a block mask's blocks follow its tile order, which has no splits"
     assert not SPLIT or VARLEN == "cache", "splits serve decoding: the merge reads a cache call's rows"
@@ -351,16 +352,18 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                 store_word(smem, at + row * V_ROW_STRIDE + word % V_ROW_WORDS, uint32(0))
 
     @inlined_device_function
-    def mod_row(row, query_position, head_queries, mod_args):
+    def mod_row(row, n_q, query_position, head_queries, mod_args):
         """(q_idx, mod_args) that the mods see for the tile's ``row``: the row itself (a packed sequence's rows
         count from its start), a KV cache's query at ``query_position`` + i, and with QUERY_GROUPS row g N_q + i as
-        query i of head h G + g (``mod_args`` then holds h G)."""
+        query i of head h G + g (``mod_args`` then holds h G); a row past N_q (padding) as row 0 (``inside``:
+        ``mod_steps.entry_steps`` evaluates the mods at hidden entries too, and h must stay a head)."""
         if QUERY_GROUPS:
             b, first_head, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
+            row = inside(row, n_q)
             g = uint32(row) // uint32(head_queries)   # (32-bit: as the causal mask's row mod N_q)
             query = int64(uint32(row) - g * uint32(head_queries))
             return query + query_position, (b, first_head + int64(g), scale, MOD0, MOD1, MOD2, MOD3)
-        return row + query_position, mod_args
+        return inside(row, n_q) + query_position, mod_args
 
     def entry_pass(POISON):
         """mask_scores (POISON False) or poison_weights (True): one walk over the lane's entries, with each
@@ -373,7 +376,7 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
             for r in range(LANE_ROWS):
                 row = q0 + row0 + 8 * r
                 if SCORE_MOD or MASK_MOD:   # (only then: without mods the kernel's PTX is as before they came)
-                    q_idx, row_args = mod_row(row, query_position, head_queries, mod_args)
+                    q_idx, row_args = mod_row(row, n_q, query_position, head_queries, mod_args)
                 if QUERY_GROUPS:   # row g N_q + i of a packed group: query i's diagonal
                     end = (keys_end(int64(uint32(row) % uint32(head_queries)), head_queries, n_k, CAUSAL,
                                     causal_offset) if row < n_q else int64(0))
@@ -383,16 +386,16 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
                     x_row, half = (r // 2) * N_TILES + nt, r % 2
                     for e in range(2):
                         key = k0 + nt * 8 + 2 * t + e
-                        visible = allowed_below(end, row, key, HAS_MASK and partly_masked, M, bh, mask_rows,
-                                                mask_cols, mask_t_r, mask_t_c)
+                        visible = allowed_below(end, row, key, partly_masked if READS_LAYOUT else False, M, bh,
+                                                mask_rows, mask_cols, mask_t_r, mask_t_c)
                         if MASK_MOD and partly_masked:   # (full tiles skip the test: ``sparsity/mod_tiles.py``)
-                            visible = mod_allows(visible, q_idx, key, row_args)
+                            visible = mod_allows(visible, q_idx, inside(key, n_k), row_args)
                         if POISON:
                             if visible and (v_nan >> uint64(2 * nt + e)) & uint64(1):
                                 s[x_row, 2 * half + e] = float32(math.nan)
-                        elif SCORE_MOD:   # the mod's score, in log2 units (only where allowed: its reads in bounds)
-                            s[x_row, 2 * half + e] = (mod_score(s[x_row, 2 * half + e], q_idx, key, row_args)
-                                                      if visible else float32(NEG_INF))
+                        elif SCORE_MOD:   # the mod's score in log2 units, -inf where not visible
+                            s[x_row, 2 * half + e] = mod_score(s[x_row, 2 * half + e], visible, q_idx, inside(key, n_k),
+                                                               row_args)
                         else:
                             x = s[x_row, 2 * half + e] if POSITIVE_SCALE else s[x_row, 2 * half + e] * c_log2
                             s[x_row, 2 * half + e] = x if visible else float32(NEG_INF)

@@ -23,7 +23,7 @@ from numba.extending import register_jitable
 from ...mods import MAX_MOD_ARRAYS, derivative, jitable
 from ...runtime.arrays import kernel_array, placeholder
 from ...runtime.launch import inlined_device_function
-from .common import LOG2_E
+from .common import LOG2_E, NEG_INF
 from .primitives import exp2
 
 SLOTS = tuple(f"MOD{i}" for i in range(MAX_MOD_ARRAYS))
@@ -135,18 +135,32 @@ def mods_suffix(MODS):
     return f"_mods_{MODS.name}" if MODS is not None else ""
 
 
+@inlined_device_function
+def inside(index, end):
+    """A row or key as the mods see it: ``index`` inside its sequence (``index < end``), else 0."""
+    return index if index < end else index - index
+
+
 def entry_steps(MODS):
     """The kernels' per-entry steps for ``MODS`` (a ``ModSteps``; None gives steps that are never called).
 
     ``mod_args`` is (b, h, scale, MOD0, MOD1, MOD2, MOD3): the batch and query head, the softmax scale (float32),
-    the mods' arrays.  Every step is called only for entries the sequences (and causal) allow, so that a mod's
-    array reads stay in bounds.
+    the mods' arrays.  ``visible``: whether the entry is inside both sequences, the causal mask and the masks.
+    ``row`` and ``key``: the entry's, each ``inside`` its sequence (the caller's part).
 
     * ``mod_allows(visible, row, key, mod_args)``: ``visible`` AND the mask_mod's verdict.
-    * ``mod_score(x, row, key, mod_args)``: the logit in log2 units, score_mod(scale x, ...) log2(e), of the
-      unscaled product x = q . k.
-    * ``mod_weight(x, lse2, row, key, mod_args)``: (P, d score_mod / d score) of an allowed entry, P = exp2(
-      mod_score - lse2) (the backward).
+    * ``mod_score(x, visible, row, key, mod_args)``: the logit in log2 units, score_mod(scale x, ...) log2(e), of
+      the unscaled product x = q . k; -inf where not visible.
+    * ``mod_weight(x, lse2, visible, row, key, mod_args)``: (P, d score_mod / d score), P = exp2(mod_score -
+      lse2) (the backward); (0, 0) where not visible.
+
+    No step branches on ``visible``: as FlexAttention's, a mod is evaluated at every entry of a tile the kernel
+    tests, hidden ones too (their results discarded), at indices inside the sequences (a row or key past its
+    sequence is seen as 0), so that its array reads stay in bounds.  Called only where visible, as they were
+    before, each entry's reads sat behind a branch of their own: NVVM could neither merge the same read repeated
+    (a softcap's cap, ALiBi's slope; 32 a tile and thread) nor overlap the others' latencies.  And the indices do
+    not depend on ``visible``, so reads that depend on the row alone (or the key) are made once per row (or key):
+    a document mask's, say (``docs/mods.md``, Speed).
     """
     HAS_MASK_MOD = MODS is not None and MODS.has_mask
     HAS_SCORE_MOD = MODS is not None and MODS.has_score
@@ -158,22 +172,24 @@ def entry_steps(MODS):
 
     @inlined_device_function
     def mod_allows(visible, row, key, mod_args):
-        if HAS_MASK_MOD and visible:
+        if HAS_MASK_MOD:
             b, h, _, MOD0, MOD1, MOD2, MOD3 = mod_args
-            return mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+            verdict = mask_step(b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+            return visible and verdict
         return visible
 
     @inlined_device_function
-    def mod_score(x, row, key, mod_args):
+    def mod_score(x, visible, row, key, mod_args):
         b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
-        return score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E)
+        score = score_step(x * scale, b, h, row, key, MOD0, MOD1, MOD2, MOD3)
+        return score * float32(LOG2_E) if visible else float32(NEG_INF)
 
     @inlined_device_function
-    def mod_weight(x, lse2, row, key, mod_args):
+    def mod_weight(x, lse2, visible, row, key, mod_args):
         b, h, scale, MOD0, MOD1, MOD2, MOD3 = mod_args
         score = x * scale
         p = exp2(score_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) * float32(LOG2_E) - lse2)
         slope = slope_step(score, b, h, row, key, MOD0, MOD1, MOD2, MOD3) if HAS_SLOPE else float32(1)
-        return p, slope
+        return (p, slope) if visible else (float32(0), float32(0))
 
     return mod_allows, mod_score, mod_weight

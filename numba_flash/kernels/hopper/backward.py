@@ -67,8 +67,8 @@ tiles compiles the element test out, and without a mask the kernels compile to t
 
 Score and mask mods (``numba_flash.mods``; every kernel's MODS, in every way of summing dQ): a mask_mod's tiles come
 as the lists above (classified on the host, ANDed with a block mask's), its partly covered tiles testing each entry
-with it in ``element_test``; a score_mod makes every step test every entry (the mod called only where allowed) and
-gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score, the derivative the
+with it in ``element_test``; a score_mod makes every step test every entry (the mod's results used only where
+allowed) and gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score, the derivative the
 backward's ``ModSteps`` traced (``fast.mod_steps.entry_steps``' ``mod_weight``).  The dK/dV kernel packs P^T for dV's
 product and keeps P^T o d score_mod / d score in S^T's registers in the same pass (``probability_pair``), so the
 slope needs no registers of its own.  Without mods the PTX instructions are unchanged (sm_90a, 2026-12-06).  Not yet
@@ -113,15 +113,15 @@ from numba import cuda, float32, int64, uint32
 
 from ...runtime.arrays import placeholder
 from ...runtime.device import in_simulator
-from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
-from ...sparsity.tile_lists import listed_tile
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled, unrolled_or
+from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
 from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_tile_lists, log2_lse, lse_slabs,
                            partly_masked_tiles, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
                            tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
+from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
                                store_word, u32_as_f32)
 from . import forward
@@ -265,31 +265,42 @@ def tile_list(PARTLY_MASKED):
 
 
 @lru_cache(maxsize=None)
-def element_test(CAUSAL, TRANSPOSED, MODS=None):
+def element_test(CAUSAL, TRANSPOSED, MODS=None, READS_LAYOUT=True):
     """``hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)``: bit i set where this
     lane's register i of a 64 x 64 score tile (S: query rows, key columns; S^T where TRANSPOSED) holds an entry its
     query may not see (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile
-    the block mask or mask_mod covers only partly, outside its blocks, read from the uint8 block layout, and outside
-    the mask_mod: ``fast.mod_steps.entry_steps``' ``mod_allows``); ``layout`` = (M, bh, mask_rows, mask_cols,
-    mask_t_r, mask_t_c).  One word, as the forward's ``hidden_entries``: the loop over the registers that tests it
-    then indexes S with constants only."""
+    the block mask or mask_mod covers only partly, outside its blocks, read from the uint8 block layout where a block
+    mask cuts tiles (READS_LAYOUT: ``tile_lists.reads_layout``), and outside the mask_mod: ``fast.mod_steps.
+    entry_steps``' ``mod_allows``); ``layout`` = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c).  One word, as
+    the forward's ``hidden_entries``: the loop over the registers that tests it then indexes S with constants only;
+    and as there, the mask_mod's test is chosen once per tile, each variant written out register by register."""
     MASK_MOD = MODS is not None and MODS.has_mask
     mod_allows = entry_steps(MODS)[0]
 
-    @inlined_device_function
-    def hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args):
-        M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
-        bits = uint32(0)
-        for i in range(S_REGISTERS):
+    def entry_bit(i, TEST_MOD):
+        @inlined_device_function
+        def bit(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args):
+            M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
             row, column = lane_entry(i, g, t, warp)
             query, key = (q0 + column, k0 + row) if TRANSPOSED else (q0 + row, k0 + column)
-            visible = allowed(query, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols,
-                              mask_t_r, mask_t_c)
-            if MASK_MOD and partly:   # (tiles the mask_mod fills skip its test: ``sparsity/mod_tiles.py``)
-                visible = mod_allows(visible, query, key, mod_args)
-            if not visible:
-                bits |= uint32(1) << uint32(i)
-        return bits
+            visible = allowed(query, key, n_q, n_k, CAUSAL, causal_offset, partly if READS_LAYOUT else False, M, bh,
+                              mask_rows, mask_cols, mask_t_r, mask_t_c)
+            if TEST_MOD:
+                visible = mod_allows(visible, inside(query, n_q), inside(key, n_k), mod_args)
+            return uint32(0) if visible else uint32(1) << uint32(i)
+
+        return bit
+
+    # Register by register (``unrolled_or``), as the forward's: a loop stayed rolled, its row and key recomputed in
+    # 64-bit arithmetic on each of the 32 passes.
+    plain_bits = unrolled_or([entry_bit(i, False) for i in range(S_REGISTERS)])
+    mod_bits = unrolled_or([entry_bit(i, True) for i in range(S_REGISTERS)]) if MASK_MOD else None
+
+    @inlined_device_function
+    def hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args):
+        if MASK_MOD and partly:   # (tiles the mask_mod fills skip its test: ``sparsity/mod_tiles.py``)
+            return mod_bits(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)
+        return plain_bits(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)
 
     return hidden_entries
 
@@ -414,7 +425,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
 
     MODS (``fast.mod_steps.ModSteps`` built for the backward, or None): a mask_mod's tiles come as lists (HAS_MASK,
     classified on the host) and its partly covered tiles take it in the element test; a score_mod makes every step
-    test every entry (``hidden_entries``: its calls only where allowed) and compute P^T = exp2(score_mod(scale S^T)
+    test every entry (``hidden_entries``: its results used only where allowed) and compute P^T = exp2(score_mod(scale S^T)
     log2(e) - lse) and d score_mod / d score by ``mod_weight`` (``fast.mod_steps.entry_steps``), so that
     dS^T = P^T o (dP^T - D) o d score_mod / d score (``mod_probabilities``).  Without mods every step compiles as
     before (MOD0 .. MOD3 placeholders at the end of the parameter list)."""
@@ -428,10 +439,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's P^T may need the block mask's element test
     HAS_MODS = MODS is not None
     SCORE_MOD = HAS_MODS and MODS.has_score
-    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
+    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
     stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
     list_bounds, listed = tile_list(PARTLY_MASKED)
-    hidden_entries = element_test(CAUSAL, True, MODS)
+    hidden_entries = element_test(CAUSAL, True, MODS, HAS_MASK and reads_layout(PARTLY_MASKED))
     mod_weight = entry_steps(MODS)[2]
     _, pack = sixteen_bit_ops(ELEMENT)
 
@@ -517,12 +528,12 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             st[i] = p
 
     @inlined_device_function
-    def entry_weight(i, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
+    def entry_weight(i, st, smem, scalars_at, k0, q0, n_q, n_k, hidden, mod_args, warp, g, t):
         """(SCORE_MOD) (P^T, d score_mod / d score) of register i of S^T: 0 and 0 where bit i of ``hidden`` is set."""
-        if (hidden >> uint32(i)) & uint32(1):
-            return float32(0), float32(0)
         key, column = lane_entry(i, g, t, warp)
-        return mod_weight(st[i], u32_as_f32(load_word(smem, scalars_at + column)), q0 + column, k0 + key, mod_args)
+        visible = not (hidden >> uint32(i)) & uint32(1)
+        return mod_weight(st[i], u32_as_f32(load_word(smem, scalars_at + column)), visible, inside(q0 + column, n_q),
+                          inside(k0 + key, n_k), mod_args)
 
     def probability_pair(x):
         """(SCORE_MOD) ``pair(st, p_words, ...)``: registers 2x and 2x + 1 of S^T to P^T, packed into word x of
@@ -532,16 +543,19 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         goes to local memory."""
 
         @inlined_device_function
-        def pair(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t):
-            p_even, slope_even = entry_weight(2 * x, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t)
-            p_odd, slope_odd = entry_weight(2 * x + 1, st, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t)
+        def pair(st, p_words, smem, scalars_at, k0, q0, n_q, n_k, hidden, mod_args, warp, g, t):
+            p_even, slope_even = entry_weight(2 * x, st, smem, scalars_at, k0, q0, n_q, n_k, hidden, mod_args, warp, g,
+                                              t)
+            p_odd, slope_odd = entry_weight(2 * x + 1, st, smem, scalars_at, k0, q0, n_q, n_k, hidden, mod_args, warp,
+                                            g, t)
             p_words[x] = pack(p_even, p_odd)
             st[2 * x] = p_even * slope_even
             st[2 * x + 1] = p_odd * slope_odd
 
         return pair
 
-    #: (SCORE_MOD) mod_probabilities(st, p_words, smem, scalars_at, k0, q0, hidden, mod_args, warp, g, t): every pair.
+    #: (SCORE_MOD) mod_probabilities(st, p_words, smem, scalars_at, k0, q0, n_q, n_k, hidden, mod_args, warp, g, t):
+    #: every pair.
     mod_probabilities = unrolled([probability_pair(x) for x in range(A_WORDS)]) if SCORE_MOD else None
 
     @inlined_device_function
@@ -683,12 +697,14 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             mod_args = (b, h_kv * group + (x if HAS_MASK else step // per_head) if HAS_MODS else 0,
                         float32(scale), MOD0, MOD1, MOD2, MOD3)
             # With the element test, the entries it hides, before the products are issued: its temporaries are
-            # then never live beside S^T and dP^T (found after them, at d = 128 they spilled 100-372 bytes).  A
-            # score_mod tests every tile's (its calls only where allowed).
+            # then never live beside S^T and dP^T (found after them, at d = 128 they spilled 100-372 bytes).  Only
+            # where some entry may be hidden: a mixed tile, or one with keys or (for a score_mod, which must not see
+            # them) queries past the sequences; a score_mod's other tiles are wholly allowed.
             hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, partly,
                                      (M, bh0 + x, mask_rows, mask_cols, mask_t_r, mask_t_c), warp, g, t, mod_args)
-                      if ENTRY_TEST and (SCORE_MOD or partly or (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset)
-                                         or k0 + BLOCK_N > n_k) else uint32(0))
+                      if ENTRY_TEST and (partly or (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset)
+                                         or k0 + BLOCK_N > n_k or (SCORE_MOD and q0 + BLOCK_N > n_q))
+                      else uint32(0))
             # The products in the order their inputs are ready, each waited for only when its result is needed:
             # P^T's exponentials run under dP^T's products, dS^T's under dV's.
             issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
@@ -696,7 +712,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
             scalars = scalars_at + stage * 2 * BLOCK_N
             if SCORE_MOD:
-                mod_probabilities(st, p_words, smem, scalars, k0, q0, hidden, mod_args, warp, g, t)
+                mod_probabilities(st, p_words, smem, scalars, k0, q0, n_q, n_k, hidden, mod_args, warp, g, t)
             else:
                 probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t)
                 pack_pairs(p_words, st)
@@ -780,9 +796,9 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
                                                                                                        ELEMENT)
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED
     SCORE_MOD = MODS is not None and MODS.has_score
-    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
+    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
     list_bounds, listed = tile_list(PARTLY_MASKED)
-    hidden_entries = element_test(CAUSAL, False, MODS)
+    hidden_entries = element_test(CAUSAL, False, MODS, HAS_MASK and reads_layout(PARTLY_MASKED))
     mod_weight = entry_steps(MODS)[2]
 
     def gradient_entry(i):
@@ -792,12 +808,11 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
         time go to local memory."""
 
         @inlined_device_function
-        def entry(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args):
+        def entry(s, dp, lse2, d_i, hidden, q0, k0, n_q, n_k, warp, g, t, mod_args):
             r = (i % 4) // 2
-            p, slope = float32(0), float32(0)
-            if not (hidden >> uint32(i)) & uint32(1):
-                row, key = lane_entry(i, g, t, warp)
-                p, slope = mod_weight(s[i], lse2[r], q0 + row, k0 + key, mod_args)
+            row, key = lane_entry(i, g, t, warp)
+            p, slope = mod_weight(s[i], lse2[r], not (hidden >> uint32(i)) & uint32(1), inside(q0 + row, n_q),
+                                  inside(k0 + key, n_k), mod_args)
             dp[i] = p * slope * (dp[i] - d_i[r])
 
         return entry
@@ -840,12 +855,13 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
                         t, mod_args):
         """s: S -> P = exp2(c S - lse), dp: dP -> dS = P o (dP - D); both 0 where the key may not be seen (in a
         tile a block mask or mask_mod covers only partly, by the element test).  With a score_mod, P =
-        exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score (``mod_weight``, called
-        only where the entry is allowed: every tile tests every entry)."""
-        hidden = ((hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)
-                   if SCORE_MOD or masked else uint32(0)) if ENTRY_TEST else uint32(0))
+        exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score (``mod_weight``, its
+        results used only where the entry is allowed; tested where the tile is ``masked`` or, for a score_mod, has
+        rows past N_q)."""
+        hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, partly, layout, warp, g, t, mod_args)
+                  if ENTRY_TEST and (masked or (SCORE_MOD and q0 + BLOCK_N > n_q)) else uint32(0))
         if SCORE_MOD:
-            mod_gradients(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args)
+            mod_gradients(s, dp, lse2, d_i, hidden, q0, k0, n_q, n_k, warp, g, t, mod_args)
             return
         for i in range(S_REGISTERS):
             row, key = lane_entry(i, g, t, warp)

@@ -123,14 +123,14 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from ...runtime.device import in_simulator
-from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled
-from ...sparsity.tile_lists import listed_tile
+from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled, unrolled_or
+from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import cdiv
 from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_flags,
                            lse_slabs, nan_cleaner, pair_has_nan, partly_masked_tiles, row_lse, sequence_arguments,
                            sequence_arrays, sequence_bounds, sequence_mode, tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
-from ..fast.mod_steps import entry_steps, mod_steps, mods_suffix, slot_arguments, slot_arrays
+from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
                                shfl_xor, store_word)
 from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, layout_dim, mn_major_descriptor,
@@ -231,8 +231,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     (``fast.mod_steps.entry_steps``) in this kernel's mask step.  A mask_mod's tiles come as the lists above
     (HAS_MASK: classified on the host, ``sparsity/mod_tiles.py``), its partly covered tiles (PARTLY_MASKED) testing
     each entry with it in ``hidden_entries``; a score_mod replaces every allowed score of every tile by its
-    score_mod(scale S) in log2 units (so the softmax's scale is 1), the hidden ones by -inf, and is called only for
-    entries inside both sequences, the causal mask and the mask_mod (its array reads in bounds).  Without mods the
+    score_mod(scale S) in log2 units (so the softmax's scale is 1), the hidden ones (outside both sequences, the
+    causal mask or the masks) by -inf, the mod evaluated at every entry without a branch (``entry_steps``).  A tile
+    only the mask_mod cuts reads no block layout (``tile_lists.reads_layout``).  Without mods the
     steps compile as before (MOD0 .. MOD3 placeholders added to the parameter list).
     """
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
@@ -246,7 +247,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     THREADS = WARPGROUP * WARPGROUPS
     ROWS = BLOCK_M * WARPGROUPS               # the block's query rows
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
-    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod is called only where allowed)
+    READS_LAYOUT = HAS_MASK and reads_layout(PARTLY_MASKED)   # ... against the block layout
+    ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
     _, pack = sixteen_bit_ops(ELEMENT)
     S_REGISTERS = BLOCK_N // 2
     # O in slices of up to 128 columns (``value_slices``; the layout's pad columns left out): LOW_REGISTERS of columns
@@ -370,26 +372,41 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
             return int64(k0), partly
         return x * BLOCK_N, False
 
+    def entry_bit(i, TEST_MOD):
+        """``bit(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)``: ``hidden_entries``' bit i,
+        with the mask_mod's test (TEST_MOD) or without."""
+
+        @inlined_device_function
+        def bit(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
+            M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
+            row, key = row_and_key(i, q0, k0, warp, g, t)
+            visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly if READS_LAYOUT else False, M, bh,
+                              mask_rows, mask_cols, mask_t_r, mask_t_c)
+            if TEST_MOD:
+                visible = mod_allows(visible, inside(row, n_q), inside(key, n_k), mod_args)
+            return uint32(0) if visible else uint32(1) << uint32(i)
+
+        return bit
+
+    # Written out register by register (``unrolled_or``): as a loop, NVVM left the test rolled, and each of the 32
+    # passes recomputed its row and key in 64-bit arithmetic with Python's floor division (~80 SASS instructions an
+    # entry, 2.5 thousand a tile: what made a score_mod, which tests every tile, cost 5x the causal forward).
+    plain_bits = unrolled_or([entry_bit(i, False) for i in range(S_REGISTERS)])
+    mod_bits = unrolled_or([entry_bit(i, True) for i in range(S_REGISTERS)]) if MASK_MOD else None
+
     @inlined_device_function
     def hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
         """With the element test (ENTRY_TEST), bit i set where this lane's score register i is hidden from its query
         (``fast.common.allowed``: outside either sequence, right of the causal diagonal, or, in a tile the mask
-        covers only partly, outside its blocks, read from the uint8 block layout, and outside the mask_mod's);
-        ``layout`` = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c), where this head's layout is; ``mod_args``:
-        the mods' (``fast.mod_steps.entry_steps``).  One word, so that this loop
-        indexes no register of S: with the layout's loads NVVM leaves it rolled, and a rolled loop over S
-        would put S in local memory (ptxas: a 128-byte stack frame, and waits injected after the products)."""
-        M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c = layout
-        bits = uint32(0)
-        for i in range(S_REGISTERS):
-            row, key = row_and_key(i, q0, k0, warp, g, t)
-            visible = allowed(row, key, n_q, n_k, CAUSAL, causal_offset, partly, M, bh, mask_rows, mask_cols, mask_t_r,
-                              mask_t_c)
-            if MASK_MOD and partly:   # (tiles the mask_mod fills skip its test: ``sparsity/mod_tiles.py``)
-                visible = mod_allows(visible, row, key, mod_args)
-            if not visible:
-                bits |= uint32(1) << uint32(i)
-        return bits
+        covers only partly, outside its blocks, read from the uint8 block layout where a block mask cuts tiles
+        (``tile_lists.reads_layout``), and outside the mask_mod's: tiles the mask_mod fills skip its test,
+        ``sparsity/mod_tiles.py``); ``layout`` = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c), where this
+        head's layout is; ``mod_args``: the mods' (``fast.mod_steps.entry_steps``).  One word, so that this loop
+        indexes no register of S (a rolled loop over S would put S in local memory: ptxas, a 128-byte stack frame,
+        and waits injected after the products)."""
+        if MASK_MOD and partly:
+            return mod_bits(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
+        return plain_bits(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
 
     # The descriptors are built once, for each tile's first k-step in buffer 0 (``tile_descriptors``); a product's
     # is that one advanced (``wgmma.advanced``): by the k-step's bytes within the tile (a constant), the buffer's.
@@ -419,26 +436,25 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         NVVM leaves a loop whose body calls a mod rolled, and S indexed at run time goes to local memory."""
 
         @inlined_device_function
-        def entry(s, hidden, q0, k0, warp, g, t, mod_args):
-            if (hidden >> uint32(i)) & uint32(1):
-                s[i] = float32(NEG_INF)
-            else:
-                row, key = row_and_key(i, q0, k0, warp, g, t)
-                s[i] = mod_score(s[i], row, key, mod_args)
+        def entry(s, hidden, q0, k0, n_q, n_k, warp, g, t, mod_args):
+            row, key = row_and_key(i, q0, k0, warp, g, t)
+            s[i] = mod_score(s[i], not (hidden >> uint32(i)) & uint32(1), inside(row, n_q), inside(key, n_k), mod_args)
 
         return entry
 
     modded_scores = unrolled([score_entry(i) for i in range(S_REGISTERS)]) if SCORE_MOD else None
 
     @inlined_device_function
-    def mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
+    def mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args, tested):
         """Scores of keys past N_k, (causal) right of the diagonal, and (a tile a block mask or mask_mod covers only
         partly) outside the mask, to -inf (with the element test, also every score of a row past N_q); with a
-        score_mod, every other score to score_mod(scale S) log2(e) (``mod_score``: only where allowed)."""
-        hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args) if ENTRY_TEST
-                  else 0)
+        score_mod, every other score to score_mod(scale S) log2(e) (``mod_score``: -inf where not allowed).
+        ``tested``: whether the tile needs the test at all (a mixed or ragged one; a score_mod's full tiles do not:
+        every entry is allowed, their ``hidden`` 0)."""
+        hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
+                  if ENTRY_TEST and tested else uint32(0))
         if SCORE_MOD:
-            modded_scores(s, hidden, q0, k0, warp, g, t, mod_args)
+            modded_scores(s, hidden, q0, k0, n_q, n_k, warp, g, t, mod_args)
             return
         for i in range(S_REGISTERS):
             row, key = row_and_key(i, q0, k0, warp, g, t)
@@ -604,8 +620,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                     copy_async_commit()
                 v_nan = (clean_values(smem, k_at + v_buffer * TILE_WORDS, flags_at, t, tid) if v_has_nan
                          else uint64(0))
-                if SCORE_MOD or mixed or k0 + BLOCK_N > n_k:   # tiles below the diagonal (and wholly in the mask)
-                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)   # need no mask
+                tested = mixed or k0 + BLOCK_N > n_k or q0 + ROWS > n_q   # (not: the tile is wholly allowed)
+                if SCORE_MOD or tested:   # (a score_mod changes every score; the rest need no mask)
+                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args, tested)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
                     poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
@@ -642,8 +659,9 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                          else uint64(0))
                 if ahead:   # S_{j+1} runs while this tile's softmax does
                     issue_scores(s_next, q_desc, staged(k_desc, stage ^ 1))
-                if SCORE_MOD or mixed or k0 + BLOCK_N > n_k:
-                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
+                tested = mixed or k0 + BLOCK_N > n_k or q0 + ROWS > n_q
+                if SCORE_MOD or tested:
+                    mask(s, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args, tested)
                 online_softmax(s, m_i, l_i, alpha, c_log2)
                 if v_nan != uint64(0):
                     poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args)
@@ -681,11 +699,11 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
                               tile_entries=np.int32, tile_order=np.int32, M=np.uint8, q_bounds=np.int32,
                               k_bounds=np.int32, **slot_arrays(MODS)),
                   floats=("scale_log2",),
-                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS,
-                                                                    ELEMENT_TEST or MODS is not None)))
+                  launch_bounds=(THREADS, blocks_per_multiprocessor(D, CAUSAL, OVERLAP, WARPGROUPS, READS_LAYOUT,
+                                                                    MODS is not None)))
 
 
-def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_test=False):
+def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_test=False, mods=False):
     """The blocks per multiprocessor the kernel's registers must allow (``launch_bounds``' second number), or 1
     where ptxas is best left alone.
 
@@ -700,8 +718,12 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_tes
     At d = 128 a block of one warpgroup takes 66 KB of shared memory with the ring of three K/V buffers (83 KB
     with four), room for three blocks; left alone ptxas takes 180-184 registers, which allow two, so the cap
     asks for three (168).  The overlapped loop would spill under any cap (64-96 bytes at d = 64), and blocks of
-    two warpgroups at d = 128 (180-196 registers) fit once either way.  A kernel with mods (``element_test`` too)
-    has no cap either, as the mma.sync forward with mods (``experiments/tuning/results/mods_wgmma_ptxas_sm90.md``).
+    two warpgroups at d = 128 (180-196 registers) fit once either way.
+
+    With mods (``mods``; a mask_mod's tiles test no block layout), at d = 64 in one warpgroup the cap for three
+    blocks: left alone ptxas took 166-248 registers for the built-ins (ALiBi's int64 distances the most), two
+    blocks; under it 157-168, no spills (ptxas 13.0, sm_90a, 2026-12-06); for four, ALiBi spilled 92 bytes.  At
+    d = 128 none: 207-255 registers, and the cap for three spilled 56 bytes with ALiBi.
 
     Other head dims take the choices of their layout's width (``layout_dim``: d < 64 those of 64, 64 < d < 128
     those of 128: the same shared memory a block), with fewer accumulator registers (D / 2) under the same caps.
@@ -720,7 +742,11 @@ def blocks_per_multiprocessor(head_dim, causal, overlap, warpgroups, element_tes
     warpgroup or two (65536 registers hold a block of 256 threads at up to 256 each);
     ``experiments/tuning/results/wgmma_d256_ptxas_sm90.md`` has every specialisation."""
     layout = layout_dim(head_dim)
-    if overlap or element_test or (layout == 64 and warpgroups == 1 and not causal):
+    if overlap or element_test:
+        return 1
+    if mods:
+        return 3 if layout == 64 and warpgroups == 1 else 1
+    if layout == 64 and warpgroups == 1 and not causal:
         return 1
     if layout == 128:
         return 3 if warpgroups == 1 else 1
