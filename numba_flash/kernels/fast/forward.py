@@ -175,12 +175,13 @@ def make_forward(BLOCK_M, BLOCK_N, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_
     are classified on the host into tile lists (HAS_MASK: ``sparsity/mod_tiles.py``), so that empty tiles are
     never visited and only partly masked ones test it element by element (and are cleaned of NaN, as a block
     mask's partly masked tiles are); the score_mod replaces the scaled score (the kernel then takes the
-    scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both are called only for keys inside the sequences
-    (and the causal mask), so that a mod's array reads stay in bounds.  With VARLEN there are no tile lists (the
-    host does not know a call's sequences when it plans it): a mask_mod is tested on every element of every tile
-    (``MOD_EVERY_TILE``).  The indices the mods see are the sequence's: a packed sequence's rows and keys from its
-    start, b its index in the pack; a KV cache's query i at its position L_b - N_q + i (L_b the entry's keys after
-    the append, as its bottom-right causal mask places it: ``mod_row``).  Compiled out when None.
+    scaled-first path of a scale <= 0: POSITIVE_SCALE False).  Both are evaluated at every tested entry, hidden
+    ones too, at indices inside the sequences (``mod_steps.entry_steps``, ``inside``).  With VARLEN there are no
+    tile lists (the host does not know a call's sequences when it plans it): a mask_mod is tested on every element
+    of every tile (``MOD_EVERY_TILE``).  The indices the mods see are the sequence's: a packed sequence's rows and
+    keys from its start, b its index in the pack; a KV cache's query i at its position L_b - N_q + i (L_b the
+    entry's keys after the append, as its bottom-right causal mask places it: ``mod_row``).  Compiled out when
+    None.
     """
     assert MODS is None or not (MODS.has_score and POSITIVE_SCALE), "a score_mod takes the scaled-first path"
     assert MODS is None or not MODS.has_mask or HAS_MASK or VARLEN, "a batched mask_mod's tiles come as lists"

@@ -67,12 +67,13 @@ tiles compiles the element test out, and without a mask the kernels compile to t
 
 Score and mask mods (``numba_flash.mods``; every kernel's MODS, in every way of summing dQ): a mask_mod's tiles come
 as the lists above (classified on the host, ANDed with a block mask's), its partly covered tiles testing each entry
-with it in ``element_test``; a score_mod makes every step test every entry (the mod's results used only where
-allowed) and gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D) o d score_mod / d score, the derivative the
-backward's ``ModSteps`` traced (``fast.mod_steps.entry_steps``' ``mod_weight``).  The dK/dV kernel packs P^T for dV's
-product and keeps P^T o d score_mod / d score in S^T's registers in the same pass (``probability_pair``), so the
-slope needs no registers of its own.  Without mods the PTX instructions are unchanged (sm_90a, 2026-12-06).  Not yet
-run on a GPU.
+with it in ``element_test``; a score_mod is evaluated at every entry (its results used only where allowed, the
+element test run where a tile needs it) and gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D)
+o d score_mod / d score, the derivative the backward's ``ModSteps`` traced (``fast.mod_steps.entry_steps``'
+``mod_weight``).  The dK/dV kernel packs P^T for dV's product and keeps P^T o d score_mod / d score in S^T's
+registers in the same pass (``probability_pair``), so the slope needs no registers of its own.  Without mods the PTX
+instructions are unchanged (sm_90a, 2026-12-06).  GPU tests and sanitizers: ``experiments/tuning/results/
+gpu_tests_h200.md``.
 
 Deterministic.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so the order
 of the adds must not depend on timing.  Three ways of summing it are built (``DQ_MODES``), and the one that measured
@@ -425,10 +426,11 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
 
     MODS (``fast.mod_steps.ModSteps`` built for the backward, or None): a mask_mod's tiles come as lists (HAS_MASK,
     classified on the host) and its partly covered tiles take it in the element test; a score_mod makes every step
-    test every entry (``hidden_entries``: its results used only where allowed) and compute P^T = exp2(score_mod(scale S^T)
-    log2(e) - lse) and d score_mod / d score by ``mod_weight`` (``fast.mod_steps.entry_steps``), so that
-    dS^T = P^T o (dP^T - D) o d score_mod / d score (``mod_probabilities``).  Without mods every step compiles as
-    before (MOD0 .. MOD3 placeholders at the end of the parameter list)."""
+    evaluate every entry (its results used only where ``hidden_entries`` allows) and compute P^T =
+    exp2(score_mod(scale S^T) log2(e) - lse) and d score_mod / d score by ``mod_weight``
+    (``fast.mod_steps.entry_steps``), so that dS^T = P^T o (dP^T - D) o d score_mod / d score
+    (``mod_probabilities``).  Without mods every step compiles as before (MOD0 .. MOD3 placeholders at the end of
+    the parameter list)."""
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
     assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
     assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"

@@ -90,9 +90,9 @@ compiles out of the kernels without it (their PTX instructions unchanged, sm_90a
 Score and mask mods (``numba_flash.mods``, ``make_wgmma_forward``'s MODS): the mma.sync forward's steps
 (``fast.mod_steps.entry_steps``) in this kernel's mask step.  A mask_mod's tiles are classified on the host into the
 block-mask lists above (empty tiles never visited, full ones without the test, partly covered ones testing each entry
-with the mask_mod in ``hidden_entries``, ANDed with a block mask's); a score_mod makes every tile take the element
-test, so that it is called (and reads its arrays) only for entries inside both sequences, the causal mask and the
-masks, and replaces each allowed score by score_mod(scale S) log2(e) before the softmax, whose scale is then 1.
+with the mask_mod in ``hidden_entries``, ANDed with a block mask's); a score_mod replaces each allowed score by
+score_mod(scale S) log2(e) before the softmax, whose scale is then 1, evaluated at every entry (hidden ones at
+indices inside the sequences, then -inf), the element test run on the tiles that need it (mixed or ragged ones).
 Without mods the kernels' PTX instructions are unchanged (sm_90a, 2026-12-06; MOD0 .. MOD3's placeholders added to the
 parameter list).  flash2 takes this kernel with mods wherever it takes it without; not yet run on a GPU.
 
