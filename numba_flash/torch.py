@@ -40,6 +40,7 @@ from ._torch_calls import forward as _forward
 from ._torch_calls import torch
 from .ring import ring_attention  # noqa: F401  (one sequence over many GPUs: numba_flash/ring.py)
 from .runtime.device import in_simulator
+from .mods import Mod, as_mod
 from .sparsity.block_mask import BlockMask
 
 __all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "SinkAttentionFunction"]
@@ -70,12 +71,22 @@ class FlashAttentionFunction(torch.autograd.Function):
 # A custom operator's arguments are tensors and plain values.  A BlockMask
 # travels as an integer key into ``_MASKS``, where the call registers it (a
 # mask is immutable, and its device forms are built once, as in eager mode);
-# the seed travels as two 32-bit words.
+# a score_mod or mask_mod as a key into ``_MODS``, with its torch arrays
+# beside it (``_mod_arrays``); the seed travels as two 32-bit words.
 
 #: Block masks that reached the operator, by id (kept alive here: the key must stay theirs).
 _MASKS = {}
+#: score_mods and mask_mods that reached the operators (a Mod, or a plain function), by id, as the block masks.
+_MODS = {}
+#: A plain function's Mod, made once (outside Dynamo: ``Mod`` reads the function's signature), so that what is kept
+#: on a Mod (a mask_mod's tile classes, ``sparsity/mod_tiles.py``) serves every call of the compiled graph.
+_FUNCTION_MODS = {}
 
 
+# Both keys are made while Dynamo traces, as constants of the graph (``assume_constant_result``): traced as ordinary
+# code, the registration would be a side effect Dynamo replays only after the graph has run, and the compiled
+# graph's first call would find no mask (or mod) under its key.
+@torch.compiler.assume_constant_result
 def _mask_key(block_mask):
     if block_mask is None:
         return -1
@@ -84,80 +95,134 @@ def _mask_key(block_mask):
     return key
 
 
-def _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic):
+@torch.compiler.assume_constant_result
+def _mod_key(mod):
+    """A score_mod or mask_mod (or None) as the operators' integer key (-1: none; ``_MADE_IN_GRAPH``: a Mod made
+    inside the compiled region, which Dynamo hands over unbuilt, so the call takes the eager path)."""
+    if mod is None:
+        return -1
+    if isinstance(mod, Mod) and "fn" not in vars(mod):
+        return _MADE_IN_GRAPH
+    key = id(mod)
+    _MODS[key] = mod
+    return key
+
+
+#: ``_mod_key``'s answer for a Mod that Dynamo built while tracing (an object without its fields yet).
+_MADE_IN_GRAPH = -2
+
+
+def _mod_arrays(*mods):
+    """The torch tensors among the mods' arrays: the operators' ``mod_arrays``, graph inputs under torch.compile
+    (so that an in-place update of one, a batch's new document ids say, is ordered before the call).  The operator
+    runs the registered Mods, whose arrays are these tensors."""
+    return [a for mod in mods if isinstance(mod, Mod) for a in mod.arrays if isinstance(a, torch.Tensor)]
+
+
+def _registered_mod(key, kind):
+    """The Mod registered under ``key`` (None for -1); a plain function's made once."""
+    mod = _MODS.get(key)
+    if mod is None or isinstance(mod, Mod):
+        return mod
+    if key not in _FUNCTION_MODS:
+        _FUNCTION_MODS[key] = as_mod(mod, kind)
+    return _FUNCTION_MODS[key]
+
+
+def _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic,
+             score_key=-1, mask_mod_key=-1):
     causal = {"false": False, "true": True}.get(causal, causal)
-    return dict(causal=causal, scale=scale, block_mask=_MASKS.get(mask_key), dropout_p=dropout_p,
-                seed=seed_low | (seed_high << 32), algorithm=algorithm,
-                block_sizes=None if block_sizes is None else tuple(block_sizes), deterministic=deterministic)
+    options = dict(causal=causal, scale=scale, block_mask=_MASKS.get(mask_key), dropout_p=dropout_p,
+                   seed=seed_low | (seed_high << 32), algorithm=algorithm,
+                   block_sizes=None if block_sizes is None else tuple(block_sizes), deterministic=deterministic)
+    return _with_mods(options, score_key, mask_mod_key)
+
+
+def _with_mods(options, score_key, mask_mod_key):
+    """``options`` with the registered mods (as the eager calls pass them: only where there are some)."""
+    score_mod, mask_mod = _registered_mod(score_key, "score_mod"), _registered_mod(mask_mod_key, "mask_mod")
+    if score_mod is not None or mask_mod is not None:
+        options.update(score_mod=score_mod, mask_mod=mask_mod)
+    return options
 
 
 @torch.library.custom_op("numba_flash::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None, mask_key: int,
                   dropout_p: float, seed_low: int, seed_high: int, algorithm: str,
-                  block_sizes: list[int] | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_sizes: list[int] | None, deterministic: bool, score_key: int, mask_mod_key: int,
+                  mod_arrays: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward(q, k, v, _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm,
-                                          block_sizes, deterministic))
+                                          block_sizes, deterministic, score_key, mask_mod_key))
     return out, lse
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic):
+def _(q, k, v, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic,
+      score_key, mask_mod_key, mod_arrays):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("numba_flash::attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            grad_out: torch.Tensor, causal: str, scale: float | None, mask_key: int, dropout_p: float,
-                           seed_low: int, seed_high: int, algorithm: str,
-                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           seed_low: int, seed_high: int, algorithm: str, deterministic: bool, score_key: int,
+                           mask_mod_key: int,
+                           mod_arrays: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _options(causal, scale, mask_key, dropout_p, seed_low,
-                                                                 seed_high, algorithm, None, deterministic))
+                                                                 seed_high, algorithm, None, deterministic,
+                                                                 score_key, mask_mod_key))
     return dq, dk, dv
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, deterministic):
+def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, deterministic,
+      score_key, mask_mod_key, mod_arrays):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, *options, mod_arrays = inputs
+    ctx.save_for_backward(q, k, v, *output, *mod_arrays)
     ctx.options = options
 
 
 def _op_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _, deterministic = ctx.options
+    q, k, v, out, lse, *mod_arrays = ctx.saved_tensors
+    (causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _, deterministic, score_key,
+     mask_mod_key) = ctx.options
     dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p,
-                                        seed_low, seed_high, algorithm, deterministic)
-    return (dq, dk, dv) + (None,) * 9
+                                        seed_low, seed_high, algorithm, deterministic, score_key, mask_mod_key,
+                                        mod_arrays)
+    return (dq, dk, dv) + (None,) * 11 + ([None] * len(mod_arrays),)   # (the mods' arrays learn nothing yet)
 
 
 _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _varlen_options(causal, scale, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic):
+def _varlen_options(causal, scale, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic,
+                    score_key=-1, mask_mod_key=-1):
     causal = {"false": False, "true": True}.get(causal, causal)
-    return dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed_low | (seed_high << 32),
-                algorithm=algorithm, block_sizes=None if block_sizes is None else tuple(block_sizes),
-                deterministic=deterministic)
+    options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed_low | (seed_high << 32),
+                   algorithm=algorithm, block_sizes=None if block_sizes is None else tuple(block_sizes),
+                   deterministic=deterministic)
+    return _with_mods(options, score_key, mask_mod_key)
 
 
 @torch.library.custom_op("numba_flash::attention_varlen", mutates_args=())
 def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          cu_seqlens_k: torch.Tensor, causal: str, scale: float | None, dropout_p: float,
                          seed_low: int, seed_high: int, algorithm: str, block_sizes: list[int] | None,
-                         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         deterministic: bool, score_key: int, mask_mod_key: int,
+                         mod_arrays: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward(q, k, v, _varlen_options(causal, scale, dropout_p, seed_low, seed_high, algorithm,
-                                                 block_sizes, deterministic),
+                                                 block_sizes, deterministic, score_key, mask_mod_key),
                         (cu_seqlens_q, cu_seqlens_k))
     return out, lse
 
 
 @_attention_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high, algorithm, block_sizes,
-      deterministic):
+      deterministic, score_key, mask_mod_key, mod_arrays):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -166,32 +231,35 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, s
 def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                   lse: torch.Tensor, grad_out: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                   cu_seqlens_k: torch.Tensor, causal: str, scale: float | None, dropout_p: float,
-                                  seed_low: int, seed_high: int, algorithm: str,
-                                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  seed_low: int, seed_high: int, algorithm: str, deterministic: bool, score_key: int,
+                                  mask_mod_key: int,
+                                  mod_arrays: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward(q, k, v, out, lse, grad_out, _varlen_options(causal, scale, dropout_p, seed_low,
-                                                                        seed_high, algorithm, None, deterministic),
+                                                                        seed_high, algorithm, None, deterministic,
+                                                                        score_key, mask_mod_key),
                            (cu_seqlens_q, cu_seqlens_k))
     return dq, dk, dv
 
 
 @_attention_varlen_backward_op.register_fake
 def _(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed_low, seed_high,
-      algorithm, deterministic):
+      algorithm, deterministic, score_key, mask_mod_key, mod_arrays):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, mod_arrays = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *mod_arrays)
     ctx.options = options
 
 
 def _varlen_op_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    causal, scale, dropout_p, seed_low, seed_high, algorithm, _, deterministic = ctx.options
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *mod_arrays = ctx.saved_tensors
+    causal, scale, dropout_p, seed_low, seed_high, algorithm, _, deterministic, score_key, mask_mod_key = ctx.options
     dq, dk, dv = _attention_varlen_backward_op(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal,
-                                               scale, dropout_p, seed_low, seed_high, algorithm, deterministic)
-    return (dq, dk, dv) + (None,) * 10
+                                               scale, dropout_p, seed_low, seed_high, algorithm, deterministic,
+                                               score_key, mask_mod_key, mod_arrays)
+    return (dq, dk, dv) + (None,) * 12 + ([None] * len(mod_arrays),)
 
 
 _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
@@ -220,9 +288,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
 
     ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on the kernels the
     algorithm picks (wgmma or ``mma.sync``, as without mods) forward and backward; q, k and v get their gradients
-    through the mods (the mods' arrays get none yet).  Under ``torch.compile`` a call with mods is a graph break
-    for now (it runs eagerly, through ``torch.compiler.disable``): a Mod's Python function cannot travel through a
-    custom operator.
+    through the mods (the mods' arrays get none yet).  Under ``torch.compile`` (``fullgraph=True`` too) the mods
+    travel through the custom operators as integer keys into a registry, made while Dynamo traces, with the torch
+    tensors among their arrays as the operators' inputs (an in-place update of one is ordered before the call); a
+    new Mod object (or function) is a new key, and Dynamo recompiles for it: define mods once.
 
     ``sinks``: attention sinks (gpt-oss), a float tensor (H_q,) of logits, one per query head, that join each row's
     softmax denominator with no value: O' = O exp(lse - lse'), lse' = logaddexp(lse, sinks[h]).  Differentiable in
@@ -243,20 +312,21 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
                        algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
                        score_mod=score_mod, mask_mod=mask_mod)
         return _sink_attention(q, k, v, sinks, options)
+    options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
+                   algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic)
     if score_mod is not None or mask_mod is not None:
-        options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
-                       algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
-                       score_mod=score_mod, mask_mod=mask_mod)
-        return _modded_attention(q, k, v, options)
+        options.update(score_mod=score_mod, mask_mod=mask_mod)
     if torch.compiler.is_compiling():
         if block_mask is not None and not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a numba_flash.BlockMask or None, got {type(block_mask).__name__}")
+        score_key, mask_mod_key = _mod_key(score_mod), _mod_key(mask_mod)
+        if _MADE_IN_GRAPH in (score_key, mask_mod_key):
+            return _eager_attention(q, k, v, options)
         out, _ = _attention_op(q, k, v, str(causal).lower(), scale, _mask_key(block_mask), float(dropout_p),
                                seed & 0xFFFFFFFF, seed >> 32, algorithm,
-                               None if block_sizes is None else list(block_sizes), bool(deterministic))
+                               None if block_sizes is None else list(block_sizes), bool(deterministic),
+                               score_key, mask_mod_key, _mod_arrays(score_mod, mask_mod))
         return out
-    options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
-                   algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic)
     return FlashAttentionFunction.apply(q, k, v, options)
 
 
@@ -297,16 +367,16 @@ def _per_row(sinks, lse):
 
 
 @torch.compiler.disable
-def _sink_attention(q, k, v, sinks, options):
-    """A call with sinks: ``SinkAttentionFunction``, eagerly (a graph break under torch.compile)."""
-    return SinkAttentionFunction.apply(q, k, v, sinks, options)
+def _eager_attention(q, k, v, options, *sequences):
+    """A call whose mods were made inside the compiled region (``_mod_key``): the autograd function, eagerly (a
+    graph break), where Dynamo hands them over built."""
+    return FlashAttentionFunction.apply(q, k, v, options, *sequences)
 
 
 @torch.compiler.disable
-def _modded_attention(q, k, v, options, *sequences):
-    """A call with a score_mod or mask_mod (packed with ``sequences``): the autograd function, eagerly (a graph
-    break under torch.compile)."""
-    return FlashAttentionFunction.apply(q, k, v, options, *sequences)
+def _sink_attention(q, k, v, sinks, options):
+    """A call with sinks: ``SinkAttentionFunction``, eagerly (a graph break under torch.compile)."""
+    return SinkAttentionFunction.apply(q, k, v, sinks, options)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, dropout_p=0.0, seed=0,
@@ -323,20 +393,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     ``numba_flash.attention_varlen_backward`` (flash2 keeps packed sequences on mma.sync for now; "wgmma" runs the
     forward and backward on Hopper's warpgroup instructions).  ``score_mod``, ``mask_mod``: as for
     ``numba_flash.attention_varlen`` (indices within each sequence), differentiable in q, k and v as ``attention``'s
-    mods are, and eager only as they are (a graph break under ``torch.compile``).
+    mods are, and under ``torch.compile`` as they are.
     """
     _check_tensors((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
     if in_simulator():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if score_mod is not None or mask_mod is not None:
-        options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, algorithm=algorithm,
-                       block_sizes=block_sizes, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
-        return _modded_attention(q, k, v, options, cu_seqlens_q, cu_seqlens_k)
-    if torch.compiler.is_compiling():
-        out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
-                                      float(dropout_p), seed & 0xFFFFFFFF, seed >> 32, algorithm,
-                                      None if block_sizes is None else list(block_sizes), bool(deterministic))
-        return out
     options = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, algorithm=algorithm,
                    block_sizes=block_sizes, deterministic=deterministic)
+    if score_mod is not None or mask_mod is not None:
+        options.update(score_mod=score_mod, mask_mod=mask_mod)
+    if torch.compiler.is_compiling():
+        score_key, mask_mod_key = _mod_key(score_mod), _mod_key(mask_mod)
+        if _MADE_IN_GRAPH in (score_key, mask_mod_key):
+            return _eager_attention(q, k, v, options, cu_seqlens_q, cu_seqlens_k)
+        out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
+                                      float(dropout_p), seed & 0xFFFFFFFF, seed >> 32, algorithm,
+                                      None if block_sizes is None else list(block_sizes), bool(deterministic),
+                                      score_key, mask_mod_key, _mod_arrays(score_mod, mask_mod))
+        return out
     return FlashAttentionFunction.apply(q, k, v, options, cu_seqlens_q, cu_seqlens_k)

@@ -301,8 +301,10 @@ def test_torch_attention_with_mods_is_differentiable():
     def run(q, k, v):
         return nft.attention(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod)
 
-    # Under torch.compile a call with mods is a graph break (``_modded_attention``): the same results.
-    for fn in (run, torch.compile(run, backend="eager")):
+    # Under torch.compile the mods travel through the custom operators (fullgraph: no graph break), their keys made
+    # while Dynamo traces, so that the compiled graph's first call already has them: the same results.
+    torch._dynamo.reset()
+    for fn in (run, torch.compile(run, fullgraph=True, backend="aot_eager")):
         for x in (q, k, v):
             x.grad = None
         out = fn(q, k, v)
@@ -312,6 +314,37 @@ def test_torch_attention_with_mods_is_differentiable():
         expected = ref.attention_backward(p.q, p.k, p.v, do, causal=True, score_mod=score_mod, mask_mod=mask_mod)
         for x, g in zip((q, k, v), expected):
             np.testing.assert_allclose(x.grad.numpy(), g, atol=1e-5)
+
+
+def test_mods_under_torch_compile_made_outside_inside_or_replaced():
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    p = fixed_problem(n_q=9, n_k=12, heads=2, kv_heads=2)
+    q, k, v = (torch.from_numpy(x) for x in (p.q, p.k, p.v))
+    window = mods.sliding_window(3)
+
+    def eager(mask_mod, causal=False):
+        return nft.attention(q, k, v, causal=causal, mask_mod=mask_mod)
+
+    torch._dynamo.reset()
+    # A Mod made outside, and a plain function made inside the compiled function: no graph break.
+    outside = torch.compile(lambda q, k, v: nft.attention(q, k, v, mask_mod=window), fullgraph=True,
+                            backend="aot_eager")
+    inside = torch.compile(lambda q, k, v: nft.attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i - 2),
+                           fullgraph=True, backend="aot_eager")
+    assert torch.equal(outside(q, k, v), eager(window))
+    assert torch.equal(inside(q, k, v), eager(lambda b, h, i, j: j <= i - 2))
+    # A Mod built inside the compiled region (Dynamo hands it over unbuilt): the call runs eagerly, as it should.
+    built_inside = torch.compile(lambda q, k, v: nft.attention(q, k, v, mask_mod=mods.prefix_lm(4)),
+                                 backend="aot_eager")
+    assert torch.equal(built_inside(q, k, v), eager(mods.prefix_lm(4)))
+    # Another Mod on the same compiled function: its own results, not the first one's.
+    swapped = torch.compile(lambda q, k, v, m: nft.attention(q, k, v, mask_mod=m), fullgraph=True,
+                            backend="aot_eager")
+    assert torch.equal(swapped(q, k, v, window), eager(window))
+    assert torch.equal(swapped(q, k, v, mods.prefix_lm(4)), eager(mods.prefix_lm(4)))
+    assert not torch.equal(eager(window), eager(mods.prefix_lm(4)))
 
 
 # ---------------------------------------------------------------- mask_mod -> tile visits (sparsity/mod_tiles.py)

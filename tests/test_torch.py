@@ -316,10 +316,24 @@ def test_torch_compile_compiles_a_model_that_calls_it():
                 assert float((got - want).abs().max()) <= MODEL_GRADIENT_RTOL * float(want.abs().max())
 
 
+def test_a_compiled_graphs_first_call_already_has_its_block_mask():
+    # The mask's key is registered while Dynamo traces (``assume_constant_result``): traced as plain code, the
+    # registration was a side effect replayed after the graph ran, and the first call ran without the mask.  The
+    # mask here is not implied by anything else in the call, so dropping it changes the result.
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
+    bm = BlockMask(np.eye(3, dtype=bool) | np.eye(3, k=1, dtype=bool), (8, 8))
+    compiled = torch.compile(lambda q, k, v: nft.attention(q, k, v, block_mask=bm), fullgraph=True,
+                             backend="aot_eager")
+    want = nft.attention(q, k, v, block_mask=bm)
+    assert not torch.equal(want, nft.attention(q, k, v))
+    assert torch.equal(compiled(q, k, v), want)
+
+
 def test_the_custom_operator_passes_torchs_own_checks():
     # torch.library.opcheck: schema, fake (meta) implementation, autograd registration.
     q, k, v = (torch.randn(1, 2, 16, 8, device=DEVICE, requires_grad=True) for _ in range(3))
-    args = (q, k, v, "true", None, -1, 0.0, 0, 0, "flash2", None, True)
+    args = (q, k, v, "true", None, -1, 0.0, 0, 0, "flash2", None, True, -1, -1, [])
     torch.library.opcheck(torch.ops.numba_flash.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
