@@ -284,7 +284,10 @@ def softcap(cap):
 
 
 def _alibi(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * float32(kv_idx - q_idx)   # (float32 * int64 would be float64 arithmetic)
+    # Each index converted on its own (float32 * int64 would be float64 arithmetic): a key's conversion serves every
+    # row of a tile and a row's every key, where float32(kv_idx - q_idx) converted a 64-bit integer per entry.  The
+    # same value below 2^24 positions, where both conversions and the difference are exact.
+    return score + slopes[h] * (float32(kv_idx) - float32(q_idx))
 
 
 def alibi_slopes(heads):

@@ -2,8 +2,8 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments decode train ring hopper sixteen (default: all but
-#                                        # backward, decode, train, ring, hopper, sixteen; ring needs two GPUs)
+#                                        # experiments decode train ring hopper sixteen mods (default: all but
+#                                        # backward, decode, train, ring, hopper, sixteen, mods; ring needs two GPUs)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/{paper,tuning}/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -51,6 +51,10 @@ for s in $STEPS; do
             --out experiments/tuning/results --tag bench_sixteen_bit_h200 \
             --command "python3 -m numba_flash bench --sixteen-bit --repeats 10 $BASE"
         grep -E "torch-flash \(target" "$LOGS/bench_sixteen_bit.log" | tail -20 ;;
+    mods)  # issue 46's examples against FlexAttention, forward and forward + backward (~330 s a dtype)
+        step mods_bench ${MODS_LIMIT:-560} python3 experiments/tuning/mods_bench.py --dtypes ${MODS_DTYPES:-bfloat16} \
+            --repeats 10 --out experiments/tuning/results --tag mods_bench_h200
+        tail -12 "$LOGS/mods_bench.log" ;;
     host)
         step bench_host 150 python3 -m numba_flash bench --host $BASE --dtypes float16,float32 \
             --out experiments/tuning/results --tag host_h200 --command "python3 -m numba_flash bench --host $BASE"

@@ -122,9 +122,10 @@ def block_mask_arguments(call, tiles, role):
 
 
 def partly_masked_tiles(call, tiles, role):
-    """Whether some tile ``role`` visits under the call's block mask is only partly covered by it (so that its
-    kernel must test elements against the layout); False without a mask, or when the mask's blocks are unions
-    of whole kernel tiles."""
+    """What a partly covered tile that ``role`` visits tests (a kernel's PARTLY_MASKED, ``tile_lists.MaskArguments.
+    partly``): False where none is (no mask, or a block mask whose blocks are unions of whole kernel tiles),
+    ``tile_lists.LAYOUT`` where the block mask cuts one (its entries tested against the layout), ``tile_lists.
+    MASK_MOD_ALONE`` where only a mask_mod does."""
     return has_tile_lists(call) and _mask_lists(call, tiles, role).partly
 
 
