@@ -73,8 +73,6 @@ def unrolled(functions):
     """
     if len(functions) == 1:
         return functions[0]
-    if in_simulator():   # Python has no unrolling to force: one loop, not a chain of nested calls
-        return _in_turn(functions)
     head, rest = functions[0], unrolled(functions[1:])
 
     @inlined_device_function
@@ -90,8 +88,6 @@ def unrolled_or(functions):
     arguments: ``unrolled`` for a loop that gathers a word of bits, one per step (a mask's hidden entries, say)."""
     if len(functions) == 1:
         return functions[0]
-    if in_simulator():
-        return _in_turn(functions, gather=True)
     head, rest = functions[0], unrolled_or(functions[1:])
 
     @inlined_device_function
@@ -99,22 +95,6 @@ def unrolled_or(functions):
         return head(*args) | rest(*args)
 
     return either
-
-
-def _in_turn(functions, gather=False):
-    """The simulator's ``unrolled`` (and, ``gather``, ``unrolled_or``): the same calls in the same order, in a loop
-    (each level of the GPU's chain is a Python call in the simulator, which the tests' time feels)."""
-    functions = tuple(functions)
-
-    def in_turn(*args):
-        bits = 0
-        for fn in functions:
-            result = fn(*args)
-            if gather:
-                bits |= result
-        return bits if gather else None
-
-    return in_turn
 
 
 _opted_in = set()
