@@ -751,6 +751,18 @@ def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, block_mask=
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16))
 
 
+def test_the_dkdv_kernel_asks_for_three_blocks_a_multiprocessor_only_where_it_measured_faster():
+    """The register cap (``dkdv_blocks_per_multiprocessor``): d <= 64, dQ in its own pass, no mods, no element test,
+    no packed sequences; everything else keeps launch bounds of one block (no cap)."""
+    from numba_flash.kernels.hopper.backward import WARPGROUP, make_wgmma_dkdv
+
+    assert make_wgmma_dkdv(64, "f16", True).launch_bounds == (WARPGROUP, 3)
+    assert make_wgmma_dkdv(32, "bf16", False, "separate", True, False).launch_bounds == (WARPGROUP, 3)
+    for args in ((128, "f16", True), (96, "bf16", False), (64, "f16", True, "atomic"),
+                 (64, "f16", False, "separate", True, True), (64, "f16", True, "separate", False, True, True)):
+        assert make_wgmma_dkdv(*args).launch_bounds == (WARPGROUP, 1), args
+
+
 def test_the_wgmma_backward_rejects_what_it_cannot_run():
     from numba_flash import attention_backward
 

@@ -306,12 +306,29 @@ def element_test(CAUSAL, TRANSPOSED, MODS=None, READS_LAYOUT=True):
     return hidden_entries
 
 
-def _kernel(fn, name, results, scratch=None):
+def _kernel(fn, name, results, scratch=None, blocks=1):
     """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32,
-    and ``scratch`` ({name: dtype}: scratch arrays, and a block mask's lists and layout)."""
+    and ``scratch`` ({name: dtype}: scratch arrays, and a block mask's lists and layout); ``blocks``: the blocks
+    ptxas must fit on a multiprocessor (the launch bounds' minimum: a register cap above 1)."""
     return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
                                         D=np.float32, **{x: np.uint32 for x in results}, **(scratch or {})),
-                  floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, 1))
+                  floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, blocks))
+
+
+def dkdv_blocks_per_multiprocessor(head_dim, dq_mode, mods, partly_masked, varlen):
+    """Blocks of the dK/dV kernel that ptxas is asked to fit on one multiprocessor (the launch bounds' minimum).
+
+    At d <= 64 the kernel takes 201-219 registers left alone (ptxas 13.0, sm_90a), so two blocks of one warpgroup
+    share a multiprocessor although the shared memory (51 KB a block) has room for four; asked for three (168
+    registers), the dense and causal kernels spill 28-36 bytes and run 1.12-1.19x faster (H100, 2026-12-06, the
+    backward alone at six shapes from (16, 16, 1024) to (1, 32 / 8, 8192), float16 and bfloat16, the same bits:
+    ``experiments/tuning/results/backward_register_cap_h100.md``), and the kernels of masks of whole tiles spill
+    nothing.  Elsewhere 1 (no cap): at d = 96 and 128 the accumulators alone take 96-128 registers and the cap for
+    three spills 424-724 bytes (and the shared memory fits two anyway); the element test of partly masked tiles
+    spills 152-168 bytes under it, packed sequences 48-80 (not timed), and the modes that sum dQ and the mods
+    have more registers live still."""
+    capped = head_dim <= 64 and dq_mode == "separate" and mods is None and not partly_masked and not varlen
+    return 3 if capped else 1
 
 
 def dq_slice_columns(head_dim):
@@ -748,7 +765,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         mods_suffix(MODS))
     return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
                                                     row_offsets=np.int32, row_entries=np.int32, **BOUNDS_ARRAYS,
-                                                    **slot_arrays(MODS)))
+                                                    **slot_arrays(MODS)),
+                   dkdv_blocks_per_multiprocessor(HEAD_DIM, DQ_MODE, MODS, ELEMENT_TEST, VARLEN))
 
 
 @lru_cache(maxsize=None)
