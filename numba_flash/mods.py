@@ -53,6 +53,8 @@ from numba import float32
 from numba.core import types as numba_types
 from numba.extending import register_jitable
 
+from ._registry import new_key
+
 #: The most arrays a call's score_mod and mask_mod read together (kernel parameter slots MOD0..MOD3).
 MAX_MOD_ARRAYS = 4
 SCORE, MASK = "score_mod", "mask_mod"
@@ -145,6 +147,8 @@ class Mod:
                 raise TypeError(f"mod {self.name}: array {i} is a {type(a).__name__}, not an array (scalars "
                                 f"belong in a one-element array: values captured otherwise are compile-time "
                                 f"constants)")
+        #: How ``numba_flash.torch``'s operators name this mod (``_registry``).
+        self.key = new_key(self)
 
     def __repr__(self):
         return f"Mod({self.name}, {len(self.arrays)} arrays, {self.kind})"

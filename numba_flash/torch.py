@@ -34,6 +34,7 @@ through NumPy: slow, but the same code path for tests.
 
 torch is an optional dependency: ``pip install 'numba-flash[torch]'``.
 """
+from ._registry import new_key, registered
 from ._torch_calls import backward as _backward
 from ._torch_calls import check_tensors as _check_tensors
 from ._torch_calls import forward as _forward
@@ -69,43 +70,40 @@ class FlashAttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- the custom operator (torch.compile)
 #
 # A custom operator's arguments are tensors and plain values.  A BlockMask
-# travels as an integer key into ``_MASKS``, where the call registers it (a
-# mask is immutable, and its device forms are built once, as in eager mode);
-# a score_mod or mask_mod as a key into ``_MODS``, with its torch arrays
-# beside it (``_mod_arrays``); the seed travels as two 32-bit words.
+# or a Mod travels as its integer key (``numba_flash._registry``: given when
+# it was made, so Dynamo reads it as a constant and registers nothing while
+# it traces); a plain function as a mod, as a key made for it once; the mods'
+# torch arrays beside them (``_mod_arrays``); the seed as two 32-bit words.
 
-#: Block masks that reached the operator, by id (kept alive here: the key must stay theirs).
-_MASKS = {}
-#: score_mods and mask_mods that reached the operators (a Mod, or a plain function), by id, as the block masks.
-_MODS = {}
+#: Plain functions handed over as score_mods or mask_mods, and their keys (kept alive: a graph holds the key).
+_FUNCTION_KEYS = {}
 #: A plain function's Mod, made once (outside Dynamo: ``Mod`` reads the function's signature), so that what is kept
 #: on a Mod (a mask_mod's tile classes, ``sparsity/mod_tiles.py``) serves every call of the compiled graph.
 _FUNCTION_MODS = {}
 
 
-# Both keys are made while Dynamo traces, as constants of the graph (``assume_constant_result``): traced as ordinary
-# code, the registration would be a side effect Dynamo replays only after the graph has run, and the compiled
-# graph's first call would find no mask (or mod) under its key.
-@torch.compiler.assume_constant_result
 def _mask_key(block_mask):
-    if block_mask is None:
-        return -1
-    key = id(block_mask)
-    _MASKS[key] = block_mask
-    return key
+    """A BlockMask (or None) as the operators' integer key (-1: none)."""
+    return -1 if block_mask is None else block_mask.key
 
 
-@torch.compiler.assume_constant_result
 def _mod_key(mod):
     """A score_mod or mask_mod (or None) as the operators' integer key (-1: none; ``_MADE_IN_GRAPH``: a Mod made
-    inside the compiled region, which Dynamo hands over unbuilt, so the call takes the eager path)."""
+    inside the compiled region, which Dynamo hands over without its key, so the call takes the eager path)."""
     if mod is None:
         return -1
-    if isinstance(mod, Mod) and "fn" not in vars(mod):
-        return _MADE_IN_GRAPH
-    key = id(mod)
-    _MODS[key] = mod
-    return key
+    if isinstance(mod, Mod):
+        return mod.key if "key" in vars(mod) else _MADE_IN_GRAPH
+    return _function_key(mod)
+
+
+@torch.compiler.assume_constant_result
+def _function_key(fn):
+    """A plain function's key, made the first time it comes, while Dynamo traces (a function, unlike other objects,
+    is a constant to every Dynamo version we run under)."""
+    if fn not in _FUNCTION_KEYS:
+        _FUNCTION_KEYS[fn] = new_key(fn)
+    return _FUNCTION_KEYS[fn]
 
 
 #: ``_mod_key``'s answer for a Mod that Dynamo built while tracing (an object without its fields yet).
@@ -120,8 +118,8 @@ def _mod_arrays(*mods):
 
 
 def _registered_mod(key, kind):
-    """The Mod registered under ``key`` (None for -1); a plain function's made once."""
-    mod = _MODS.get(key)
+    """The Mod under ``key`` (None for -1); a plain function's made once."""
+    mod = registered(key)
     if mod is None or isinstance(mod, Mod):
         return mod
     if key not in _FUNCTION_MODS:
@@ -132,7 +130,7 @@ def _registered_mod(key, kind):
 def _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, block_sizes, deterministic,
              score_key=-1, mask_mod_key=-1):
     causal = {"false": False, "true": True}.get(causal, causal)
-    options = dict(causal=causal, scale=scale, block_mask=_MASKS.get(mask_key), dropout_p=dropout_p,
+    options = dict(causal=causal, scale=scale, block_mask=registered(mask_key), dropout_p=dropout_p,
                    seed=seed_low | (seed_high << 32), algorithm=algorithm,
                    block_sizes=None if block_sizes is None else tuple(block_sizes), deterministic=deterministic)
     return _with_mods(options, score_key, mask_mod_key)

@@ -317,9 +317,10 @@ def test_torch_compile_compiles_a_model_that_calls_it():
 
 
 def test_a_compiled_graphs_first_call_already_has_its_block_mask():
-    # The mask's key is registered while Dynamo traces (``assume_constant_result``): traced as plain code, the
-    # registration was a side effect replayed after the graph ran, and the first call ran without the mask.  The
-    # mask here is not implied by anything else in the call, so dropping it changes the result.
+    # The mask's key is given when it is made (``numba_flash._registry``), so Dynamo reads a constant: a registration
+    # traced as plain code was a side effect replayed after the graph ran, and the first call ran without the mask.
+    # The mask here is not implied by anything else in the call, so dropping it changes the result.  (torch 2.11's
+    # Dynamo also refused the registration written as ``assume_constant_result``: a BlockMask is no constant.)
     torch._dynamo.reset()
     q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
     bm = BlockMask(np.eye(3, dtype=bool) | np.eye(3, k=1, dtype=bool), (8, 8))
@@ -420,3 +421,17 @@ def test_packed_sequences_through_autograd_and_torch_compile(dtype, data):
     for results in (run(varlen), run(torch.compile(varlen, fullgraph=True, backend="aot_eager"))):
         for got, want in zip(results, (want_out,) + tuple(want_grads)):
             np.testing.assert_array_equal(_numpy(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_a_key_whose_mask_is_gone_is_an_error_not_a_call_without_the_mask():
+    import gc
+
+    from numba_flash._registry import registered
+
+    bm = BlockMask(np.eye(2, dtype=bool), (8, 8))
+    key = bm.key
+    assert registered(key) is bm and registered(-1) is None
+    del bm
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"key {key} no longer exists"):
+        registered(key)

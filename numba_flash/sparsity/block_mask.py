@@ -23,6 +23,7 @@ Masks combine with ``&`` and ``|`` (same block size; layouts broadcast), and
 import numpy as np
 
 from .._checks import boolean_grid, positive_int_pair
+from .._registry import new_key
 from ..tiling import cdiv
 
 class BlockMask:
@@ -34,6 +35,8 @@ class BlockMask:
         self._block_size = positive_int_pair("block_size", block_size)
         #: Device forms of this mask (layouts, tile lists) kept by ``sparsity/tile_lists.py``: a mask is immutable.
         self._device_forms = {}
+        #: How ``numba_flash.torch``'s operators name this mask (``_registry``).
+        self.key = new_key(self)
 
     @property
     def layout(self):
