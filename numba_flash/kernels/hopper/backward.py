@@ -18,7 +18,8 @@ whose MN-major B is read only up to column d - 1, dQ's slices in the dK/dV kerne
 
 Three launches: the mma.sync backward's preprocess (D = rowsum(dO o O), ``fast/backward.preprocess_launch``),
 a dK/dV kernel of one warpgroup (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold accumulators
-in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns), and a dQ kernel shaped like the forward
+in ``wgmma.py``'s layout, mma.sync's C fragment per 8 columns; at d <= 64 a register cap lets three blocks share a
+multiprocessor: ``dkdv_blocks_per_multiprocessor``), and a dQ kernel shaped like the forward
 (``make_wgmma_dq``; or, in the modes that sum dQ in the dK/dV kernel, one that converts that float32 sum to
 16-bit: see "Deterministic" below).
 
