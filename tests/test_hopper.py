@@ -746,7 +746,9 @@ def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, block_mask=
         assert np.all(np.asarray(grads[0], np.float64)[unseen_rows] == 0), "dq: a row that sees no key"
         for name, got in zip(("dk", "dv"), grads[1:]):
             assert np.all(np.asarray(got, np.float64)[unseen_keys] == 0), f"{name}: a key no query sees"
-    if dq_mode != "atomic":
+    # Bitwise repeatable run to run: a GPU's property (blocks in any order).  The simulator runs blocks in one order,
+    # so there the second run can only catch state a call leaves behind: the summing modes' turns and float32 sum.
+    if dq_mode != "atomic" and (where == "hopper" or dq_mode != "separate"):
         for got, again in zip(grads, gradients()):
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16))
 
