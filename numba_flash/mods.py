@@ -33,9 +33,10 @@ Where mods run: the forward and backward of ``algorithm="flash2"`` (the ``mma.sy
 (``attention_varlen``, its backward, ``numba_flash.torch.attention_varlen``; ``mma.sync`` only) hand the mods each
 sequence's indices (b its index in the pack, q_idx and kv_idx from its start); KV caches
 (``attention_with_kv_cache``) the query's position in its entry, L_b - N_q + i.  Neither classifies a mask_mod's
-tiles: it is evaluated on every visited tile's elements.  Not yet: gradients into the mods' arrays (a
-relative-position bias table learns nothing yet; sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
-after the kernel, do).
+tiles: it is evaluated on every visited tile's elements.  Gradients into the mods' arrays: a lone
+``relative_position_bias``'s table learns through ``numba_flash.torch`` (``numba_flash/_bias_gradient.py``); other
+arrays that require grad are refused (a TypeError); sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
+after the kernel, learn too.
 
 Not yet (this slice) besides: packed sequences on ``wgmma``, and tile lists for packed sequences and caches.
 
@@ -322,7 +323,8 @@ def _relative_position_bias(score, b, h, q_idx, kv_idx, bias):
 
 def relative_position_bias(bias):
     """score -> score + bias[h, clamp(kv_idx - q_idx, -D, D) + D] for a table ``bias`` (H_q, 2 D + 1): a learned
-    bias per head and distance, distances beyond D clamped to D (T5-style, without buckets)."""
+    bias per head and distance, distances beyond D clamped to D (T5-style, without buckets).  A torch table that
+    requires grad gets its gradient through ``numba_flash.torch.attention`` when it is the call's only mod."""
     shape = tuple(bias.shape)
     if len(shape) != 2 or shape[1] % 2 != 1:
         raise ValueError(f"relative_position_bias: bias must be (heads, 2 D + 1), got shape {shape}")

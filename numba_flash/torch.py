@@ -34,6 +34,9 @@ through NumPy: slow, but the same code path for tests.
 
 torch is an optional dependency: ``pip install 'numba-flash[torch]'``.
 """
+import numpy as np
+
+from ._bias_gradient import learned_table, table_gradient
 from ._registry import new_key, registered
 from ._torch_calls import backward as _backward
 from ._torch_calls import check_tensors as _check_tensors
@@ -49,22 +52,34 @@ __all__ = ["attention", "attention_varlen", "FlashAttentionFunction", "SinkAtten
 class FlashAttentionFunction(torch.autograd.Function):
     """O = softmax(scale q k^T) v with numba-flash's forward and backward kernels.
 
-    ``apply(q, k, v, options)`` for ``attention``; ``apply(q, k, v, options, cu_seqlens_q, cu_seqlens_k)``
-    for ``attention_varlen`` (packed sequences).
+    ``apply(q, k, v, options, table)`` for ``attention``; ``apply(q, k, v, options, None, cu_seqlens_q,
+    cu_seqlens_k)`` for ``attention_varlen`` (packed sequences).  ``table``: the score_mod's relative-bias table when
+    it learns (``_bias_gradient.learned_table``), else None.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, options, *sequences):
+    def forward(ctx, q, k, v, options, table, *sequences):
         out, lse = _forward(q, k, v, options, sequences)
-        ctx.save_for_backward(q, k, v, out, lse, *sequences)
+        ctx.save_for_backward(q, k, v, out, lse, table, *sequences)
         ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, *sequences = ctx.saved_tensors
+        q, k, v, out, lse, table, *sequences = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options, sequences)
-        return (dq, dk, dv, None) + (None,) * len(sequences)
+        d_table = (_table_gradient(q, k, v, out, lse, grad_out, table, ctx.options) if ctx.needs_input_grad[4]
+                   else None)
+        return (dq, dk, dv, None, d_table) + (None,) * len(sequences)
+
+
+def _table_gradient(q, k, v, out, lse, grad_out, table, options):
+    """d L / d table of relative_position_bias (``_bias_gradient``), the call's causal mask and block mask applied."""
+    block_mask = options.get("block_mask")
+    allowed = None if block_mask is None else torch.from_numpy(
+        np.ascontiguousarray(block_mask.to_dense(q.shape[-2], k.shape[-2])))
+    return table_gradient(q, k, v, out, lse, grad_out, table, options["scale"], options["causal"],
+                          allowed).to(table.dtype)
 
 
 # ---------------------------------------------------------------- the custom operator (torch.compile)
@@ -182,6 +197,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, *options, mod_arrays = inputs
     ctx.save_for_backward(q, k, v, *output, *mod_arrays)
     ctx.options = options
+    score_mod, mask_mod_key, dropout_p = registered(options[-2]), options[-1], options[3]
+    ctx.table_learns = (mask_mod_key == -1 and learned_table(score_mod, None, dropout_p, False, False) is not None)
 
 
 def _op_backward(ctx, grad_out, grad_lse):
@@ -191,7 +208,12 @@ def _op_backward(ctx, grad_out, grad_lse):
     dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p,
                                         seed_low, seed_high, algorithm, deterministic, score_key, mask_mod_key,
                                         mod_arrays)
-    return (dq, dk, dv) + (None,) * 11 + ([None] * len(mod_arrays),)   # (the mods' arrays learn nothing yet)
+    d_arrays = [None] * len(mod_arrays)
+    if ctx.table_learns:   # (relative_position_bias alone: its table is the only mod array)
+        d_arrays[0] = _table_gradient(q, k, v, out, lse, grad_out, mod_arrays[0],
+                                      _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm,
+                                               None, deterministic, -1, -1))
+    return (dq, dk, dv) + (None,) * 11 + (d_arrays,)
 
 
 _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -286,8 +308,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
 
     ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on the kernels the
     algorithm picks (wgmma or ``mma.sync``, as without mods) forward and backward; q, k and v get their gradients
-    through the mods (the mods' arrays get none yet).  Under ``torch.compile`` (``fullgraph=True`` too) the mods
-    travel through the custom operators as integer keys into a registry, made while Dynamo traces, with the torch
+    through the mods, and a lone ``relative_position_bias``'s table gets its own (``_bias_gradient``; another mod
+    array that requires grad is a TypeError).  Under ``torch.compile`` (``fullgraph=True`` too) the mods travel
+    through the custom operators as integer keys (a Mod's given when it was made: ``_registry``), with the torch
     tensors among their arrays as the operators' inputs (an in-place update of one is ordered before the call); a
     new Mod object (or function) is a new key, and Dynamo recompiles for it: define mods once.
 
@@ -309,6 +332,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                        algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
                        score_mod=score_mod, mask_mod=mask_mod)
+        if learned_table(score_mod, mask_mod, dropout_p, False) is not None:
+            raise TypeError("relative_position_bias's table learns only without sinks (detach it, or leave out "
+                            "the sinks)")
         return _sink_attention(q, k, v, sinks, options)
     options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                    algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic)
@@ -320,12 +346,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         score_key, mask_mod_key = _mod_key(score_mod), _mod_key(mask_mod)
         if _MADE_IN_GRAPH in (score_key, mask_mod_key):
             return _eager_attention(q, k, v, options)
+        learned_table(score_mod, mask_mod, dropout_p, False)   # (an array that cannot learn: its TypeError, now)
         out, _ = _attention_op(q, k, v, str(causal).lower(), scale, _mask_key(block_mask), float(dropout_p),
                                seed & 0xFFFFFFFF, seed >> 32, algorithm,
                                None if block_sizes is None else list(block_sizes), bool(deterministic),
                                score_key, mask_mod_key, _mod_arrays(score_mod, mask_mod))
         return out
-    return FlashAttentionFunction.apply(q, k, v, options)
+    return FlashAttentionFunction.apply(q, k, v, options, learned_table(score_mod, mask_mod, dropout_p, False))
 
 
 class SinkAttentionFunction(torch.autograd.Function):
@@ -368,7 +395,8 @@ def _per_row(sinks, lse):
 def _eager_attention(q, k, v, options, *sequences):
     """A call whose mods were made inside the compiled region (``_mod_key``): the autograd function, eagerly (a
     graph break), where Dynamo hands them over built."""
-    return FlashAttentionFunction.apply(q, k, v, options, *sequences)
+    table = learned_table(options.get("score_mod"), options.get("mask_mod"), options["dropout_p"], bool(sequences))
+    return FlashAttentionFunction.apply(q, k, v, options, table, *sequences)
 
 
 @torch.compiler.disable
@@ -404,9 +432,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
         score_key, mask_mod_key = _mod_key(score_mod), _mod_key(mask_mod)
         if _MADE_IN_GRAPH in (score_key, mask_mod_key):
             return _eager_attention(q, k, v, options, cu_seqlens_q, cu_seqlens_k)
+        learned_table(score_mod, mask_mod, dropout_p, True)   # (an array that cannot learn: its TypeError, now)
         out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
                                       float(dropout_p), seed & 0xFFFFFFFF, seed >> 32, algorithm,
                                       None if block_sizes is None else list(block_sizes), bool(deterministic),
                                       score_key, mask_mod_key, _mod_arrays(score_mod, mask_mod))
         return out
-    return FlashAttentionFunction.apply(q, k, v, options, cu_seqlens_q, cu_seqlens_k)
+    return FlashAttentionFunction.apply(q, k, v, options, learned_table(score_mod, mask_mod, dropout_p, True),
+                                        cu_seqlens_q, cu_seqlens_k)

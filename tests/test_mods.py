@@ -408,3 +408,96 @@ def test_a_mask_that_reads_b_or_h_is_classified_per_head():
     p.q = np.concatenate([p.q, p.q[:, ::-1]])    # two batch entries
     p.k, p.v = (np.concatenate([x, x]) for x in (p.k, p.v))
     check_forward(p, None, mods.Mod(head_window), np.float32)
+
+
+# ---------------------------------------------------------------- relative_position_bias's table learns (numba_flash.torch)
+
+def _table_reference(torch, q, k, v, table, do, causal, allowed_blocks):
+    """(O, gradients of q, k, v and the table, P, |score| + |score_mod(score)| at its largest) in float64 by torch's
+    autograd, the bias added to every scaled score by its clamped distance."""
+    q, k, v, table = (x.detach().double().requires_grad_() for x in (q, k, v, table))
+    group = q.shape[-3] // k.shape[-3]
+    keys, values = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    n_q, n_k, reach = q.shape[-2], k.shape[-2], (table.shape[1] - 1) // 2
+    raw = q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5
+    distance = (torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None]).clamp(-reach, reach) + reach
+    scores = raw + table[:, distance]
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril(0 if causal is True else n_k - n_q)
+    if allowed_blocks is not None:
+        allowed = allowed & allowed_blocks
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num()
+    out = weights @ values
+    grads = torch.autograd.grad(out, (q, k, v, table), do.double())
+    logits = float(torch.where(allowed, raw.abs() + scores.abs(), 0.0).detach().max()) if allowed.any() else 0.0
+    return out.detach(), grads, weights.detach(), logits
+
+
+@settings(max_examples=6)
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float16, BFLOAT16]))
+def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
+    """d L / d table through ``numba_flash.torch.attention`` (``numba_flash._bias_gradient``) against float64
+    autograd: ragged lengths, N_q != N_k, grouped heads, both causal alignments, block masks, reaches shorter and
+    longer than the sequences (every distance clamped, or none); the same bits on a second run."""
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+    from tolerances import table_gradient_tolerance
+
+    draw = data.draw
+    kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    n_q, n_k, d = draw(st.integers(1, 70)), draw(st.integers(1, 70)), draw(st.sampled_from([8, 16]))
+    reach, causal = draw(st.integers(0, 80)), draw(st.sampled_from([False, True, "bottom_right"]))
+    blocks = draw(st.one_of(st.none(), st.integers(0, 2 ** 32 - 1)))
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    torch_dtype = {np.float32: torch.float32, np.float16: torch.float16}.get(dtype, torch.bfloat16)
+    q, do = (torch.from_numpy(rng.standard_normal((2, heads, n_q, d))).to(torch_dtype) for _ in "qo")
+    k, v = (torch.from_numpy(rng.standard_normal((2, kv_heads, n_k, d))).to(torch_dtype) for _ in "kv")
+    table = torch.from_numpy(rng.standard_normal((heads, 2 * reach + 1)).astype(np.float32)).requires_grad_()
+    block_mask = None if blocks is None else numba_flash.BlockMask(
+        np.random.default_rng(blocks).random((heads, -(-n_q // 16), -(-n_k // 16))) < 0.7, (16, 16))
+    allowed_blocks = None if block_mask is None else torch.from_numpy(block_mask.to_dense(n_q, n_k))
+
+    def table_gradient():
+        out = nft.attention(q, k, v, causal=causal, block_mask=block_mask,
+                            score_mod=mods.relative_position_bias(table))
+        return out, torch.autograd.grad(out, table, do)[0]
+
+    out, got = table_gradient()
+    _, grads, weights, logits = _table_reference(torch, q, k, v, table, do, causal, allowed_blocks)
+    as_numpy = lambda x: x.detach().double().numpy()   # noqa: E731
+    tol = table_gradient_tolerance(as_numpy(q), as_numpy(k.repeat_interleave(group, 1)),
+                                   as_numpy(v.repeat_interleave(group, 1)), as_numpy(out), as_numpy(do),
+                                   d ** -0.5, weights.numpy(), dtype=dtype, mod_logits=logits)
+    err = float((got.double() - grads[3]).abs().max())
+    assert got.dtype == table.dtype and got.shape == table.shape
+    assert err <= tol, f"table gradient: max error {err:.3g} > tolerance {tol:.3g}"
+    assert torch.equal(got, table_gradient()[1])
+
+
+def test_the_relative_bias_table_learns_under_torch_compile_and_other_mod_arrays_refuse_to():
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    p = fixed_problem(n_q=9, n_k=12, heads=2, kv_heads=1)
+    q, k, v = (torch.from_numpy(x) for x in (p.q, p.k, p.v))
+    table = torch.from_numpy(np.random.default_rng(4).standard_normal((2, 7)).astype(np.float32)).requires_grad_()
+    bias = mods.relative_position_bias(table)
+
+    def loss(q, k, v):
+        return (nft.attention(q, k, v, causal=True, score_mod=bias) ** 2).sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), table)[0]
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v), table)[0]
+    assert torch.count_nonzero(eager) > 0 and torch.equal(compiled, eager)
+    # Where no gradient is computed for an array that asks for one: a TypeError naming the mod, before any launch.
+    for kwargs in (dict(score_mod=mods.compose(bias, mods.softcap(5.0))), dict(score_mod=bias, dropout_p=0.5),
+                   dict(score_mod=bias, mask_mod=mods.sliding_window(3)),
+                   dict(score_mod=bias, sinks=torch.zeros(2))):
+        with pytest.raises(TypeError, match="relative_position_bias"):
+            nft.attention(q, k, v, **kwargs)
+    with torch.no_grad():   # (no gradient asked for: runs)
+        nft.attention(q, k, v, score_mod=mods.compose(bias, mods.softcap(5.0)))

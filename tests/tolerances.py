@@ -235,6 +235,32 @@ def ring_tolerances(tol_o, tol_lse, gradient_tolerances, value_max, dtype, world
     return [tol_o + ring_o] + [(world + 2) * tol for tol in gradient_tolerances]
 
 
+def _score_gradient_error(q, k, v, o, do, scale, weights, weight_scale, dtype, mod_logits):
+    """(e_P, B_dP, B_D, per_weight) of ``backward_tolerance``'s model (absolute inputs): a dS entry is off by at
+    most P_ij per_weight."""
+    d = q.shape[-1]
+    u = unit_roundoff(dtype)
+    finite_lse = np.max(np.abs(np.where(weights.sum(-1) > 0, np.log(np.maximum(weights.sum(-1), 1e-300)), 0)))
+    e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse) + mod_logit_error(mod_logits)
+    e_p = np.expm1(2 * e_s) + 16 * u + (0.0 if mod_logits is None else 8 * U32)
+    b_dp = float((do @ np.swapaxes(v, -1, -2)).max())
+    b_d = float(np.sum(do * o, axis=-1).max())
+    e_dp, e_d = (d + 8) * u * b_dp, (d + 8) * u * b_d
+    return e_p, b_dp, b_d, weight_scale * (e_p * (b_dp + b_d) + e_dp + e_d)
+
+
+def table_gradient_tolerance(q, k, v, o, do, scale, weights, dtype=np.float32, mod_logits=None):
+    """A bound on the error of relative_position_bias's table gradient (``numba_flash._bias_gradient``): each bin
+    sums dS entries, at most B N_q of P's mass per head (every row's weights sum to 1), each off by
+    ``backward_tolerance``'s per-weight error, plus the float32 rounding of sums of up to B N_q N_k terms.  (The
+    pass keeps P and dS in float32; the 16-bit u of the model is the looser bound.)"""
+    q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
+    batch, n_q, n_k = int(np.prod(q.shape[:-3])) if q.ndim > 3 else 1, q.shape[-2], k.shape[-2]
+    _, b_dp, b_d, per_weight = _score_gradient_error(q, k, v, o, do, scale, weights, 1.0, dtype, mod_logits)
+    mass = batch * n_q
+    return mass * (per_weight + (batch * n_q * n_k + 4) * U32 * (b_dp + b_d)) + TINY32
+
+
 def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=np.float32, group=1, mod_logits=None):
     """(tol_dQ, tol_dK, tol_dV): first-order bounds on the gradient errors, from the inputs.
 
@@ -260,15 +286,10 @@ def backward_tolerance(q, k, v, o, do, scale, weights, weight_scale=1.0, dtype=n
     joins the logits' error, and dS's factor d score_mod / d score, computed in float32, adds 8 u to e_P.
     """
     q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
-    d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    n_q, n_k = q.shape[-2], k.shape[-2]
     u = unit_roundoff(dtype)
-    finite_lse = np.max(np.abs(np.where(weights.sum(-1) > 0, np.log(np.maximum(weights.sum(-1), 1e-300)), 0)))
-    e_s = logit_error(q, k, scale) + 4 * U32 * (1 + finite_lse) + mod_logit_error(mod_logits)
-    e_p = np.expm1(2 * e_s) + 16 * u + (0.0 if mod_logits is None else 8 * U32)
-    b_dp = float((do @ np.swapaxes(v, -1, -2)).max())
-    b_d = float(np.sum(do * o, axis=-1).max())
-    e_dp, e_d = (d + 8) * u * b_dp, (d + 8) * u * b_d
-    per_weight = weight_scale * (e_p * (b_dp + b_d) + e_dp + e_d)
+    e_p, b_dp, b_d, per_weight = _score_gradient_error(q, k, v, o, do, scale, weights, weight_scale, dtype,
+                                                       mod_logits)
     column_sum = float(weights.sum(axis=-2).max())
     tol_dq = abs(scale) * k.max() * (per_weight + (n_k + 4) * u * weight_scale * (b_dp + b_d))
     tol_dk = abs(scale) * q.max() * column_sum * (per_weight + (n_q + 4) * u * weight_scale * (b_dp + b_d))
