@@ -77,7 +77,7 @@ def table_gradient(q, k, v, out, lse, grad_out, table, scale, causal, allowed_bl
     return gradient.to(table.device)
 
 
-def learned_table(score_mod, mask_mod, dropout_p, packed, grad_mode=True):
+def learned_table(score_mod, mask_mod, dropout_p, grad_mode=True):
     """The relative_position_bias table of this call that needs a gradient (a torch tensor that requires grad, with
     grad enabled), or None; a TypeError for a mod array that requires grad where none is computed.  ``grad_mode``
     False: whatever the grad mode (an autograd formula's setup, which AOTAutograd traces without grad)."""
@@ -87,10 +87,9 @@ def learned_table(score_mod, mask_mod, dropout_p, packed, grad_mode=True):
         for i, array in enumerate(mod.arrays if isinstance(mod, Mod) else ()):
             if not (isinstance(array, torch.Tensor) and array.requires_grad):
                 continue
-            if mod is score_mod and mod.fn is _relative_position_bias and mask_mod is None and not dropout_p \
-                    and not packed:
+            if mod is score_mod and mod.fn is _relative_position_bias and mask_mod is None and not dropout_p:
                 return array
             raise TypeError(f"mod {mod.name}: array {i} requires grad, but gradients into a mod's arrays are computed "
-                            f"only for relative_position_bias's table, as the only mod, without dropout or packed "
-                            f"sequences (detach the array, or compute this gradient another way)")
+                            f"only for relative_position_bias's table, as the only mod, without dropout (detach the "
+                            f"array, or compute this gradient another way)")
     return None

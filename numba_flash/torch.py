@@ -68,13 +68,25 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, table, *sequences = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options, sequences)
-        d_table = (_table_gradient(q, k, v, out, lse, grad_out, table, ctx.options) if ctx.needs_input_grad[4]
-                   else None)
+        d_table = (_table_gradient(q, k, v, out, lse, grad_out, table, ctx.options, sequences)
+                   if ctx.needs_input_grad[4] else None)
         return (dq, dk, dv, None, d_table) + (None,) * len(sequences)
 
 
-def _table_gradient(q, k, v, out, lse, grad_out, table, options):
-    """d L / d table of relative_position_bias (``_bias_gradient``), the call's causal mask and block mask applied."""
+def _table_gradient(q, k, v, out, lse, grad_out, table, options, sequences=()):
+    """d L / d table of relative_position_bias (``_bias_gradient``), the call's causal mask and block mask applied;
+    packed sequences (``sequences`` = cu_seqlens_q, cu_seqlens_k) one after another, each with its own indices and
+    its causal mask aligned bottom-right, their gradients added in order."""
+    if sequences:
+        starts_q, starts_k = (x.cpu().tolist() for x in sequences)
+        gradient = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+        for b in range(len(starts_q) - 1):
+            rows, keys = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+            if rows.start < rows.stop and keys.start < keys.stop:
+                per_head = [x[span].transpose(0, 1) for x, span in ((q, rows), (k, keys), (v, keys), (out, rows))]
+                gradient += table_gradient(*per_head, lse[:, rows], grad_out[rows].transpose(0, 1), table,
+                                           options["scale"], "bottom_right" if options["causal"] else False, None)
+        return gradient.to(table.dtype)
     block_mask = options.get("block_mask")
     allowed = None if block_mask is None else torch.from_numpy(
         np.ascontiguousarray(block_mask.to_dense(q.shape[-2], k.shape[-2])))
@@ -95,6 +107,23 @@ _FUNCTION_KEYS = {}
 #: A plain function's Mod, made once (outside Dynamo: ``Mod`` reads the function's signature), so that what is kept
 #: on a Mod (a mask_mod's tile classes, ``sparsity/mod_tiles.py``) serves every call of the compiled graph.
 _FUNCTION_MODS = {}
+
+
+@torch.library.custom_op("numba_flash::relative_bias_table_gradient", mutates_args=())
+def _table_gradient_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       grad_out: torch.Tensor, table: torch.Tensor, causal: str, scale: float | None, mask_key: int,
+                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    """``_table_gradient`` as an operator of the compiled graphs' backward: one opaque node (packed sequences' lengths
+    are read on the host, which a traced graph cannot do), whose bits are eager mode's."""
+    sequences = () if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
+    causal = {"false": False, "true": True}.get(causal, causal)
+    return _table_gradient(q, k, v, out, lse, grad_out, table,
+                           dict(causal=causal, scale=scale, block_mask=registered(mask_key)), sequences)
+
+
+@_table_gradient_op.register_fake
+def _(q, k, v, out, lse, grad_out, table, causal, scale, mask_key, cu_seqlens_q, cu_seqlens_k):
+    return torch.empty_like(table)
 
 
 def _mask_key(block_mask):
@@ -198,7 +227,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, *mod_arrays)
     ctx.options = options
     score_mod, mask_mod_key, dropout_p = registered(options[-2]), options[-1], options[3]
-    ctx.table_learns = (mask_mod_key == -1 and learned_table(score_mod, None, dropout_p, False, False) is not None)
+    ctx.table_learns = (mask_mod_key == -1
+                        and learned_table(score_mod, None, dropout_p, grad_mode=False) is not None)
 
 
 def _op_backward(ctx, grad_out, grad_lse):
@@ -210,9 +240,8 @@ def _op_backward(ctx, grad_out, grad_lse):
                                         mod_arrays)
     d_arrays = [None] * len(mod_arrays)
     if ctx.table_learns:   # (relative_position_bias alone: its table is the only mod array)
-        d_arrays[0] = _table_gradient(q, k, v, out, lse, grad_out, mod_arrays[0],
-                                      _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm,
-                                               None, deterministic, -1, -1))
+        d_arrays[0] = _table_gradient_op(q, k, v, out, lse, grad_out, mod_arrays[0], causal, scale, mask_key, None,
+                                         None)
     return (dq, dk, dv) + (None,) * 11 + (d_arrays,)
 
 
@@ -271,6 +300,9 @@ def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *options, mod_arrays = inputs
     ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *mod_arrays)
     ctx.options = options
+    score_mod, mask_mod_key, dropout_p = registered(options[-2]), options[-1], options[2]
+    ctx.table_learns = (mask_mod_key == -1
+                        and learned_table(score_mod, None, dropout_p, grad_mode=False) is not None)
 
 
 def _varlen_op_backward(ctx, grad_out, grad_lse):
@@ -279,7 +311,11 @@ def _varlen_op_backward(ctx, grad_out, grad_lse):
     dq, dk, dv = _attention_varlen_backward_op(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, causal,
                                                scale, dropout_p, seed_low, seed_high, algorithm, deterministic,
                                                score_key, mask_mod_key, mod_arrays)
-    return (dq, dk, dv) + (None,) * 12 + ([None] * len(mod_arrays),)
+    d_arrays = [None] * len(mod_arrays)
+    if ctx.table_learns:   # (relative_position_bias alone: its table is the only mod array)
+        d_arrays[0] = _table_gradient_op(q, k, v, out, lse, grad_out, mod_arrays[0], causal, scale, -1,
+                                         cu_seqlens_q, cu_seqlens_k)
+    return (dq, dk, dv) + (None,) * 12 + (d_arrays,)
 
 
 _attention_varlen_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
@@ -332,7 +368,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         options = dict(causal=causal, scale=scale, block_mask=block_mask, dropout_p=dropout_p, seed=seed,
                        algorithm=algorithm, block_sizes=block_sizes, deterministic=deterministic,
                        score_mod=score_mod, mask_mod=mask_mod)
-        if learned_table(score_mod, mask_mod, dropout_p, False) is not None:
+        if learned_table(score_mod, mask_mod, dropout_p) is not None:
             raise TypeError("relative_position_bias's table learns only without sinks (detach it, or leave out "
                             "the sinks)")
         return _sink_attention(q, k, v, sinks, options)
@@ -346,13 +382,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
         score_key, mask_mod_key = _mod_key(score_mod), _mod_key(mask_mod)
         if _MADE_IN_GRAPH in (score_key, mask_mod_key):
             return _eager_attention(q, k, v, options)
-        learned_table(score_mod, mask_mod, dropout_p, False)   # (an array that cannot learn: its TypeError, now)
+        learned_table(score_mod, mask_mod, dropout_p)   # (an array that cannot learn: its TypeError, now)
         out, _ = _attention_op(q, k, v, str(causal).lower(), scale, _mask_key(block_mask), float(dropout_p),
                                seed & 0xFFFFFFFF, seed >> 32, algorithm,
                                None if block_sizes is None else list(block_sizes), bool(deterministic),
                                score_key, mask_mod_key, _mod_arrays(score_mod, mask_mod))
         return out
-    return FlashAttentionFunction.apply(q, k, v, options, learned_table(score_mod, mask_mod, dropout_p, False))
+    return FlashAttentionFunction.apply(q, k, v, options, learned_table(score_mod, mask_mod, dropout_p))
 
 
 class SinkAttentionFunction(torch.autograd.Function):
@@ -395,7 +431,7 @@ def _per_row(sinks, lse):
 def _eager_attention(q, k, v, options, *sequences):
     """A call whose mods were made inside the compiled region (``_mod_key``): the autograd function, eagerly (a
     graph break), where Dynamo hands them over built."""
-    table = learned_table(options.get("score_mod"), options.get("mask_mod"), options["dropout_p"], bool(sequences))
+    table = learned_table(options.get("score_mod"), options.get("mask_mod"), options["dropout_p"])
     return FlashAttentionFunction.apply(q, k, v, options, table, *sequences)
 
 
@@ -432,11 +468,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
         score_key, mask_mod_key = _mod_key(score_mod), _mod_key(mask_mod)
         if _MADE_IN_GRAPH in (score_key, mask_mod_key):
             return _eager_attention(q, k, v, options, cu_seqlens_q, cu_seqlens_k)
-        learned_table(score_mod, mask_mod, dropout_p, True)   # (an array that cannot learn: its TypeError, now)
+        learned_table(score_mod, mask_mod, dropout_p)   # (an array that cannot learn: its TypeError, now)
         out, _ = _attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, str(causal).lower(), scale,
                                       float(dropout_p), seed & 0xFFFFFFFF, seed >> 32, algorithm,
                                       None if block_sizes is None else list(block_sizes), bool(deterministic),
                                       score_key, mask_mod_key, _mod_arrays(score_mod, mask_mod))
         return out
-    return FlashAttentionFunction.apply(q, k, v, options, learned_table(score_mod, mask_mod, dropout_p, True),
+    return FlashAttentionFunction.apply(q, k, v, options, learned_table(score_mod, mask_mod, dropout_p),
                                         cu_seqlens_q, cu_seqlens_k)

@@ -410,7 +410,7 @@ def test_a_mask_that_reads_b_or_h_is_classified_per_head():
     check_forward(p, None, mods.Mod(head_window), np.float32)
 
 
-# ---------------------------------------------------------------- relative_position_bias's table learns (numba_flash.torch)
+# ---------------------------------------------------------------- the relative-bias table learns (numba_flash.torch)
 
 def _table_reference(torch, q, k, v, table, do, causal, allowed_blocks):
     """(O, gradients of q, k, v and the table, P, |score| + |score_mod(score)| at its largest) in float64 by torch's
@@ -502,3 +502,38 @@ def test_the_relative_bias_table_learns_under_torch_compile_and_other_mod_arrays
             nft.attention(q, k, v, **kwargs)
     with torch.no_grad():   # (no gradient asked for: runs)
         nft.attention(q, k, v, score_mod=mods.compose(bias, mods.softcap(5.0)))
+
+
+def test_the_relative_bias_table_learns_through_packed_sequences():
+    """attention_varlen: each sequence's distances its own (indices from its start, causal bottom-right), the
+    sequences' gradients added: against float64 autograd per sequence; an empty sequence adds nothing."""
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+    from tolerances import table_gradient_tolerance
+
+    rng = np.random.default_rng(7)
+    lengths_q, lengths_k, heads, kv_heads, d, reach = [5, 0, 19, 33], [7, 4, 19, 30], 4, 2, 8, 6
+    cu_q, cu_k = (torch.tensor(np.concatenate([[0], np.cumsum(x)]), dtype=torch.int32)
+                  for x in (lengths_q, lengths_k))
+    q, do = (torch.from_numpy(rng.standard_normal((sum(lengths_q), heads, d)).astype(np.float32)) for _ in "qo")
+    k, v = (torch.from_numpy(rng.standard_normal((sum(lengths_k), kv_heads, d)).astype(np.float32)) for _ in "kv")
+    table = torch.from_numpy(rng.standard_normal((heads, 2 * reach + 1)).astype(np.float32)).requires_grad_()
+    for causal in (False, True):
+        out = nft.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, score_mod=mods.relative_position_bias(table))
+        got = torch.autograd.grad(out, table, do)[0]
+        want, tol = torch.zeros(table.shape, dtype=torch.float64), 0.0
+        for b in range(len(lengths_q)):
+            rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            if rows.start == rows.stop:
+                continue
+            per_head = [x[span].transpose(0, 1)[None] for x, span in ((q, rows), (k, keys), (v, keys), (do, rows))]
+            seq_out, grads, weights, logits = _table_reference(torch, *per_head[:3], table, per_head[3],
+                                                              "bottom_right" if causal else False, None)
+            want += grads[3]
+            tol += table_gradient_tolerance(*(x.numpy() for x in per_head[:1]),
+                                            per_head[1].repeat_interleave(heads // kv_heads, 1).numpy(),
+                                            per_head[2].repeat_interleave(heads // kv_heads, 1).numpy(),
+                                            seq_out.numpy(), per_head[3].numpy(), d ** -0.5, weights.numpy(),
+                                            mod_logits=logits)
+        err = float((got.double() - want).abs().max())
+        assert err <= tol, f"causal={causal}: table gradient max error {err:.3g} > tolerance {tol:.3g}"
