@@ -455,7 +455,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     ``numba_flash.attention_varlen_backward`` (flash2 keeps packed sequences on mma.sync for now; "wgmma" runs the
     forward and backward on Hopper's warpgroup instructions).  ``score_mod``, ``mask_mod``: as for
     ``numba_flash.attention_varlen`` (indices within each sequence), differentiable in q, k and v as ``attention``'s
-    mods are, and under ``torch.compile`` as they are.
+    mods are (a lone ``relative_position_bias``'s table too), and under ``torch.compile`` as they are.
     """
     _check_tensors((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
     if in_simulator():
