@@ -439,7 +439,7 @@ def _table_reference(torch, q, k, v, table, do, causal, allowed_blocks):
 def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
     """d L / d table through ``numba_flash.torch.attention`` (``numba_flash._bias_gradient``) against float64
     autograd: ragged lengths, N_q != N_k, grouped heads, both causal alignments, block masks, reaches shorter and
-    longer than the sequences (every distance clamped, or none); the same bits on a second run."""
+    longer than the sequences (every distance clamped, or none); on a GPU, the same bits on a second run."""
     torch = pytest.importorskip("torch")
     import numba_flash.torch as nft
     from tolerances import table_gradient_tolerance
@@ -475,7 +475,8 @@ def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
     err = float((got.double() - grads[3]).abs().max())
     assert got.dtype == table.dtype and got.shape == table.shape
     assert err <= tol, f"table gradient: max error {err:.3g} > tolerance {tol:.3g}"
-    assert torch.equal(got, table_gradient()[1])
+    if not numba_flash.in_simulator():   # (run to run on a GPU; the simulator runs every block in one order)
+        assert torch.equal(got, table_gradient()[1])
 
 
 def test_the_relative_bias_table_learns_under_torch_compile_and_other_mod_arrays_refuse_to():
@@ -512,7 +513,7 @@ def test_the_relative_bias_table_learns_through_packed_sequences():
     from tolerances import table_gradient_tolerance
 
     rng = np.random.default_rng(7)
-    lengths_q, lengths_k, heads, kv_heads, d, reach = [5, 0, 19, 33], [7, 4, 19, 30], 4, 2, 8, 6
+    lengths_q, lengths_k, heads, kv_heads, d, reach = [5, 0, 19, 21], [7, 4, 12, 30], 4, 2, 8, 6
     cu_q, cu_k = (torch.tensor(np.concatenate([[0], np.cumsum(x)]), dtype=torch.int32)
                   for x in (lengths_q, lengths_k))
     q, do = (torch.from_numpy(rng.standard_normal((sum(lengths_q), heads, d)).astype(np.float32)) for _ in "qo")
