@@ -222,13 +222,17 @@ def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low,
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
+def _table_learns(score_key, mask_mod_key, dropout_p):
+    """Whether an operator call's score_mod is a relative_position_bias whose table needs its gradient (whatever the
+    grad mode: AOTAutograd traces the setup without grad)."""
+    return mask_mod_key == -1 and learned_table(registered(score_key), None, dropout_p, grad_mode=False) is not None
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, *options, mod_arrays = inputs
     ctx.save_for_backward(q, k, v, *output, *mod_arrays)
     ctx.options = options
-    score_mod, mask_mod_key, dropout_p = registered(options[-2]), options[-1], options[3]
-    ctx.table_learns = (mask_mod_key == -1
-                        and learned_table(score_mod, None, dropout_p, grad_mode=False) is not None)
+    ctx.table_learns = _table_learns(options[-2], options[-1], options[3])
 
 
 def _op_backward(ctx, grad_out, grad_lse):
@@ -300,9 +304,7 @@ def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *options, mod_arrays = inputs
     ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, *mod_arrays)
     ctx.options = options
-    score_mod, mask_mod_key, dropout_p = registered(options[-2]), options[-1], options[2]
-    ctx.table_learns = (mask_mod_key == -1
-                        and learned_table(score_mod, None, dropout_p, grad_mode=False) is not None)
+    ctx.table_learns = _table_learns(options[-2], options[-1], options[2])
 
 
 def _varlen_op_backward(ctx, grad_out, grad_lse):
