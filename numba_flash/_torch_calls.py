@@ -44,13 +44,15 @@ def check_tensors(named):
 
 
 def _run(fn, tensors, **options):
-    """``fn`` (a function of the API) on torch tensors, torch tensors back on the inputs' device."""
+    """``fn`` (a function of the API) on torch tensors, torch tensors back on the inputs' device (None stays None)."""
     if in_simulator():
-        return tuple(_from_numpy(x) for x in _results(fn(*(_to_numpy(x) for x in tensors), **options)))
+        results = fn(*(_to_numpy(x) for x in tensors), **options)
+        return None if results is None else tuple(_from_numpy(x) for x in _results(results))
     if tensors[0].device.type == "cuda":
         return fn(*tensors, **options)
     gpu = torch.device("cuda", torch.cuda.current_device())
-    return tuple(x.cpu() for x in _results(fn(*(x.to(gpu) for x in tensors), **options)))
+    results = fn(*(x.to(gpu) for x in tensors), **options)
+    return None if results is None else tuple(x.cpu() for x in _results(results))
 
 
 def _results(results):
@@ -80,6 +82,17 @@ def forward(q, k, v, options, sequences=()):
 def backward(q, k, v, out, lse, grad_out, options, sequences=()):
     """(dq, dk, dv) of ``api.attention_backward`` (or ``attention_varlen_backward``), the backward's own tiles."""
     options = dict(options, block_sizes=None)
-    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): every stride 0
-        grad_out = grad_out.contiguous()
-    return _run(_API[bool(sequences)][1], (q, k, v, out, lse, grad_out) + tuple(sequences), **options)
+    return _run(_API[bool(sequences)][1], (q, k, v, out, lse, _strided(grad_out)) + tuple(sequences), **options)
+
+
+def backward_and_table_sums(q, k, v, out, lse, grad_out, options):
+    """(dq, dk, dv, sums) of ``api._attention_backward_and_table_sums`` (the relative-bias table's gradient summed by
+    the dQ kernel, to be added over axes 0 and 2), or None where the call's backward does not sum it."""
+    options = {name: options.get(name) for name in ("causal", "scale", "block_mask", "algorithm", "deterministic",
+                                                     "score_mod")}
+    return _run(api._attention_backward_and_table_sums, (q, k, v, out, lse, _strided(grad_out)), **options)
+
+
+def _strided(grad_out):
+    """dL/dO with a contiguous last dimension (the expanded gradient of out.sum() has every stride 0)."""
+    return grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()

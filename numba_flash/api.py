@@ -33,7 +33,7 @@ from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import current_context, device_limits
-from .mods import MASK, Mod
+from .mods import MASK, Mod, _relative_position_bias
 from .sparsity.block_mask import BlockMask
 from .sparsity.mod_tiles import array_versions
 from .tiling import padded_head_dim
@@ -510,6 +510,9 @@ class _ForwardPlan(_Plan):
 
 
 class _BackwardPlan(_Plan):
+    #: The reach D of the relative-bias table whose gradient this plan's dQ kernel sums (``_TableBackwardPlan``).
+    table_reach = None
+
     def __init__(self, arrays, options):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
                                                                             arrays))
@@ -524,13 +527,20 @@ class _BackwardPlan(_Plan):
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
         if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
-            self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
-                                                              hopper_backward.dq_mode(deterministic))
+            dq_mode = hopper_backward.dq_mode(deterministic)
+            self.table_reach = self._fused_table_reach(dq_mode)
+            self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned, dq_mode,
+                                                              self.table_reach)
         else:
             self.launches = backward_launches(self.call, o_strides, do_strides, aligned) if loop == "flash2" else None
 
-    def __call__(self, q, k, v, o, lse, do, seed, sequences=()):
-        """The call; ``sequences``: a packed call's cu_seqlens as device arrays."""
+    def _fused_table_reach(self, dq_mode):
+        """(``_TableBackwardPlan``) the table's reach when this plan's dQ kernel sums its gradient, else None."""
+        return None
+
+    def __call__(self, q, k, v, o, lse, do, seed, sequences=(), table_sums=None):
+        """The call; ``sequences``: a packed call's cu_seqlens as device arrays; ``table_sums``: where the dQ kernel
+        writes the table's sums (``_TableBackwardPlan``)."""
         call = self.call
         q, k, v, o, lse, do = self.to_device((q, k, v, o, lse, do))
         stream = self.stream((q, k, v, o, lse, do))
@@ -551,7 +561,8 @@ class _BackwardPlan(_Plan):
             seeds = seed_words(seed)
             preprocess(stream, o, do, d_i)
             dkdv(stream, q, k, v, do, lse, d_i, dk, dv, *sequences, *seeds)
-            dq_pass(stream, q, k, v, do, lse, d_i, dq, *sequences, *seeds)
+            dq_pass(stream, q, k, v, do, lse, d_i, dq, *sequences, *(() if table_sums is None else (table_sums,)),
+                    *seeds)
         else:
             n_q, n_k, d = call.n_q, call.n_k, call.head_dim
             layout = (None if call.block_mask is None
@@ -563,6 +574,36 @@ class _BackwardPlan(_Plan):
                             dropout=dropout_kernel_args(call.dropout_p, seed) if call.dropout_p > 0 else None,
                             stream=_arrays.numba_stream(stream))
         return self.deliver((dq, dk, dv), (call.dtype,) * 3)
+
+
+class _TableBackwardPlan(_BackwardPlan):
+    """``_BackwardPlan`` whose dQ kernel also sums the gradient of its score_mod's relative-bias table, where that
+    kernel runs (``hopper_backward.table_fused``); elsewhere ``table_reach`` stays None."""
+
+    def _fused_table_reach(self, dq_mode):
+        score, mask = self.call.mods or (None, None)
+        if score is None or score.fn is not _relative_position_bias or mask is not None or self.call.dropout_p:
+            return None
+        reach = (score.arrays[0].shape[1] - 1) // 2
+        return reach if hopper_backward.table_fused(self.call, dq_mode, reach) else None
+
+    def __call__(self, q, k, v, o, lse, do):
+        stream = self.stream(self.to_device((q, k, v, o, lse, do)))
+        sums = self.empty((hopper_backward.table_rows(self.call, self.table_reach),), "float32", stream)
+        gradients = super().__call__(q, k, v, o, lse, do, 0, table_sums=sums)
+        sums = self.deliver((sums,), ("float32",))[0]
+        return gradients + (sums.reshape(self.call.batch, self.call.heads, -1, 2 * self.table_reach + 1),)
+
+
+def _attention_backward_and_table_sums(q, k, v, o, lse, do, *, causal, scale, block_mask, algorithm, deterministic,
+                                       score_mod):
+    """For ``numba_flash.torch``: ``attention_backward``'s (dq, dk, dv) and the sums of the gradient of score_mod's
+    relative-bias table (a lone ``mods.relative_position_bias``, no dropout), (batch, H_q, query tiles, 2 D + 1)
+    float32 of the inputs' kind, to be added over axes 0 and 2, where the call's backward is the wgmma one whose dQ
+    kernel sums them (``kernels/hopper/bias_table.py``); else None (nothing launched)."""
+    plan = _plan(_TableBackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, 0.0, algorithm, None,
+                                                             deterministic, score_mod, None))
+    return None if plan.table_reach is None else plan(q, k, v, o, lse, do)
 
 
 def _varlen_plan(build, arrays, cu_seqlens_q, cu_seqlens_k, options):

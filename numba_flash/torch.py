@@ -39,6 +39,7 @@ import numpy as np
 from ._bias_gradient import learned_table, table_gradient
 from ._registry import new_key, registered
 from ._torch_calls import backward as _backward
+from ._torch_calls import backward_and_table_sums as _backward_and_table_sums
 from ._torch_calls import check_tensors as _check_tensors
 from ._torch_calls import forward as _forward
 from ._torch_calls import torch
@@ -67,10 +68,23 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, table, *sequences = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.options, sequences)
-        d_table = (_table_gradient(q, k, v, out, lse, grad_out, table, ctx.options, sequences)
-                   if ctx.needs_input_grad[4] else None)
+        if ctx.needs_input_grad[4]:
+            dq, dk, dv, d_table = _backward_and_table(q, k, v, out, lse, grad_out, table, ctx.options, sequences)
+        else:
+            (dq, dk, dv), d_table = _backward(q, k, v, out, lse, grad_out, ctx.options, sequences), None
         return (dq, dk, dv, None, d_table) + (None,) * len(sequences)
+
+
+def _backward_and_table(q, k, v, out, lse, grad_out, table, options, sequences=()):
+    """(dq, dk, dv, d L / d table) for a lone relative_position_bias whose table learns: the table's gradient summed
+    by the wgmma backward's dQ kernel where the call runs it (``kernels/hopper/bias_table.py``), else on torch ops
+    (``_table_gradient``)."""
+    fused = None if sequences else _backward_and_table_sums(q, k, v, out, lse, grad_out, options)
+    if fused is None:
+        return (*_backward(q, k, v, out, lse, grad_out, options, sequences),
+                _table_gradient(q, k, v, out, lse, grad_out, table, options, sequences))
+    dq, dk, dv, sums = fused
+    return dq, dk, dv, sums.sum((0, 2)).to(table.device, table.dtype)
 
 
 def _table_gradient(q, k, v, out, lse, grad_out, table, options, sequences=()):
@@ -109,20 +123,19 @@ _FUNCTION_KEYS = {}
 _FUNCTION_MODS = {}
 
 
-@torch.library.custom_op("numba_flash::relative_bias_table_gradient", mutates_args=())
-def _table_gradient_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                       grad_out: torch.Tensor, table: torch.Tensor, causal: str, scale: float | None, mask_key: int,
-                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
-    """``_table_gradient`` as an operator of the compiled graphs' backward: one opaque node (packed sequences' lengths
-    are read on the host, which a traced graph cannot do), whose bits are eager mode's."""
-    sequences = () if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
+@torch.library.custom_op("numba_flash::relative_bias_table_gradient_varlen", mutates_args=())
+def _varlen_table_gradient_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              grad_out: torch.Tensor, table: torch.Tensor, causal: str, scale: float | None,
+                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """Packed sequences' ``_table_gradient`` as an operator of the compiled graphs' backward: one opaque node (the
+    lengths are read on the host, which a traced graph cannot do), whose bits are eager mode's."""
     causal = {"false": False, "true": True}.get(causal, causal)
-    return _table_gradient(q, k, v, out, lse, grad_out, table,
-                           dict(causal=causal, scale=scale, block_mask=registered(mask_key)), sequences)
+    return _table_gradient(q, k, v, out, lse, grad_out, table, dict(causal=causal, scale=scale),
+                           (cu_seqlens_q, cu_seqlens_k))
 
 
-@_table_gradient_op.register_fake
-def _(q, k, v, out, lse, grad_out, table, causal, scale, mask_key, cu_seqlens_q, cu_seqlens_k):
+@_varlen_table_gradient_op.register_fake
+def _(q, k, v, out, lse, grad_out, table, causal, scale, cu_seqlens_q, cu_seqlens_k):
     return torch.empty_like(table)
 
 
@@ -222,6 +235,27 @@ def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low,
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
+@torch.library.custom_op("numba_flash::attention_backward_and_table", mutates_args=())
+def _attention_table_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                 lse: torch.Tensor, grad_out: torch.Tensor, causal: str, scale: float | None,
+                                 mask_key: int, dropout_p: float, seed_low: int, seed_high: int, algorithm: str,
+                                 deterministic: bool, score_key: int, mask_mod_key: int,
+                                 mod_arrays: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
+    """``_attention_backward_op`` and the gradient of the score_mod's relative-bias table (its only mod array), in one
+    operator: eager mode's ``_backward_and_table``, bits included."""
+    return _backward_and_table(q, k, v, out, lse, grad_out, mod_arrays[0],
+                               _options(causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, None,
+                                        deterministic, score_key, mask_mod_key))
+
+
+@_attention_table_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, deterministic,
+      score_key, mask_mod_key, mod_arrays):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)) + (
+        torch.empty_like(mod_arrays[0]),)
+
+
 def _table_learns(score_key, mask_mod_key, dropout_p):
     """Whether an operator call's score_mod is a relative_position_bias whose table needs its gradient (whatever the
     grad mode: AOTAutograd traces the setup without grad)."""
@@ -239,13 +273,13 @@ def _op_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, *mod_arrays = ctx.saved_tensors
     (causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm, _, deterministic, score_key,
      mask_mod_key) = ctx.options
-    dq, dk, dv = _attention_backward_op(q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p,
-                                        seed_low, seed_high, algorithm, deterministic, score_key, mask_mod_key,
-                                        mod_arrays)
+    arguments = (q, k, v, out, lse, grad_out, causal, scale, mask_key, dropout_p, seed_low, seed_high, algorithm,
+                 deterministic, score_key, mask_mod_key, mod_arrays)
     d_arrays = [None] * len(mod_arrays)
     if ctx.table_learns:   # (relative_position_bias alone: its table is the only mod array)
-        d_arrays[0] = _table_gradient_op(q, k, v, out, lse, grad_out, mod_arrays[0], causal, scale, mask_key, None,
-                                         None)
+        dq, dk, dv, d_arrays[0] = _attention_table_backward_op(*arguments)
+    else:
+        dq, dk, dv = _attention_backward_op(*arguments)
     return (dq, dk, dv) + (None,) * 11 + (d_arrays,)
 
 
@@ -315,8 +349,8 @@ def _varlen_op_backward(ctx, grad_out, grad_lse):
                                                score_key, mask_mod_key, mod_arrays)
     d_arrays = [None] * len(mod_arrays)
     if ctx.table_learns:   # (relative_position_bias alone: its table is the only mod array)
-        d_arrays[0] = _table_gradient_op(q, k, v, out, lse, grad_out, mod_arrays[0], causal, scale, -1,
-                                         cu_seqlens_q, cu_seqlens_k)
+        d_arrays[0] = _varlen_table_gradient_op(q, k, v, out, lse, grad_out, mod_arrays[0], causal, scale,
+                                                cu_seqlens_q, cu_seqlens_k)
     return (dq, dk, dv) + (None,) * 12 + (d_arrays,)
 
 

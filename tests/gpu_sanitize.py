@@ -185,6 +185,8 @@ RUNS = [
     ("backward", "wgmma", BF16, None, "gqa_mods_mask"),
     ("backward", "wgmma", np.float16, None, "mods_mask_ordered"),
     ("backward", "wgmma", BF16, None, "gqa_mods_mask_unordered"),
+    # A lone relative-bias table whose gradient the dQ kernel sums (kernels/hopper/bias_table.py), checked too.
+    ("backward", "wgmma", BF16, None, "gqa_mods_table"),
     # The mods on packed sequences (every tile tests the mask_mod: no tile lists) and on KV caches (contiguous with
     # the library's layout: packed query groups, splits, key warps; paged with 16 x 16 tiles).
     ("forward", "flash2", np.float16, (32, 32), "varlen_mods"),
@@ -259,6 +261,8 @@ def inputs(variant, dtype, blocks, case, rng):
         from numba_flash import mods
         if variant == "mods_score":
             kwargs.update(score_mod=mods.compose(mods.softcap(5.0), mods.alibi(mods.alibi_slopes(heads))))
+        elif "table" in variant:   # reach 40: inner and edge bins across tiles
+            kwargs.update(score_mod=mods.relative_position_bias(rng.standard_normal((heads, 81)).astype(np.float32)))
         else:
             table = rng.standard_normal((heads, 17)).astype(np.float32)
             kwargs.update(score_mod=mods.relative_position_bias(table),
@@ -346,9 +350,15 @@ def main(selected=()):
             do_host = rng.standard_normal(q.shape).astype(dtype)
             do = torch.as_tensor(do_host.view(np.int16) if dtype == BF16 else do_host, device="cuda")
             do = do.view(torch.bfloat16) if dtype == BF16 else do
-            with named_dq(variant) as deterministic:
-                grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm,
-                                                       block_sizes=blocks, deterministic=deterministic, **kwargs)
+            if "table" in variant:
+                *grads, sums = numba_flash.api._attention_backward_and_table_sums(
+                    q, k, v, o, lse, do, algorithm=algorithm, deterministic=True, block_mask=None, **kwargs)
+                worst = max(worst, check("d table", sums.sum((0, 2)),
+                                         table_gradient(q64, k64, v64, do_host.astype(np.float64), **kwargs), dtype))
+            else:
+                with named_dq(variant) as deterministic:
+                    grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm,
+                                                           block_sizes=blocks, deterministic=deterministic, **kwargs)
             if variant == "nan":
                 for label, got in zip(("dq", "dk", "dv"), grads):
                     print(f"  {label}: NaN rows {int(torch.isnan(got).any(-1).sum())}", flush=True)
@@ -357,6 +367,27 @@ def main(selected=()):
             for label, got, expected in zip(("dq", "dk", "dv"), grads, want):
                 worst = max(worst, check(label, got, expected, dtype))
     print("all kernels ran; worst relative error", worst)
+
+
+def table_gradient(q, k, v, do, causal, score_mod):
+    """d L / d table of a relative-bias score_mod in float64 (NumPy): dS = P o (dP - D) summed by clamped distance."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (np.repeat(x, group, axis=1) for x in (k, v))
+    table = np.asarray(score_mod.arrays[0], np.float64)
+    n_q, n_k, reach = q.shape[2], k.shape[2], (table.shape[1] - 1) // 2
+    distance = np.clip(np.arange(n_k)[None, :] - np.arange(n_q)[:, None], -reach, reach) + reach
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1]) + table[:, distance]
+    if causal:
+        offset = n_k - n_q if causal == "bottom_right" else 0
+        scores = np.where(np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + offset, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p = np.nan_to_num(p / p.sum(-1, keepdims=True))
+    d_p = do @ np.swapaxes(v, -1, -2)
+    d_s = p * (d_p - (d_p * p).sum(-1, keepdims=True))
+    gradient = np.zeros_like(table)
+    for c in range(2 * reach + 1):
+        gradient[:, c] = d_s[..., distance == c].sum(axis=(0, 2))
+    return gradient
 
 
 def named_dq(variant):

@@ -249,15 +249,18 @@ def _score_gradient_error(q, k, v, o, do, scale, weights, weight_scale, dtype, m
     return e_p, b_dp, b_d, weight_scale * (e_p * (b_dp + b_d) + e_dp + e_d)
 
 
-def table_gradient_tolerance(q, k, v, o, do, scale, weights, dtype=np.float32, mod_logits=None):
-    """A bound on the error of relative_position_bias's table gradient (``numba_flash._bias_gradient``): each bin
-    sums dS entries, at most B N_q of P's mass per head (every row's weights sum to 1), each off by
-    ``backward_tolerance``'s per-weight error, plus the float32 rounding of sums of up to B N_q N_k terms.  (The
-    pass keeps P and dS in float32; the 16-bit u of the model is the looser bound.)"""
+def table_gradient_tolerance(q, k, v, o, do, scale, weights, reach, dtype=np.float32, mod_logits=None):
+    """Bounds (H, 2 reach + 1) on the errors of relative_position_bias's table gradient, bin by bin: bin c of head h
+    sums the dS entries of clamped distance c, each off by at most P_ij times ``backward_tolerance``'s per-weight
+    error, so the bin by its share of P's mass (the reference ``weights``, (..., H, N_q, N_k)) times that error, plus
+    the float32 rounding of sums of up to B N_q N_k terms of size at most P_ij (B_dP + B_D).  (The kernels keep P and
+    dS in float32 for it; the 16-bit u of the model, for O and dO rounded to the input type, is the looser bound.)"""
     q, k, v, o, do = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v, o, do))
     batch, n_q, n_k = int(np.prod(q.shape[:-3])) if q.ndim > 3 else 1, q.shape[-2], k.shape[-2]
     _, b_dp, b_d, per_weight = _score_gradient_error(q, k, v, o, do, scale, weights, 1.0, dtype, mod_logits)
-    mass = batch * n_q
+    distance = np.clip(np.arange(n_k)[None, :] - np.arange(n_q)[:, None], -reach, reach) + reach
+    flat = np.asarray(weights, np.float64).reshape(-1, weights.shape[-3], n_q * n_k)
+    mass = np.stack([flat[..., distance.ravel() == c].sum(axis=(0, 2)) for c in range(2 * reach + 1)], axis=-1)
     return mass * (per_weight + (batch * n_q * n_k + 4) * U32 * (b_dp + b_d)) + TINY32
 
 

@@ -127,7 +127,8 @@ from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_a
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
                                store_word, u32_as_f32)
 from . import forward
-from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
+from .bias_table import FUSED_REACH, table_steps, table_words
+from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, lane_entry, mn_major_descriptor,
                      mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
 from .wgmma import (ROW_BYTES, advanced_device, enable_sm90a, fence_proxy_async, shared_address, swizzle_128_device,
                     wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
@@ -190,13 +191,6 @@ def products(HEAD_DIM, ELEMENT):
                             advanced_device(b_desc, mn_step_bytes(step)))
 
     return issue_scores, pack_pairs, issue_weighted
-
-
-@inlined_device_function
-def lane_entry(i, g, t, warp):
-    """(row, column) of this lane's accumulator register i in a 64-row accumulator (``wgmma.py``'s table: columns
-    8 (i // 4) + 2t and + 1, whatever its N)."""
-    return 16 * warp + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
 
 
 @lru_cache(maxsize=None)
@@ -803,13 +797,16 @@ def make_dq_convert(HEAD_DIM, ELEMENT, VARLEN=False):
 
 
 @lru_cache(maxsize=None)
-def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False, MODS=None):
+def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True, VARLEN=False, MODS=None,
+                  TABLE_REACH=None):
     """dQ: one warpgroup per (query tile, batch, query head); see the module docstring.  HAS_MASK: a block mask
     lists the key tiles each query tile visits and the order of the blocks (the wgmma forward's lists at one
     warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED, VARLEN and MODS as the dK/dV kernel's (a block
     past its sequence's queries leaves before any barrier; a score_mod's dS = P o (dP - D) o d score_mod / d score
-    in ``score_gradients``)."""
+    in ``score_gradients``).  TABLE_REACH = D (MODS a lone ``relative_position_bias`` of a (H, 2 D + 1) table): dS
+    also summed into the table's bins (``bias_table.py``), written to TABLE_SUMS (a row of 2 D + 1 per block)."""
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
+    assert TABLE_REACH is None or (MODS is not None and not VARLEN), "a table's bins: a score_mod, no packed sequences"
     assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
     assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
     sequence, lse_row = sequence_bounds(VARLEN)
@@ -821,6 +818,10 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
     list_bounds, listed = tile_list(PARTLY_MASKED)
     hidden_entries = element_test(CAUSAL, False, MODS, HAS_MASK and reads_layout(PARTLY_MASKED))
     mod_weight = entry_steps(MODS)[2]
+    TABLE = TABLE_REACH is not None
+    if TABLE:
+        zero_bins, stash_gradients, add_diagonals, write_bins = table_steps(TABLE_REACH, WARPGROUP)
+        TABLE_BINS = 2 * TABLE_REACH + 1
 
     def gradient_entry(i):
         """(SCORE_MOD) ``entry(s, dp, lse2, d_i, hidden, q0, k0, warp, g, t, mod_args)``: register i of dP to dS = P (dP
@@ -898,7 +899,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
     def kernel(Q, K, V, dO, LSE, D, dQ, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn,
                dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, q_tiles, causal_offset, scale, scale_log2, tile_offsets,
                tile_entries, tile_order, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step, k_bounds,
-               k_step, bottom_right, lse_sb, lse_sh, MOD0, MOD1, MOD2, MOD3):
+               k_step, bottom_right, lse_sb, lse_sh, MOD0, MOD1, MOD2, MOD3, TABLE_SUMS):
         # As the dK/dV kernel's; key/value head h // group serves query head h.  HAS_MASK: the key tiles of query
         # tile qt of head bh are tile_entries[tile_offsets[bh (q_tiles + 1) + qt] ...], block i runs tile
         # tile_order[i]; placeholders without a mask.  VARLEN: the sequences' bounds, MODS: the mods' arrays, as the
@@ -948,6 +949,10 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
         c_log2 = float32(scale_log2)
         layout = (M, bh, mask_rows, mask_cols, mask_t_r, mask_t_c)
         mod_args = (b, h, float32(scale), MOD0, MOD1, MOD2, MOD3)   # (``fast.mod_steps.entry_steps``)
+        table_at = kv_at + 4 * TILE_WORDS   # (TABLE: after the tiles)
+        low = high = float32(0)   # (TABLE: this thread's sums of the edge bins)
+        if TABLE:
+            zero_bins(smem, table_at, tid)
         for j in range(n_tiles):
             stage = j & 1
             k0, partly = key_tile(tile_entries, first, j, n_tiles)
@@ -966,19 +971,26 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
             masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k or partly
             score_gradients(s, dp, lse2, d_i, k0, q0, n_q, n_k, causal_offset, c_log2, masked, partly, layout, warp, g,
                             t, mod_args)
+            if TABLE:
+                stash_gradients(smem, table_at, dp, warp, g, t)
             pack_pairs(ds_words, dp)
             wgmma_fence()   # dS's registers, before the product reads them
             issue_weighted(dq_acc, ds_words, advanced_device(kt_desc, offset))
             wgmma_commit()
+            if TABLE:   # under dQ's product
+                cuda.syncthreads()   # every lane's dS is in the tile
+                low, high = add_diagonals(smem, table_at, k0 - q0, low, high, tid)
             wait_all_products()
 
+        if TABLE:
+            write_bins(smem, table_at, low, high, TABLE_SUMS, (bh * q_tiles + q0 // BLOCK_N) * TABLE_BINS, tid)
         store_rows(dQ, b * dq_sb + h * dq_sh + (first_query + q0) * dq_sn, dq_sn, dq_acc, n_q - q0, float32(scale),
                    warp, g, t)
 
     return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
         ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "")
-                   + mods_suffix(MODS), ("dQ",), dict(MASK_ARRAYS, tile_order=np.int32, **BOUNDS_ARRAYS,
-                                                      **slot_arrays(MODS)))
+                   + mods_suffix(MODS) + (f"_table{TABLE_REACH}" if TABLE else ""), ("dQ",),
+                   dict(MASK_ARRAYS, tile_order=np.int32, **BOUNDS_ARRAYS, **slot_arrays(MODS), TABLE_SUMS=np.float32))
 
 
 @dataclass(frozen=True)
@@ -1022,10 +1034,11 @@ def chosen_for(call, block_sizes):
     return forward.chosen_for(call, block_sizes, "backward")
 
 
-def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate"):
+def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate", table_reach=None):
     """The wgmma backward for a validated call in its scope: with ``dq_mode`` "separate", three ``Launch``es
     (preprocess, dK/dV, dQ) taking per call what the mma.sync backward's take (``fast/backward.backward_launches``);
-    otherwise a ``SummedDq``."""
+    otherwise a ``SummedDq``.  ``table_reach`` (``table_fused``): the dQ kernel also sums the relative-bias table's
+    gradient (``bias_table.py``), into a float32 array of ``table_rows(call, table_reach)`` words passed after dQ."""
     reason = out_of_scope(call, "backward")
     if reason is None and not (do_aligned and all(s % 8 == 0 for s in (do_strides.batch, do_strides.head,
                                                                           do_strides.row))):
@@ -1079,9 +1092,27 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
                   dict(dkdv_operands, DQ_SUM=placeholder(np.float32), TURNS=placeholder(np.int32)),
                   inputs + ("dK", "dV") + bounds, dkdv_extents)
     dq_kernel = make_wgmma_dq(call.head_dim, call.precision, bool(call.causal), has_mask,
-                              partly_masked_tiles(call, MASK_TILES, "forward"), varlen, compiled_mods)
-    dq = Launch(dq_kernel, q_tiles * call.batch_heads,
-                WARPGROUP, shared, dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads,
-                                        q_tiles=q_tiles, **rows_lists),
-                inputs + ("dQ",) + bounds, dict(extents, dQ=words(q_shape, dq_s)))
+                              partly_masked_tiles(call, MASK_TILES, "forward"), varlen, compiled_mods, table_reach)
+    dq_operands = dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads, q_tiles=q_tiles,
+                       **rows_lists)
+    if table_reach is None:
+        dq = Launch(dq_kernel, q_tiles * call.batch_heads, WARPGROUP, shared,
+                    dict(dq_operands, TABLE_SUMS=placeholder(np.float32)), inputs + ("dQ",) + bounds,
+                    dict(extents, dQ=words(q_shape, dq_s)))
+    else:
+        assert table_fused(call, dq_mode, table_reach)
+        dq = Launch(dq_kernel, q_tiles * call.batch_heads, WARPGROUP,
+                    shared + 4 * table_words(table_reach, WARPGROUP), dq_operands, inputs + ("dQ", "TABLE_SUMS"),
+                    dict(extents, dQ=words(q_shape, dq_s), TABLE_SUMS=table_rows(call, table_reach)))
     return preprocess, dkdv, dq
+
+
+def table_fused(call, dq_mode, reach):
+    """Whether this backward's dQ kernel can sum the gradient of a relative-bias table of reach D = ``reach``
+    (``bias_table.py``): dQ in a kernel of its own, no packed sequences, a table of at most 2 FUSED_REACH + 1 bins."""
+    return dq_mode == "separate" and not sequence_mode(call) and 0 <= reach <= FUSED_REACH
+
+
+def table_rows(call, reach):
+    """Words of the dQ kernel's table sums: 2 D + 1 bins per (batch, query head, query tile), in that order."""
+    return call.batch_heads * cdiv(call.n_q, BLOCK_N) * (2 * reach + 1)
