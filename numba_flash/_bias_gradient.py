@@ -1,12 +1,13 @@
-"""The gradient of attention into ``mods.relative_position_bias``'s table, on torch ops (for ``numba_flash.torch``).
+"""The gradient of attention into ``mods.relative_position_bias``'s table, on torch ops (for ``numba_flash.torch``,
+where the backward's kernels do not sum it: the wgmma dQ kernel does, ``kernels/hopper/bias_table.py``).
 
-With t_ij = scale q_i k_j + bias[h, clamp(j - i, -D, D) + D] and P = softmax(t) over the allowed keys,
-d L / d bias[h, c] is the sum of dT = P o (dP - D) over the entries (i, j) of head h, every batch entry, whose
-clamped distance is c (dP = dO V^T, D = rowsum(dO o O)).  The kernels keep no dT, so this computes it again, a block
-of query rows at a time, in float32 (P from q, k, the table and the forward's lse), and sums each block's diagonals
-with the skew trick (``diagonal_sums``: row r moved r places along, then a column sum).  Every sum runs in a fixed
-order, so the gradient has the same bits run to run.  Cost: two float32 products of N_q x N_k x d per head beyond the
-kernels' backward, and a block of (B, H, rows, N_k) float32 scores at a time (``BLOCK_ENTRIES``).
+With t_ij = scale q_i k_j + bias[h, clamp(j - i, -D, D) + D] and P = softmax(t) over the allowed keys, d L / d bias[h,
+c] is the sum of dT = P o (dP - D) over the entries (i, j) of head h, every batch entry, whose clamped distance is c
+(dP = dO V^T, D = rowsum(dO o O)).  The mma.sync kernels keep no dT, so this computes it again, a block of query rows
+at a time, in float32 (P from q, k, the table and the forward's lse), and sums each block's diagonals with the skew
+trick (``diagonal_sums``: row r moved r places along, then a column sum).  Every sum runs in a fixed order, so the
+gradient has the same bits run to run.  Cost: two float32 products of N_q x N_k x d per head beyond the kernels'
+backward, and a block of (B, H, rows, N_k) float32 scores at a time (``BLOCK_ENTRIES``).
 """
 from ._torch_calls import torch
 from .mods import Mod, _relative_position_bias

@@ -72,7 +72,9 @@ with it in ``element_test``; a score_mod is evaluated at every entry (its result
 element test run where a tile needs it) and gives P = exp2(score_mod(scale S) log2(e) - lse) and dS = P o (dP - D)
 o d score_mod / d score, the derivative the backward's ``ModSteps`` traced (``fast.mod_steps.entry_steps``'
 ``mod_weight``).  The dK/dV kernel packs P^T for dV's product and keeps P^T o d score_mod / d score in S^T's
-registers in the same pass (``probability_pair``), so the slope needs no registers of its own.  Without mods the PTX
+registers in the same pass (``probability_pair``), so the slope needs no registers of its own.  A lone
+``relative_position_bias`` whose table learns: the dQ kernel also sums dS into the table's bins (TABLE_REACH,
+``bias_table.py``).  Without mods the PTX
 instructions are unchanged (sm_90a, 2026-12-06).  GPU tests and sanitizers: ``experiments/tuning/results/
 gpu_tests_h200.md``.
 
