@@ -219,7 +219,8 @@ def mod_tile_kernels():
 def hopper_mod_kernels(head_dims, element="f16"):
     """The wgmma kernels with each ``mod_pairs`` pair, causal or not: the forward's loops (plain, overlapped, two
     warpgroups), the dK/dV kernel in every way of summing dQ, and the dQ kernel (a mask_mod's tiles come as lists
-    with the element test: HAS_MASK, PARTLY_MASKED).  float16 only: bfloat16 differs in the packing alone."""
+    with the element test: HAS_MASK, PARTLY_MASKED); then the dQ kernel that sums a relative-bias table's gradient.  float16 only: bfloat16 differs in the packing alone."""
+    from numba_flash import mods
     from numba_flash.kernels.fast.mod_steps import mod_steps
     from numba_flash.kernels.hopper.backward import DQ_MODES, make_wgmma_dkdv, make_wgmma_dq
     from numba_flash.kernels.hopper.forward import make_wgmma_forward
@@ -233,6 +234,9 @@ def hopper_mod_kernels(head_dims, element="f16"):
         for dq_mode in DQ_MODES:
             fast(make_wgmma_dkdv(d, element, causal, dq_mode, has_mask, True, MODS=steps), "sm_90a")
         fast(make_wgmma_dq(d, element, causal, has_mask, True, MODS=steps), "sm_90a")
+    for d, causal in itertools.product(head_dims, (False, True)):   # the dQ kernel that sums a learned table's bins
+        steps = mod_steps(mods.relative_position_bias(np.zeros((2, 257), np.float32)), None, backward=True)
+        fast(make_wgmma_dq(d, element, causal, False, True, MODS=steps, TABLE_REACH=128), "sm_90a")
 
 
 def varlen_cache_mod_kernels(head_dim):
