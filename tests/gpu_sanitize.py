@@ -352,7 +352,7 @@ def main(selected=()):
             do = do.view(torch.bfloat16) if dtype == BF16 else do
             if "table" in variant:
                 *grads, sums = numba_flash.api._attention_backward_and_table_sums(
-                    q, k, v, o, lse, do, algorithm=algorithm, deterministic=True, block_mask=None, **kwargs)
+                    q, k, v, o, lse, do, algorithm=algorithm, deterministic=True, block_mask=None, scale=None, **kwargs)
                 worst = max(worst, check("d table", sums.sum((0, 2)),
                                          table_gradient(q64, k64, v64, do_host.astype(np.float64), **kwargs), dtype))
             else:
