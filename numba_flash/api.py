@@ -588,7 +588,7 @@ class _TableBackwardPlan(_BackwardPlan):
         return reach if hopper_backward.table_fused(self.call, dq_mode, reach) else None
 
     def __call__(self, q, k, v, o, lse, do):
-        stream = self.stream(self.to_device((q, k, v, o, lse, do)))
+        stream = self.stream((q, k, v, o, lse, do))   # (host inputs: 0, as after their copies)
         sums = self.empty((hopper_backward.table_rows(self.call, self.table_reach),), "float32", stream)
         gradients = super().__call__(q, k, v, o, lse, do, 0, table_sums=sums)
         sums = self.deliver((sums,), ("float32",))[0]
