@@ -380,8 +380,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, dropout_p=0
 
     ``score_mod``, ``mask_mod``: as for ``numba_flash.attention`` (``numba_flash.mods``), on the kernels the
     algorithm picks (wgmma or ``mma.sync``, as without mods) forward and backward; q, k and v get their gradients
-    through the mods, and a lone ``relative_position_bias``'s table gets its own (``_bias_gradient``; another mod
-    array that requires grad is a TypeError).  Under ``torch.compile`` (``fullgraph=True`` too) the mods travel
+    through the mods, and a lone ``relative_position_bias``'s table gets its own (summed by the wgmma dQ kernel where
+    the backward runs it, else ``_bias_gradient``: ``_backward_and_table``; another mod array that requires grad is a
+    TypeError).  Under ``torch.compile`` (``fullgraph=True`` too) the mods travel
     through the custom operators as integer keys (a Mod's given when it was made: ``_registry``), with the torch
     tensors among their arrays as the operators' inputs (an in-place update of one is ordered before the call); a
     new Mod object (or function) is a new key, and Dynamo recompiles for it: define mods once.
