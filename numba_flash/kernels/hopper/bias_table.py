@@ -3,7 +3,7 @@
 With t_ij = scale q_i k_j + bias[h, clamp(j - i, -D, D) + D] (``mods.relative_position_bias``), d L / d bias[h, c]
 is the sum of dS = P o (dP - D) over the entries of head h (every batch entry) whose clamped distance j - i is c.
 The dQ kernel (``backward.make_wgmma_dq``, "separate" mode) already holds dS of each (query tile, key tile) in
-registers, so with ``TABLE_REACH`` = D it also sums it along the table's bins, three named steps per tile:
+registers, so with ``TABLE_REACH`` = D it also sums it along the table's bins, two named steps per tile:
 
     stash_gradients    this lane's dS entries into a 64 x 64 float32 tile in shared memory      (a barrier after)
     add_diagonals      thread m + 63 sums diagonal m = key - row of the tile (m = -63 .. 63), rows in order, and adds
