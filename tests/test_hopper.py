@@ -65,6 +65,9 @@ def test_every_wgmma_forward_fits_a_hopper_block_and_splits_o_in_slices_wgmma_ca
 
 
 SENTINEL = 0xDEADBEEF   # what shared memory holds before the copies
+#: Examples of the wgmma forward's two property tests in the simulator (8 of the profile's 12: CI's time; a GPU runs
+#: the profile's count).
+SIMULATOR_FORWARD_EXAMPLES = 8
 
 
 @given(data=st.data())
@@ -161,6 +164,7 @@ def forward_head_dims(where):
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@settings(max_examples=SIMULATOR_FORWARD_EXAMPLES if _where() == "simulator" else settings.default.max_examples)
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
     """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
@@ -228,6 +232,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@settings(max_examples=SIMULATOR_FORWARD_EXAMPLES if _where() == "simulator" else settings.default.max_examples)
 @given(data=st.data())
 def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data):
     """Random block masks (``strategies.block_masks``: random density, all zero or all one, empty rows or columns of
@@ -611,7 +616,9 @@ def test_the_wgmma_backward_matches_the_float64_reference(data):
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("dq_mode, causal", [("separate", False), ("ordered", "bottom_right"), ("atomic", True)])
+@pytest.mark.parametrize("dq_mode, causal", [
+    ("separate", False), ("ordered", "bottom_right"),
+    pytest.param("atomic", True, marks=pytest.mark.gpu_only)])   # (CI's time: the atomic adds run at d = 64 there)
 def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
     """d = 96 on the 128-column layout (pad columns 96..127 zero-filled by the copies), in each way of summing dQ:
     S^T and dP^T in six k-steps, dV, dK (and the dQ kernel's dQ) as m64n96, the dK/dV kernel's dQ as one 96-column
