@@ -10,7 +10,7 @@ gradient has the same bits run to run.  Cost: two float32 products of N_q x N_k 
 backward, and a block of (B, H, rows, N_k) float32 scores at a time (``BLOCK_ENTRIES``).
 """
 from ._torch_calls import torch
-from .mods import Mod, _relative_position_bias
+from .mods import Mod, relative_bias_reach
 
 #: Scores of one block of query rows, over batch and heads (float32, a few such arrays live at once).
 BLOCK_ENTRIES = 1 << 24
@@ -88,7 +88,7 @@ def learned_table(score_mod, mask_mod, dropout_p, grad_mode=True):
         for i, array in enumerate(mod.arrays if isinstance(mod, Mod) else ()):
             if not (isinstance(array, torch.Tensor) and array.requires_grad):
                 continue
-            if mod is score_mod and mod.fn is _relative_position_bias and mask_mod is None and not dropout_p:
+            if mod is score_mod and relative_bias_reach(mod) is not None and mask_mod is None and not dropout_p:
                 return array
             raise TypeError(f"mod {mod.name}: array {i} requires grad, but gradients into a mod's arrays are computed "
                             f"only for relative_position_bias's table, as the only mod, without dropout (detach the "

@@ -33,7 +33,7 @@ from .kernels.literal.flash1_forward import flash1_forward
 from .kernels.literal.standard_attention import standard_attention
 from .runtime import arrays as _arrays
 from .runtime.device import current_context, device_limits
-from .mods import MASK, Mod, _relative_position_bias
+from .mods import MASK, Mod, relative_bias_reach
 from .sparsity.block_mask import BlockMask
 from .sparsity.mod_tiles import array_versions
 from .tiling import padded_head_dim
@@ -582,9 +582,9 @@ class _TableBackwardPlan(_BackwardPlan):
 
     def _fused_table_reach(self, dq_mode):
         score, mask = self.call.mods or (None, None)
-        if score is None or score.fn is not _relative_position_bias or mask is not None or self.call.dropout_p:
+        reach = relative_bias_reach(score)
+        if reach is None or mask is not None or self.call.dropout_p:
             return None
-        reach = (score.arrays[0].shape[1] - 1) // 2
         return reach if hopper_backward.table_fused(self.call, dq_mode, reach) else None
 
     def __call__(self, q, k, v, o, lse, do):

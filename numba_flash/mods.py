@@ -334,6 +334,13 @@ def relative_position_bias(bias):
                f"relative_position_bias: bias has {shape[0]} rows, the call {heads} query heads")
 
 
+def relative_bias_reach(mod):
+    """D of a ``relative_position_bias`` Mod's (H, 2 D + 1) table, or None for any other mod."""
+    if isinstance(mod, Mod) and mod.fn is _relative_position_bias:
+        return (mod.arrays[0].shape[1] - 1) // 2
+    return None
+
+
 def _sliding_window(b, h, q_idx, kv_idx, window):
     return q_idx - window[0] < kv_idx and kv_idx <= q_idx
 
