@@ -95,7 +95,8 @@ def hopper(head_dims, elements=("f16", "bf16")):
     before a change), and the packed ones' registers and spills are the ones to watch.  Head dims past 128 (the
     forward's alone, on the 256-column layout, no register cap) also in every other loop, warpgroup count and
     block mask (float16: bfloat16's kernels differ only in the conversions)."""
-    from numba_flash.kernels.hopper.backward import DQ_MODES, make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.backward import (DQ_MODES, key_warpgroups, make_dq_convert, make_wgmma_dkdv,
+                                                     make_wgmma_dq, splits_dq_columns)
     from numba_flash.kernels.hopper.common import HEAD_DIMS, layout_dim
     from numba_flash.kernels.hopper.forward import DEFAULT_WARPGROUPS, make_wgmma_forward
 
@@ -106,10 +107,13 @@ def hopper(head_dims, elements=("f16", "bf16")):
             if d not in HEAD_DIMS:
                 continue
             for dq_mode in DQ_MODES:
-                fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")
+                if key_warpgroups(dq_mode) == 1 or splits_dq_columns(d):
+                    fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")
             fast(make_wgmma_dq(d, element, causal, VARLEN=varlen), "sm_90a")
         if d in HEAD_DIMS:
             fast(make_dq_convert(d, element, varlen), "sm_90a")
+            if splits_dq_columns(d):
+                fast(make_dq_convert(d, element, varlen, True), "sm_90a")
     for d in (d for d in head_dims if d not in HEAD_DIMS):
         for causal, overlap, warpgroups, (mask, partly) in itertools.product(
                 (False, True), (False, True), (1, 2), ((False, True), (True, False), (True, True))):
@@ -222,7 +226,7 @@ def hopper_mod_kernels(head_dims, element="f16"):
     with the element test: HAS_MASK, PARTLY_MASKED); then the dQ kernel that sums a relative-bias table's gradient.  float16 only: bfloat16 differs in the packing alone."""
     from numba_flash import mods
     from numba_flash.kernels.fast.mod_steps import mod_steps
-    from numba_flash.kernels.hopper.backward import DQ_MODES, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.backward import DQ_MODES, key_warpgroups, make_wgmma_dkdv, make_wgmma_dq
     from numba_flash.kernels.hopper.forward import make_wgmma_forward
 
     for d, (score_mod, mask_mod), causal in itertools.product(head_dims, mod_pairs(), (False, True)):
@@ -232,7 +236,8 @@ def hopper_mod_kernels(head_dims, element="f16"):
             fast(make_wgmma_forward(d, element, causal, overlap, warpgroups, has_mask, True, MODS=steps), "sm_90a")
         steps = mod_steps(score_mod, mask_mod, backward=True)
         for dq_mode in DQ_MODES:
-            fast(make_wgmma_dkdv(d, element, causal, dq_mode, has_mask, True, MODS=steps), "sm_90a")
+            if key_warpgroups(dq_mode) == 1:   # (the bulk modes take no mods yet: ``dq_mode_for``)
+                fast(make_wgmma_dkdv(d, element, causal, dq_mode, has_mask, True, MODS=steps), "sm_90a")
         fast(make_wgmma_dq(d, element, causal, has_mask, True, MODS=steps), "sm_90a")
     for d, causal in itertools.product(head_dims, (False, True)):   # the dQ kernel that sums a learned table's bins
         steps = mod_steps(mods.relative_position_bias(np.zeros((2, 257), np.float32)), None, backward=True)

@@ -17,7 +17,8 @@ warpgroups, 128 rows, partly covered tiles), dropout, both, gqa (two query
 heads per key/value head, bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 (its blocks of two warpgroups), strided
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), ordered / separate (the
-wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``), nan (NaN in a value row and a query row: the masked-tile sanitising
+wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``),
+bulk_ordered / bulk_unordered (its dK/dV kernel of two warpgroups adding dQ by bulk reductions), nan (NaN in a value row and a query row: the masked-tile sanitising
 path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout; on the wgmma kernels longer ones over several 64-row tiles, no dropout, with the dQ
 variants above too), decode (a KV cache with appends, entries of
@@ -147,6 +148,12 @@ RUNS = [
     # Its dK/dV kernel adding dQ in whatever order the adds arrive (deterministic=False).
     ("backward", "wgmma", np.float16, None, "unordered"),
     ("backward", "wgmma", BF16, None, "gqa_unordered"),
+    # Its dK/dV kernel of two warpgroups on 128 keys, adding dQ_i's column halves by bulk reductions from shared
+    # memory, in a fixed order or as they arrive.
+    ("backward", "wgmma", np.float16, None, "bulk_ordered"),
+    ("backward", "wgmma", BF16, None, "gqa_bulk_unordered"),
+    ("backward", "wgmma", BF16, None, "gqa_bulk_ordered"),
+    ("backward", "wgmma", np.float16, None, "varlen_bulk_ordered"),
     # Its block masks: 16 x 16 blocks (partly covered tiles, tested element by element) and blocks of whole tiles
     # (the element test compiled out), with dQ in its own kernel (the default), and summed by the dK/dV kernel in
     # either order.
@@ -393,8 +400,10 @@ def table_gradient(q, k, v, do, causal, score_mod):
 def named_dq(variant):
     """The wgmma backward's dQ in the way the variant names, else its default (``DQ_MODE``): a context that yields
     the ``deterministic`` to pass."""
-    named = next((mode for mode in ("unordered", "ordered", "separate") if mode in variant), None)
-    return wgmma_dq({"unordered": "atomic"}.get(named, named)) if named else contextlib.nullcontext(True)
+    named = next((mode for mode in ("bulk_unordered", "bulk_ordered", "unordered", "ordered", "separate")
+                  if mode in variant), None)
+    modes = {"unordered": "atomic", "bulk_unordered": "bulk-atomic", "bulk_ordered": "bulk-ordered"}
+    return wgmma_dq(modes.get(named, named)) if named else contextlib.nullcontext(True)
 
 
 #: Packed sequences (query lengths, key lengths): empty, one-row and ragged ones, causal bottom-right; d = 24.

@@ -326,7 +326,7 @@ def wgmma_dq(mode):
     hopper_backward.DQ_MODE = mode
     api._PLANS.clear()
     try:
-        yield mode != "atomic"
+        yield mode not in hopper_backward.UNORDERED_MODES
     finally:
         hopper_backward.DQ_MODE = saved
         api._PLANS.clear()

@@ -434,6 +434,15 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     assert kernel(d=96, causal=True, deterministic=False) == "wgmma_backward_dkdv_d96_f16_causal"
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "atomic")   # NUMBA_FLASH_WGMMA_DQ=atomic
     assert kernel(deterministic=False).endswith("_dq_atomic") and kernel() == "wgmma_backward_dkdv_d64_f16"
+    # The bulk modes where their two warpgroups can split dQ's columns (d <= 64, 128), else the one-warpgroup kernel
+    # that sums dQ the same way.
+    monkeypatch.setattr(hopper_backward, "DQ_MODE", "bulk-ordered")
+    assert kernel(d=128) == "wgmma_backward_dkdv_d128_f16_dq_bulk_ordered"
+    assert kernel(d=96) == "wgmma_backward_dkdv_d96_f16_dq_ordered"
+    assert kernel(block_mask=numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))) == (
+        "wgmma_backward_dkdv_d64_f16_dq_ordered_sparse_whole_tiles")
+    monkeypatch.setattr(hopper_backward, "DQ_MODE", "bulk-atomic")
+    assert kernel(deterministic=False).endswith("_dq_bulk_atomic") and kernel() == "wgmma_backward_dkdv_d64_f16"
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "separate")
     # d = 32 and 80 are in the wgmma backward's scope but not in AUTOMATIC_SCOPE; d = 72 in neither.
     for outside in (kernel(d=32), kernel(d=80), kernel(d=72), kernel(dtype=np.float32), kernel(dropout_p=0.1),
@@ -634,6 +643,24 @@ def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("dq_mode, d, causal, n_q, n_k, group", [
+    ("bulk-ordered", 64, True, 70, 150, 2), ("bulk-atomic", 128, "bottom_right", 70, 200, 1),
+    pytest.param("bulk-ordered", 128, False, 200, 300, 3, marks=pytest.mark.gpu_only),
+    pytest.param("bulk-ordered", 32, "bottom_right", 257, 129, 1, marks=pytest.mark.gpu_only),
+    pytest.param("bulk-atomic", 64, False, 1, 250, 2, marks=pytest.mark.gpu_only)])
+def test_the_bulk_modes_split_each_dq_tile_between_two_warpgroups(dq_mode, d, causal, n_q, n_k, group):
+    """The bulk modes' dK/dV kernel: two warpgroups on 128 keys, each adding its half of dQ_i's columns from shared
+    memory by a bulk reduction (in turn, or as they arrive), its float32 sum read back in register order; key
+    blocks whose second warpgroup has a few keys (n_k = 200) or none (n_k = 150, 129), several query tiles, grouped
+    heads, both causal alignments.  The property test above draws these modes too (and the head dims they
+    leave to the one-warpgroup kernel)."""
+    rng = np.random.default_rng(11)
+    q, do = (rng.standard_normal((1, group, n_q, d)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, n_k, d)).astype(np.float16) for _ in range(2))
+    _check_wgmma_backward(q, k, v, do, causal, dq_mode, False)
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
 @settings(max_examples=max(3, settings.default.max_examples // 4))   # each example: three kernels, run twice
 @given(data=st.data())
 def test_the_wgmma_backward_with_a_block_mask_matches_the_float64_reference(data):
@@ -756,7 +783,8 @@ def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, block_mask=
             assert np.all(np.asarray(got, np.float64)[unseen_keys] == 0), f"{name}: a key no query sees"
     # Bitwise repeatable run to run: a GPU's property (blocks in any order).  The simulator runs blocks in one order,
     # so there the second run can only catch state a call leaves behind: the summing modes' turns and float32 sum.
-    if dq_mode != "atomic" and (where == "hopper" or dq_mode != "separate"):
+    from numba_flash.kernels.hopper.backward import UNORDERED_MODES
+    if dq_mode not in UNORDERED_MODES and (where == "hopper" or dq_mode != "separate"):
         for got, again in zip(grads, gradients()):
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16))
 

@@ -79,7 +79,7 @@ instructions are unchanged (sm_90a, 2026-12-06).  GPU tests and sanitizers: ``ex
 gpu_tests_h200.md``.
 
 Deterministic.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so the order
-of the adds must not depend on timing.  Three ways of summing it are built (``DQ_MODES``), and the one that measured
+of the adds must not depend on timing.  Five ways of summing it are built (``DQ_MODES``), and the one that measured
 fastest is the default for every call (``DQ_MODE``; the others stay for ``NUMBA_FLASH_WGMMA_DQ``, to measure them):
 "separate" gives dQ a kernel of its own (``make_wgmma_dq``: a warpgroup per query tile streams K_j, V_j past it and
 computes S and dP again: seven products instead of five, but no adds across blocks), so the dK/dV kernel needs no dS
@@ -89,15 +89,26 @@ diagonal down, the grid then dispatching its shortest key tiles first: a block o
 dispatched before it, which are running or done, so the wait ends (the argument of FlashAttention-3's deterministic
 backward).  With a block mask only the key tiles in the query tile's list add to its dQ, so a key tile's turn is its
 place among them in the same order (``dq_turn``: the forward's list for that query tile, the transpose of the dK/dV
-kernel's, searched by bisection), and the argument holds as before.  "atomic" adds as the blocks arrive (for ``deterministic=False`` only).  On an H100 (2026-12-05) the
-two summing modes lost to "separate" everywhere: the dK/dV kernel's extra registers and dS^T stores, the adds'
-traffic, and for "ordered" the waits for turns, cost more than two products (``docs/performance.md``).
+kernel's, searched by bisection), and the argument holds as before.  "atomic" adds as the blocks arrive (for
+``deterministic=False`` only).  On an H100 (2026-12-05) the two summing modes lost to "separate" everywhere: the
+dK/dV kernel's extra registers and dS^T stores, the adds' traffic, and for "ordered" the waits for turns, cost more
+than two products (``docs/performance.md``).  "bulk-ordered" and "bulk-atomic" sum it as FlashAttention-3's data
+flow does (``bulk_dq_steps``): a block of two warpgroups on 128 keys (each its own K and V tiles; the first copies
+each step's Q_i, the second its dO_i), both warpgroups' dS^T in shared memory, warpgroup w computing dQ_i's columns
+w d / 2 .. (w + 1) d / 2 - 1 over the 128 keys and adding them from a float32 buffer by one bulk reduction
+(``bulk.bulk_reduce_add``) that one of its threads issues, in turn (a counter per query tile and half) or not: half
+the adds of the 64-key modes, and none from registers.  At d = 96 and 112 (halves that straddle K's 64-column
+tiles), with a block mask or mods, they fall back to "ordered" and "atomic" (``dq_mode_for``).  Measured on an H100
+(2026-12-06) they lose to "separate" too (1.04-1.7x its time unordered, 1.3-2.4x ordered:
+``experiments/tuning/results/backward_bulk_dq_h100.md``), for want of what FlashAttention-3 has around them (below).
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
-* no producer warp: two stages of cp.async copies issued by the warps that compute, instead of bulk copies
-  (FlashAttention-3 also gives dQ's adds a warp of their own and a bulk reduction from shared memory, which is
-  what would make summing dQ in the dK/dV kernel pay);
+* no producer warp: two stages of cp.async copies issued by the warps that compute, instead of bulk copies; and no
+  writer warp for dQ's bulk reductions, so that in "bulk-ordered" a thread waiting for its turn holds its block at
+  the next barrier (``setmaxnreg``, which would give the consumers the registers those warps leave, works from this
+  module's PTX: ptxas allocated 200 live floats in a consumer region of a kernel capped at 168 registers, no spills,
+  ``backward_bulk_dq_h100.md``);
 * NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
   0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
   there, not here;
@@ -127,9 +138,10 @@ from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
-                               store_word, u32_as_f32)
+                               store_vec4, store_word, u32_as_f32)
 from . import forward
 from .bias_table import FUSED_REACH, table_steps, table_words
+from .bulk import bulk_commit, bulk_reduce_add, bulk_wait_done, bulk_wait_read
 from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, lane_entry, mn_major_descriptor,
                      mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
 from .wgmma import (ROW_BYTES, advanced_device, enable_sm90a, fence_proxy_async, shared_address, swizzle_128_device,
@@ -139,16 +151,34 @@ WARPGROUP = 128          # threads of a block: one warpgroup
 TILES = 6                # 64-row tiles in shared memory: the two kept, and two stages of the two streamed
 #: Where dQ is summed over the key tiles: in a pass of its own (S and dP computed again, no atomics), or by the
 #: dK/dV kernel, each key tile's dS K added into a float32 accumulator in an order fixed by semaphores ("ordered",
-#: deterministic) or in whatever order the adds arrive ("atomic").
-DQ_MODES = ("separate", "ordered", "atomic")
+#: deterministic) or in whatever order the adds arrive ("atomic"); the "bulk-" modes sum it the same two ways from a
+#: dK/dV kernel of two warpgroups on 128 keys, each adding its half of dQ_i's columns by one bulk reduction from
+#: shared memory (``bulk_dq_steps``; FlashAttention-3's way).
+DQ_MODES = ("separate", "ordered", "atomic", "bulk-ordered", "bulk-atomic")
+#: The modes whose adds land in whatever order they arrive (``deterministic=False`` only).
+UNORDERED_MODES = ("atomic", "bulk-atomic")
 DS_TILE_BYTES = tile_bytes(BLOCK_N)   # dS^T (64 keys x 64 query rows, 16-bit), dQ's A operand
 
 
+def key_warpgroups(dq_mode):
+    """Warpgroups of the dK/dV kernel's block in ``dq_mode``, each on 64 keys of the block's key tile: two in the
+    bulk modes, else one."""
+    return 2 if dq_mode.startswith("bulk-") else 1
+
+
+def splits_dq_columns(head_dim):
+    """Whether the bulk modes can split dQ_i's columns between their two warpgroups at head dim d: each half (d / 2
+    columns) must lie in one 64-column tile of K, which its product's B descriptor names (d <= 64, or d = 128)."""
+    return head_dim <= 64 or head_dim == 128
+
+
 def shared_bytes(head_dim, dq_mode="separate"):
-    """The six tiles, the streamed query rows' lse and D (two stages), dS^T where dQ is summed by the dK/dV kernel,
-    and slack to start the tiles on a 1024-byte boundary."""
-    return (TILES * tile_bytes(head_dim) + (0 if dq_mode == "separate" else DS_TILE_BYTES) + 2 * 2 * BLOCK_N * 4
-            + 1024)
+    """The K and V tiles (one each per warpgroup), two stages of Q_i and dO_i, the streamed query rows' lse and D (two
+    stages), dS^T (one tile per warpgroup) where dQ is summed by the dK/dV kernel, dQ_i's float32 halves in the bulk
+    modes, and slack to start the tiles on a 1024-byte boundary."""
+    groups = key_warpgroups(dq_mode)
+    return ((2 * groups + 4) * tile_bytes(head_dim) + (0 if dq_mode == "separate" else groups * DS_TILE_BYTES)
+            + (BLOCK_N * head_dim * 4 if groups > 1 and dq_mode != "separate" else 0) + 2 * 2 * BLOCK_N * 4 + 1024)
 
 
 @lru_cache(maxsize=None)
@@ -303,13 +333,13 @@ def element_test(CAUSAL, TRANSPOSED, MODS=None, READS_LAYOUT=True):
     return hidden_entries
 
 
-def _kernel(fn, name, results, scratch=None, blocks=1):
+def _kernel(fn, name, results, scratch=None, blocks=1, threads=WARPGROUP):
     """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32,
     and ``scratch`` ({name: dtype}: scratch arrays, and a block mask's lists and layout); ``blocks``: the blocks
-    ptxas must fit on a multiprocessor (the launch bounds' minimum: a register cap above 1)."""
+    ptxas must fit on a multiprocessor (the launch bounds' minimum: a register cap above 1), of ``threads``."""
     return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
                                         D=np.float32, **{x: np.uint32 for x in results}, **(scratch or {})),
-                  floats=("scale", "scale_log2"), launch_bounds=(WARPGROUP, blocks))
+                  floats=("scale", "scale_log2"), launch_bounds=(threads, blocks))
 
 
 def dkdv_blocks_per_multiprocessor(head_dim, dq_mode, mods, partly_masked, varlen):
@@ -388,6 +418,62 @@ def dq_steps(HEAD_DIM, ELEMENT):
     return stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS
 
 
+@lru_cache(maxsize=None)
+def bulk_dq_steps(HEAD_DIM, ELEMENT):
+    """The steps by which the bulk modes' dK/dV kernel (two warpgroups, 128 keys) sums dQ: (issue_dq_half,
+    stage_dq_half, HALF_REGISTERS, HALF_WORDS).  Warpgroup w computes dQ_i's columns w d / 2 .. (w + 1) d / 2 - 1
+    over all 128 keys (A: both warpgroups' dS^T tiles, read as dS; B: both K tiles, MN-major, from that column on),
+    so that each half is added once a step for the block's 128 keys: half the adds of the one-warpgroup modes'
+    64-key tiles.  The half goes from the registers to shared memory in register order (``stage_dq_half``) and from
+    there by one bulk reduction into DQ_SUM, whose (head, query tile) slab of 64 x d is these two halves, each in that
+    order (``make_dq_convert``'s REGISTER_ORDER reads it back)."""
+    assert splits_dq_columns(HEAD_DIM), HEAD_DIM
+    HALF = HEAD_DIM // 2
+    HALF_REGISTERS = HALF // 2
+    HALF_WORDS = BLOCK_N * HALF
+    K_TILE_BYTES = tile_bytes(HEAD_DIM)   # the second warpgroup's K tile follows the first's
+    half_product = wgmma_ss(HALF, ELEMENT, True, True)   # A (dS^T's tiles) and B (K) MN-major
+    first_half_product = wgmma_ss(HALF, ELEMENT, True, True, fresh=True)
+
+    @inlined_device_function
+    def issue_dq_half(dq_acc, ds_desc, kt_desc, wg):
+        """dq_acc = dS K[:, HALF wg : HALF (wg + 1)] over the block's 128 keys: eight k-steps, four from each
+        warpgroup's dS^T and K tiles (the first overwriting), one commit group.  The half starts on a 64-column tile
+        of K (d = 128), or inside the first (d <= 64: its 128-byte rows swizzled by address, as the K-major k-steps'
+        32-byte offsets)."""
+        column = wg * HALF
+        b_at = (column // 64) * DS_TILE_BYTES + (column % 64) * 2
+        wgmma_fence()   # dS^T's tiles and the registers, before the products read and write them
+        first_half_product(dq_acc, ds_desc, advanced_device(kt_desc, b_at))
+        for step in range(1, 2 * BLOCK_N // 16):
+            tile, k = step // 4, step % 4
+            half_product(dq_acc, advanced_device(ds_desc, tile * DS_TILE_BYTES + mn_step_bytes(k)),
+                         advanced_device(kt_desc, tile * K_TILE_BYTES + b_at + mn_step_bytes(k)))
+        wgmma_commit()
+
+    @inlined_device_function
+    def stage_dq_half(smem, at, dq_acc, wtid):
+        """This lane's registers of the half to the float32 buffer at word ``at``, in register order: registers
+        4x .. 4x + 3 of every lane as one block of 512 words, lane after lane (16-byte stores, consecutive lanes
+        consecutive: no bank conflicts)."""
+        for x in range(HALF_REGISTERS // 4):
+            store_vec4(smem, at + 512 * x + 4 * wtid, f32_as_u32(dq_acc[4 * x]), f32_as_u32(dq_acc[4 * x + 1]),
+                       f32_as_u32(dq_acc[4 * x + 2]), f32_as_u32(dq_acc[4 * x + 3]))
+
+    return issue_dq_half, stage_dq_half, HALF_REGISTERS, HALF_WORDS
+
+
+@inlined_device_function
+def register_order_word(row, column, head_dim):
+    """Where a bulk mode's DQ_SUM slab holds dQ_i's entry (row, column), for an even column (the pair at it and
+    the next word): the inverse of ``bulk_dq_steps``' ``stage_dq_half`` and ``lane_entry``."""
+    half = head_dim // 2
+    part, within = column // half, column % half
+    warp, row16 = row // 16, row % 16
+    lane = 4 * (row16 % 8) + (within % 8) // 2
+    return part * BLOCK_N * half + 512 * (within // 8) + 4 * (32 * warp + lane) + 2 * (row16 // 8)
+
+
 @inlined_device_function
 def wait_turn(TURNS, index, turn, tid):
     """Every thread of the block waits until counter ``index`` of TURNS reaches ``turn``: the blocks before this one
@@ -410,10 +496,10 @@ def pass_turn(TURNS, index, tid):
 
 
 @inlined_device_function
-def contributors(m, k_tiles, causal_offset):
-    """How many key tiles add to query tile m's dQ under the causal mask: those whose first query tile is at most m
-    (``first_q_tile`` of the dK/dV kernel), key tiles 0 .. count - 1."""
-    return max(0, min(k_tiles, (m * BLOCK_N + BLOCK_N - 1 + causal_offset) // BLOCK_N + 1))
+def contributors(m, k_tiles, causal_offset, key_rows):
+    """How many key tiles (of ``key_rows`` keys) add to query tile m's dQ under the causal mask: those whose first
+    query tile is at most m (``first_q_tile`` of the dK/dV kernel), key tiles 0 .. count - 1."""
+    return max(0, min(k_tiles, (m * BLOCK_N + BLOCK_N - 1 + causal_offset) // key_rows + 1))
 
 
 @lru_cache(maxsize=None)
@@ -448,15 +534,24 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
     assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
     assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
+    GROUPS = key_warpgroups(DQ_MODE)   # warpgroups of the block, each on 64 of its keys
+    BULK = GROUPS > 1   # two warpgroups, dQ_i's halves added by bulk reductions
+    assert not BULK or (not HAS_MASK and MODS is None and splits_dq_columns(HEAD_DIM)), "bulk modes: see dq_mode_for"
+    KEY_ROWS = GROUPS * BLOCK_N          # keys of the block's tile
     sequence, lse_row = sequence_bounds(VARLEN)
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
-    SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE == "ordered"
+    SUM_DQ, ORDERED = DQ_MODE != "separate", DQ_MODE not in UNORDERED_MODES + ("separate",)
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's P^T may need the block mask's element test
     HAS_MODS = MODS is not None
     SCORE_MOD = HAS_MODS and MODS.has_score
     ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
     stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
+    if BULK:
+        issue_dq_half, stage_dq_half, SLICE_REGISTERS, HALF_WORDS = bulk_dq_steps(HEAD_DIM, ELEMENT)
+    else:
+        issue_dq_half = stage_dq_half = None
+        HALF_WORDS = 0
     list_bounds, listed = tile_list(PARTLY_MASKED)
     hidden_entries = element_test(CAUSAL, True, MODS, HAS_MASK and reads_layout(PARTLY_MASKED))
     mod_weight = entry_steps(MODS)[2]
@@ -512,21 +607,27 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                     high = middle
             before = low - first   # listed key tiles before this one
             return count - 1 - before if CAUSAL else before
-        return contributors(q_tile, k_tiles, causal_offset) - 1 - tile if CAUSAL else tile
+        return contributors(q_tile, k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL else tile
 
     @inlined_device_function
-    def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, tid):
+    def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, wg, wtid):
         """Q_i and dO_i of a step on their way into the stage at word ``at``; their rows' lse (log2 units; +inf
         past N_q, so that P = 0) and D stored at ``scalars_at`` (plain stores: the barrier that lands the tiles
-        publishes them too)."""
-        start_tile(smem, at, Q, q_first + q0 * q_sn, q_sn, n_q - q0, tid)
-        start_tile(smem, at + TILE_WORDS, dO, do_first + q0 * do_sn, do_sn, n_q - q0, tid)
-        if tid < BLOCK_N:
-            row = q0 + tid
+        publishes them too).  Two warpgroups (BULK) share the work: the first copies Q_i and its lse, the second dO_i
+        and its D."""
+        if not BULK or wg == 0:
+            start_tile(smem, at, Q, q_first + q0 * q_sn, q_sn, n_q - q0, wtid)
+        if not BULK or wg == 1:
+            start_tile(smem, at + TILE_WORDS, dO, do_first + q0 * do_sn, do_sn, n_q - q0, wtid)
+        if wtid < BLOCK_N:
+            row = q0 + wtid
             inside = row < n_q
-            store_word(smem, scalars_at + tid,
-                       f32_as_u32(log2_lse(LSE[lse_first + row]) if inside else float32(math.inf)))
-            store_word(smem, scalars_at + BLOCK_N + tid, f32_as_u32(D[lse_first + row] if inside else float32(0)))
+            if not BULK or wg == 0:
+                store_word(smem, scalars_at + wtid,
+                           f32_as_u32(log2_lse(LSE[lse_first + row]) if inside else float32(math.inf)))
+            if not BULK or wg == 1:
+                store_word(smem, scalars_at + BLOCK_N + wtid,
+                           f32_as_u32(D[lse_first + row] if inside else float32(0)))
 
     @inlined_device_function
     def probabilities(st, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t):
@@ -609,6 +710,30 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         if ORDERED:
             pass_turn(TURNS, bh * q_tiles + q_tile, tid)
 
+    @inlined_device_function
+    def add_dq_half(smem, dq_at, DQ_SUM, TURNS, dq_acc, bh, q_tile, q_tiles, turn, wg, wtid):
+        """(BULK) This warpgroup's half of dQ_i (waited for) into its shared buffer, then added to DQ_SUM by one bulk
+        reduction that one thread issues, when ORDERED in the turn of TURNS' counter for the half (the two halves
+        are different words: each has its own order).  The reduction runs on while the step ends; the buffer is
+        refilled only after its issuer has seen it read (``bulk_wait_read`` before the barrier that precedes the
+        next step's dQ)."""
+        stage_dq_half(smem, dq_at, dq_acc, wtid)
+        fence_proxy_async()   # the half, written by ordinary stores, read by the copy engine
+        cuda.syncthreads()
+        if wtid == 0:
+            index = (bh * q_tiles + q_tile) * GROUPS + wg
+            if ORDERED:
+                while cuda.atomic.add(TURNS, index, 0) != turn:
+                    pass
+                cuda.threadfence()
+            bulk_reduce_add(DQ_SUM, (bh * q_tiles + q_tile) * BLOCK_N * HEAD_DIM + wg * HALF_WORDS, smem, dq_at,
+                            HALF_WORDS * 4)
+            bulk_commit()
+            if ORDERED:   # the adds done and visible before the next in the order may start its own
+                bulk_wait_done()
+                cuda.threadfence()
+                cuda.atomic.add(TURNS, index, 1)
+
     def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
                do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
                causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r,
@@ -627,33 +752,41 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         # ordered from the diagonal down, the last key tile (shortest first: every block it waits for started
         # before it).
         tile = k_tiles - 1 - rank if CAUSAL and ORDERED else rank
-        k0 = tile * BLOCK_N
+        tid = cuda.threadIdx.x
+        wg = tid // WARPGROUP if BULK else 0   # this thread's warpgroup, on keys k0 .. k0 + 63 of the block's tile
+        wtid = tid % WARPGROUP if BULK else tid
+        tile_k0 = tile * KEY_ROWS
+        k0 = tile_k0 + wg * BLOCK_N
         lse_rows = n_q   # of lse and D per (batch, head), or per head over the packed sequences (VARLEN)
         first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                                    causal_offset, bottom_right, 0)
-        if VARLEN and k0 >= n_k:   # the grid covers the longest sequence; the whole block leaves, before any barrier
-            return
+        if VARLEN and tile_k0 >= n_k:   # the grid covers the longest sequence; the whole block leaves, before any
+            return                      # barrier
         # The sequence's query and key tiles (the grid's k_tiles and q_tiles still lay out the lists and dQ's sum).
-        own_q_tiles, own_k_tiles = (ceil_div(n_q, BLOCK_N), ceil_div(n_k, BLOCK_N)) if VARLEN else (q_tiles, k_tiles)
-        tid = cuda.threadIdx.x
-        warp, g, t = warp_lane(tid)
+        own_q_tiles, own_k_tiles = (ceil_div(n_q, BLOCK_N), ceil_div(n_k, KEY_ROWS)) if VARLEN else (q_tiles, k_tiles)
+        warp, g, t = warp_lane(wtid)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
         pad = first_atom_words(base)
-        k_at, v_at, q_at = pad, pad + TILE_WORDS, pad + 2 * TILE_WORDS   # stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS
-        ds_at = pad + TILES * TILE_WORDS                 # dS^T, when this kernel sums dQ
-        scalars_at = ds_at + (DS_TILE_BYTES // 4 if SUM_DQ else 0)   # stage s: lse, then D, at + s 2 BLOCK_N
+        # The warpgroups' K tiles, then their V tiles, then the stages (stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS).
+        k_at, v_at = pad + wg * TILE_WORDS, pad + (GROUPS + wg) * TILE_WORDS
+        q_at = pad + 2 * GROUPS * TILE_WORDS
+        ds_at = q_at + 4 * TILE_WORDS                 # dS^T, one tile per warpgroup, when this kernel sums dQ
+        dq_at = ds_at + (GROUPS * DS_TILE_BYTES // 4 if SUM_DQ else 0)   # (BULK) the halves of dQ_i, float32
+        scalars_at = dq_at + (GROUPS * HALF_WORDS)    # stage s: lse, then D, at + s 2 BLOCK_N
         # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q
         # MN-major, dQ += dS K reads K MN-major: the same bytes.  The stage-0 descriptors, advanced by a stage's bytes.
         k_desc, v_desc = k_major_descriptor(base + k_at * 4), k_major_descriptor(base + v_at * 4)
         q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + (q_at + TILE_WORDS) * 4)
         qt_desc = mn_major_descriptor(base + q_at * 4)
         dot_desc = mn_major_descriptor(base + (q_at + TILE_WORDS) * 4)
-        kt_desc, ds_desc = mn_major_descriptor(base + k_at * 4), mn_major_descriptor(base + ds_at * 4)
+        # dQ's operands: in the bulk modes both warpgroups' (the first's, followed by the second's)
+        kt_desc = mn_major_descriptor(base + (pad if BULK else k_at) * 4)
+        ds_desc = mn_major_descriptor(base + ds_at * 4)
 
         # The steps: every query tile of every query head of the group that sees key tile j, heads in order.
         bh0 = (b * kv_heads + h_kv) * group   # the group's first query head, as a batch*heads index
-        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, k0, own_q_tiles,
+        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, tile_k0, own_q_tiles,
                                                     causal_offset)
 
         dk_acc = cuda.local.array(ACC_REGISTERS, float32)
@@ -669,8 +802,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
 
         # (a key tile no listed query tile sees, or a sequence without queries, copies nothing: dK = dV = 0)
         if steps > 0 or not (HAS_MASK or VARLEN):
-            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + (first_key + k0) * k_sn, k_sn, n_k - k0, tid)
-            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + (first_key + k0) * v_sn, v_sn, n_k - k0, tid)
+            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + (first_key + k0) * k_sn, k_sn, n_k - k0, wtid)
+            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + (first_key + k0) * v_sn, v_sn, n_k - k0, wtid)
         if steps > 0:
             if HAS_MASK:
                 x, q_tile, _ = listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, 0)
@@ -680,7 +813,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             q0 = q_tile * BLOCK_N
             start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh + first_query * q_sn,
                        b * do_sb + h * do_sh + first_query * do_sn, q_sn, do_sn,
-                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, tid)
+                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, wg, wtid)
         copy_async_commit()
         c_log2 = float32(scale_log2)
         for step in range(steps):
@@ -705,7 +838,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                            LSE, D, b * q_sb + h_next * q_sh + first_query * q_sn,
                            b * do_sb + h_next * do_sh + first_query * do_sn, q_sn, do_sn,
                            lse_row(b * kv_heads * group + h_next, b, h_next, first_query, lse_rows, lse_sb, lse_sh),
-                           (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, tid)
+                           (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, wg, wtid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             # What the mods read besides the entry (``fast.mod_steps.entry_steps``): batch, this step's query head,
@@ -738,7 +871,16 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             wait_all_but_one()   # dP^T
             score_gradients(dpt, st, smem, scalars, warp, g, t)
             pack_pairs(ds_words, dpt)
-            if SUM_DQ:
+            if BULK:
+                # Both warpgroups' dS^T in shared memory (published by the barrier), the previous step's reduction
+                # done reading dQ's buffer (its issuer waits before the barrier), then this half of dQ_i issued.
+                stage_ds(smem, ds_at + wg * (DS_TILE_BYTES // 4), ds_words, warp, g, t)
+                fence_proxy_async()
+                if wtid == 0:
+                    bulk_wait_read()
+                cuda.syncthreads()
+                issue_dq_half(dq_acc, ds_desc, kt_desc, wg)
+            elif SUM_DQ:
                 start_dq(smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, warp, g, t)
             wgmma_fence()   # dS^T's registers, before the product reads them
             issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
@@ -747,31 +889,39 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                 h = h_kv * group + (x if HAS_MASK else step // per_head)
                 turn = dq_turn(row_offsets, row_entries, b * kv_heads * group + h, q_tile, q_tiles, tile, own_k_tiles,
                                causal_offset)
-                add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn, warp,
-                       g, t, tid)
+                if BULK:
+                    wait_all_but_one()   # dV's and dQ's products (dK's may run on)
+                    add_dq_half(smem, dq_at + wg * HALF_WORDS, DQ_SUM, TURNS, dq_acc, b * kv_heads * group + h,
+                                q_tile, q_tiles, turn, wg, wtid)
+                else:
+                    add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn,
+                           warp, g, t, tid)
             wait_all_products()
 
+        if BULK and wtid == 0:
+            bulk_wait_done()   # the last reduction's adds, before the block ends
         store_rows(dK, b * dk_sb + h_kv * dk_sh + (first_key + k0) * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp,
                    g, t)
         store_rows(dV, b * dv_sb + h_kv * dv_sh + (first_key + k0) * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp,
                    g, t)
 
     name = f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
-        "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE}") + (
+        "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE.replace('-', '_')}") + (
         ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "") + (
         mods_suffix(MODS))
     return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
                                                     row_offsets=np.int32, row_entries=np.int32, **BOUNDS_ARRAYS,
                                                     **slot_arrays(MODS)),
-                   dkdv_blocks_per_multiprocessor(HEAD_DIM, DQ_MODE, MODS, ELEMENT_TEST, VARLEN))
+                   dkdv_blocks_per_multiprocessor(HEAD_DIM, DQ_MODE, MODS, ELEMENT_TEST, VARLEN), WARPGROUP * GROUPS)
 
 
 @lru_cache(maxsize=None)
-def make_dq_convert(HEAD_DIM, ELEMENT, VARLEN=False):
+def make_dq_convert(HEAD_DIM, ELEMENT, VARLEN=False, REGISTER_ORDER=False):
     """dQ = scale DQ_SUM in 16-bit: one block of 128 threads per (query tile, batch * head), each thread a column
     pair of every ROWS_AT_ONCE-th row (consecutive threads, consecutive words: coalesced both ways).  VARLEN: batch
     entry b is packed sequence b, its rows of dQ from its first query on (``sequence_bounds``), its sum's slab laid
-    out as a batch entry's."""
+    out as a batch entry's.  REGISTER_ORDER: each slab is the bulk modes' two halves in register order
+    (``register_order_word``; consecutive threads read 8 bytes 16 apart), else rows of d."""
     sequence = sequence_bounds(VARLEN)[0]
     _, pack = sixteen_bit_ops(ELEMENT)
     PAIRS = HEAD_DIM // 2
@@ -789,11 +939,15 @@ def make_dq_convert(HEAD_DIM, ELEMENT, VARLEN=False):
         for r in range(first_row, BLOCK_N, ROWS_AT_ONCE):
             row = q_tile * BLOCK_N + r
             if row < n_q:
-                at = (bh * q_tiles * BLOCK_N + row) * HEAD_DIM + column
+                if REGISTER_ORDER:
+                    at = (bh * q_tiles + q_tile) * BLOCK_N * HEAD_DIM + register_order_word(r, column, HEAD_DIM)
+                else:
+                    at = (bh * q_tiles * BLOCK_N + row) * HEAD_DIM + column
                 store_word(dQ, (b * dq_sb + h * dq_sh + (first_query + row) * dq_sn + column) // 2,
                            pack(DQ_SUM[at] * float32(scale), DQ_SUM[at + 1] * float32(scale)))
 
-    return Kernel(kernel, f"wgmma_backward_dq_convert_d{HEAD_DIM}_{ELEMENT}" + ("_varlen" if VARLEN else ""),
+    return Kernel(kernel, f"wgmma_backward_dq_convert_d{HEAD_DIM}_{ELEMENT}" + ("_varlen" if VARLEN else "")
+                  + ("_register_order" if REGISTER_ORDER else ""),
                   arrays=dict(DQ_SUM=np.float32, dQ=np.uint32, **BOUNDS_ARRAYS), floats=("scale",),
                   launch_bounds=(WARPGROUP, 1))
 
@@ -1008,20 +1162,30 @@ class SummedDq:
     turns: int
 
 
-#: How the backward sums dQ (``DQ_MODES``), for every call: "separate" by default, the fastest of the three at
-#: every shape timed (H100, 2026-12-05, d = 64, 96, 128, dense and causal, GQA: "atomic" took 1.10-1.89x its time
-#: in float16 and bfloat16, "ordered" 1.8-2.9x in float16; ``docs/performance.md``), and deterministic.  ``NUMBA_FLASH_WGMMA_DQ``
-#: picks another for a process, to measure them side by side; "atomic" then serves the calls that allow it
-#: (``deterministic=False``), the others staying on "separate".
+#: How the backward sums dQ (``DQ_MODES``), for every call: "separate" by default, the fastest of them at every shape
+#: timed (H100, 2026-12-05, d = 64, 96, 128, dense and causal, GQA: "atomic" took 1.10-1.89x its time in float16
+#: and bfloat16, "ordered" 1.8-2.9x in float16; 2026-12-06, bfloat16: "bulk-atomic" 1.04-1.70x, "bulk-ordered"
+#: 1.3-2.4x; ``docs/performance.md``), and deterministic.  ``NUMBA_FLASH_WGMMA_DQ``
+#: picks another for a process, to measure them side by side; an unordered one ("atomic", "bulk-atomic") then serves
+#: the calls that allow it (``deterministic=False``), the others staying on "separate".
 DQ_MODE = os.environ.get("NUMBA_FLASH_WGMMA_DQ", "separate")
 
 
 def dq_mode(deterministic):
-    """The ``DQ_MODES`` entry a call takes: ``DQ_MODE``, unless that is "atomic" (unordered adds, whose last bits
-    may differ from run to run) and the caller asked for the same bits on every run."""
+    """The ``DQ_MODES`` entry a call takes: ``DQ_MODE``, unless that is an unordered one (adds whose last bits may
+    differ from run to run) and the caller asked for the same bits on every run."""
     if DQ_MODE not in DQ_MODES:
         raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES}, not {DQ_MODE!r}")
-    return "separate" if DQ_MODE == "atomic" and deterministic else DQ_MODE
+    return "separate" if DQ_MODE in UNORDERED_MODES and deterministic else DQ_MODE
+
+
+def dq_mode_for(call, mode):
+    """The mode a call runs in when ``mode`` is asked for: a bulk mode's dK/dV kernel (two warpgroups, dQ_i's
+    columns split between them) takes no block mask or mods yet, and head dims whose halves fit one 64-column tile
+    of K (``splits_dq_columns``); elsewhere the one-warpgroup mode that sums dQ the same way (ordered or not)."""
+    if key_warpgroups(mode) > 1 and (has_tile_lists(call) or call.mods or not splits_dq_columns(call.head_dim)):
+        return mode[len("bulk-"):]
+    return mode
 
 
 def chosen_for(call, block_sizes):
@@ -1048,6 +1212,8 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
     assert dq_mode in DQ_MODES, dq_mode
+    dq_mode = dq_mode_for(call, dq_mode)
+    groups = key_warpgroups(dq_mode)
     if not in_simulator():
         enable_sm90a()
     words = word_extent(call)
@@ -1065,8 +1231,9 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     inputs = ("Q", "K", "V", "dO", "LSE", "D")
     varlen = sequence_mode(call)
     # Packed sequences: the longest one's tiles for every sequence (the blocks past a sequence's end leave at once).
-    k_tiles, q_tiles = cdiv(call.longest_k, BLOCK_N), cdiv(call.longest_q, BLOCK_N)
-    sum_words, turns = call.batch_heads * q_tiles * BLOCK_N * call.head_dim, call.batch_heads * q_tiles
+    k_tiles, q_tiles = cdiv(call.longest_k, groups * BLOCK_N), cdiv(call.longest_q, BLOCK_N)
+    # (the bulk modes order each half of dQ_i's columns by a counter of its own)
+    sum_words, turns = call.batch_heads * q_tiles * BLOCK_N * call.head_dim, call.batch_heads * q_tiles * groups
     # A block mask's lists (placeholders without one): query tiles per key tile for the dK/dV kernel, key tiles per
     # query tile (the forward's) for the dQ kernel and for the order of the dK/dV kernel's adds ("ordered").
     rows_lists = block_mask_arguments(call, MASK_TILES, "forward")
@@ -1082,9 +1249,10 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     dkdv_grid = k_tiles * call.batch * call.kv_heads
     preprocess = preprocess_launch(call, o_strides, do_strides)
     if dq_mode != "separate":
-        dkdv = Launch(dkdv_kernel, dkdv_grid, WARPGROUP, shared_bytes(call.head_dim, dq_mode), dkdv_operands,
+        dkdv = Launch(dkdv_kernel, dkdv_grid, groups * WARPGROUP, shared_bytes(call.head_dim, dq_mode), dkdv_operands,
                       inputs + ("dK", "dV", "DQ_SUM", "TURNS") + bounds, dkdv_extents)
-        convert = Launch(make_dq_convert(call.head_dim, call.precision, varlen), q_tiles * call.batch_heads, WARPGROUP,
+        convert = Launch(make_dq_convert(call.head_dim, call.precision, varlen, groups > 1), q_tiles * call.batch_heads,
+                         WARPGROUP,
                          0, dict(dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, heads=call.heads, n_q=call.n_q,
                                  q_tiles=q_tiles, scale=call.scale, **sequence_arguments(call)),
                          ("DQ_SUM", "dQ") + bounds, dict(DQ_SUM=sum_words, dQ=words(q_shape, dq_s), **bounds_extents))

@@ -25,11 +25,21 @@ Synchronization and Communication Instructions: mbarrier".  How the pieces fit:
   A thread that wrote a buffer with ordinary stores which the engine will write later needs
   ``fence.proxy.async`` (``wgmma.fence_proxy_async``) before the barrier that hands the buffer over.
 
+* ``bulk_reduce_add(dst, dst_word, smem, src_word, nbytes)`` goes the other way: the engine adds
+  ``nbytes`` of float32 from shared memory to device memory (``cp.reduce.async.bulk ... .add.f32``, a
+  reduction in L2, element by element).  No mbarrier: its completion is counted in *bulk groups* of the
+  issuing thread (``bulk_commit``): ``bulk_wait_read()`` returns once every committed reduction has read
+  its source (the shared buffer may be rewritten), ``bulk_wait_done()`` once their adds are done and
+  visible to this thread (then a ``threadfence`` makes them visible to whoever sees this thread's next write,
+  as an ordered sum's turn counter).  The source is written by ordinary stores: each writer's
+  ``fence.proxy.async`` and a barrier before the one thread issues it.
+
 The simulator has no copy engine: there ``bulk_copy`` copies at once (one of the orders the GPU may
 choose), the barriers count nothing and ``barrier_try_wait`` is True.  Whether a kernel waits for its
 tiles before it reads them only the GPU can say (compute-sanitizer's racecheck and synccheck, and its
 results: ``tests/gpu_sanitize.py``).
 """
+import numpy as np
 from numba import config
 
 from ...runtime.launch import inlined_device_function
@@ -37,6 +47,13 @@ from ..fast.primitives import ptx_statement
 
 #: Bytes of an mbarrier (and its alignment).
 BARRIER_BYTES = 8
+
+#: The thread's bulk reductions since its last commit become one bulk group.
+bulk_commit = ptx_statement("cp.async.bulk.commit_group;")
+#: Wait until every committed bulk group of this thread has read its shared-memory source.
+bulk_wait_read = ptx_statement("cp.async.bulk.wait_group.read 0;")
+#: Wait until every committed bulk group of this thread is complete (its writes done).
+bulk_wait_done = ptx_statement("cp.async.bulk.wait_group 0;")
 
 #: The barriers' initialisation, made visible to the copy engine (then a block barrier: to the threads).
 fence_barrier_init = ptx_statement("fence.mbarrier_init.release.cluster;")
@@ -107,6 +124,26 @@ if not config.ENABLE_CUDASIM:
 
         return types.void(dst, dst_word, src, src_word, nbytes, smem, barrier), codegen
 
+    @intrinsic
+    def bulk_reduce_add(typingctx, dst, dst_word, smem, src_word, nbytes):
+        """Start adding ``nbytes`` of float32 at ``smem[src_word]`` (shared memory) to ``dst[dst_word]`` (device
+        memory, float32), counted in this thread's next bulk group (16-byte aligned ends, ``nbytes`` a multiple of
+        16)."""
+        if not (_flat_words(dst, dst_word, 32) and dst.dtype == types.float32 and _flat_words(smem, src_word, 32)
+                and isinstance(nbytes, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            to = _global_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            origin = _shared_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64, _I32, _I32]),
+                               "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+                               "l,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [to, origin, _as_i32(context, builder, args[4], sig.args[4])])
+            return context.get_dummy_value()
+
+        return types.void(dst, dst_word, smem, src_word, nbytes), codegen
+
 else:
     def barrier_init(smem, word, arrivals):
         """Nothing to count here: the simulator's copies land when they are issued."""
@@ -126,6 +163,16 @@ else:
         dst[dst_word:dst_word + words] = src[src_word:src_word + words]
 
 
+    def bulk_reduce_add(dst, dst_word, smem, src_word, nbytes):
+        """Add now (the simulator runs one block at a time; float32 adds, element by element)."""
+        if dst_word % 4 or src_word % 4 or nbytes % 16 or nbytes <= 0:
+            raise IndexError(f"bulk_reduce_add: words {dst_word}, {src_word} and {nbytes} bytes are not 16-byte units")
+        words = nbytes // 4
+        if dst_word + words > dst.size or src_word + words > smem.size:
+            raise IndexError(f"bulk_reduce_add: {words} words from {src_word} to {dst_word} run past an array")
+        dst[dst_word:dst_word + words] += smem[src_word:src_word + words].view(np.float32)
+
+
 @inlined_device_function
 def barrier_wait(smem, word, parity):
     """Wait until the phase of ``parity`` of the mbarrier at ``smem[word]`` has completed."""
@@ -133,5 +180,5 @@ def barrier_wait(smem, word, parity):
         pass
 
 
-__all__ = ["BARRIER_BYTES", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait", "bulk_copy",
-           "fence_barrier_init"]
+__all__ = ["BARRIER_BYTES", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait", "bulk_commit",
+           "bulk_copy", "bulk_reduce_add", "bulk_wait_done", "bulk_wait_read", "fence_barrier_init"]
