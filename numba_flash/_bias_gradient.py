@@ -1,5 +1,6 @@
 """The gradient of attention into ``mods.relative_position_bias``'s table, on torch ops (for ``numba_flash.torch``,
-where the backward's kernels do not sum it: the wgmma dQ kernel does, ``kernels/hopper/bias_table.py``).
+where the backward's kernels do not sum it: packed sequences, the modes that sum dQ in the dK/dV kernel, tables
+wider than the dQ kernels take; elsewhere the dQ kernels do, ``kernels/fast/bias_table.py``).
 
 With t_ij = scale q_i k_j + bias[h, clamp(j - i, -D, D) + D] and P = softmax(t) over the allowed keys, d L / d bias[h,
 c] is the sum of dT = P o (dP - D) over the entries (i, j) of head h, every batch entry, whose clamped distance is c

@@ -23,7 +23,8 @@ from ._validation import (FORWARD_ALGORITHMS, GRADIENT_ALGORITHMS, VARLEN_ALGORI
 from .decode_plan import decode_plan
 from .dropout import kernel_args as dropout_kernel_args
 from .dropout import seed_words
-from .kernels.fast.backward import backward_launches
+from .kernels.fast.backward import backward_launches, table_fused
+from .kernels.fast.bias_table import table_rows
 from .kernels.fast.cache import append_launch
 from .kernels.fast.forward import forward_launch
 from .kernels.hopper import backward as hopper_backward
@@ -510,8 +511,9 @@ class _ForwardPlan(_Plan):
 
 
 class _BackwardPlan(_Plan):
-    #: The reach D of the relative-bias table whose gradient this plan's dQ kernel sums (``_TableBackwardPlan``).
-    table_reach = None
+    #: The reach D of the relative-bias table whose gradient this plan's dQ kernel sums (``_TableBackwardPlan``), and
+    #: the query rows of that kernel's tiles (a row of sums per tile).
+    table_reach = table_tile_rows = None
 
     def __init__(self, arrays, options):
         q, k, v, o, lse, do = (_arrays.describe(name, x) for name, x in zip(("q", "k", "v", "o", "lse", "do"),
@@ -528,14 +530,20 @@ class _BackwardPlan(_Plan):
         aligned = o.aligned and do.aligned
         if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
             dq_mode = hopper_backward.dq_mode(deterministic)
-            self.table_reach = self._fused_table_reach(dq_mode)
+            self.table_reach = self._fused_table_reach(functools.partial(hopper_backward.table_fused, self.call, dq_mode))
+            self.table_tile_rows = hopper_backward.BLOCK_N
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned, dq_mode,
                                                               self.table_reach)
+        elif loop == "flash2":
+            self.table_reach = self._fused_table_reach(functools.partial(table_fused, self.call))
+            self.table_tile_rows = self.call.block_sizes[0]
+            self.launches = backward_launches(self.call, o_strides, do_strides, aligned, self.table_reach)
         else:
-            self.launches = backward_launches(self.call, o_strides, do_strides, aligned) if loop == "flash2" else None
+            self.launches = None
 
-    def _fused_table_reach(self, dq_mode):
-        """(``_TableBackwardPlan``) the table's reach when this plan's dQ kernel sums its gradient, else None."""
+    def _fused_table_reach(self, fits):
+        """(``_TableBackwardPlan``) the table's reach when this plan's dQ kernel sums its gradient (``fits(reach)``:
+        the kernel family's ``table_fused``), else None."""
         return None
 
     def __call__(self, q, k, v, o, lse, do, seed, sequences=(), table_sums=None):
@@ -578,30 +586,31 @@ class _BackwardPlan(_Plan):
 
 class _TableBackwardPlan(_BackwardPlan):
     """``_BackwardPlan`` whose dQ kernel also sums the gradient of its score_mod's relative-bias table, where that
-    kernel runs (``hopper_backward.table_fused``); elsewhere ``table_reach`` stays None."""
+    kernel can (the mma.sync or the wgmma backward's ``table_fused``); elsewhere ``table_reach`` stays None."""
 
-    def _fused_table_reach(self, dq_mode):
+    def _fused_table_reach(self, fits):
         score, mask = self.call.mods or (None, None)
         reach = relative_bias_reach(score)
         if reach is None or mask is not None or self.call.dropout_p:
             return None
-        return reach if hopper_backward.table_fused(self.call, dq_mode, reach) else None
+        return reach if fits(reach) else None
 
     def __call__(self, q, k, v, o, lse, do):
         stream = self.stream((q, k, v, o, lse, do))   # (host inputs: 0, as after their copies)
-        sums = self.empty((hopper_backward.table_rows(self.call, self.table_reach),), "float32", stream)
+        rows = table_rows(self.call.batch_heads, -(-self.call.n_q // self.table_tile_rows), self.table_reach)
+        sums = self.empty((rows,), "float32", stream)
         gradients = super().__call__(q, k, v, o, lse, do, 0, table_sums=sums)
         sums = self.deliver((sums,), ("float32",))[0]
         return gradients + (sums.reshape(self.call.batch, self.call.heads, -1, 2 * self.table_reach + 1),)
 
 
 def _attention_backward_and_table_sums(q, k, v, o, lse, do, *, causal, scale, block_mask, algorithm, deterministic,
-                                       score_mod):
+                                       score_mod, block_sizes=None):
     """For ``numba_flash.torch``: ``attention_backward``'s (dq, dk, dv) and the sums of the gradient of score_mod's
     relative-bias table (a lone ``mods.relative_position_bias``, no dropout), (batch, H_q, query tiles, 2 D + 1)
-    float32 of the inputs' kind, to be added over axes 0 and 2, where the call's backward is the wgmma one whose dQ
-    kernel sums them (``kernels/hopper/bias_table.py``); else None (nothing launched)."""
-    plan = _plan(_TableBackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, 0.0, algorithm, None,
+    float32 of the inputs' kind, to be added over axes 0 and 2, where the call's backward has a dQ kernel that sums
+    them (``kernels/fast/bias_table.py``: the mma.sync and the wgmma backward's); else None (nothing launched)."""
+    plan = _plan(_TableBackwardPlan, (q, k, v, o, lse, do), (causal, scale, block_mask, 0.0, algorithm, block_sizes,
                                                              deterministic, score_mod, None))
     return None if plan.table_reach is None else plan(q, k, v, o, lse, do)
 

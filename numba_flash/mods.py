@@ -34,8 +34,8 @@ Where mods run: the forward and backward of ``algorithm="flash2"`` (the ``mma.sy
 sequence's indices (b its index in the pack, q_idx and kv_idx from its start); KV caches
 (``attention_with_kv_cache``) the query's position in its entry, L_b - N_q + i.  Neither classifies a mask_mod's
 tiles: it is evaluated on every visited tile's elements.  Gradients into the mods' arrays: a lone
-``relative_position_bias``'s table learns through ``numba_flash.torch`` (summed by the wgmma backward's dQ kernel,
-``kernels/hopper/bias_table.py``, else ``numba_flash/_bias_gradient.py``); other
+``relative_position_bias``'s table learns through ``numba_flash.torch`` (summed by the backward's dQ kernel, mma.sync
+or wgmma, ``kernels/fast/bias_table.py``; for packed sequences and the rest ``numba_flash/_bias_gradient.py``); other
 arrays that require grad are refused (a TypeError); sinks, which ``numba_flash.torch.attention(..., sinks=)`` applies
 after the kernel, learn too.
 

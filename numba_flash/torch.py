@@ -77,7 +77,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 def _backward_and_table(q, k, v, out, lse, grad_out, table, options, sequences=()):
     """(dq, dk, dv, d L / d table) for a lone relative_position_bias whose table learns: the table's gradient summed
-    by the wgmma backward's dQ kernel where the call runs it (``kernels/hopper/bias_table.py``), else on torch ops
+    by the backward's dQ kernel (mma.sync or wgmma) where it can (``kernels/fast/bias_table.py``), else on torch ops
     (``_table_gradient``)."""
     fused = None if sequences else _backward_and_table_sums(q, k, v, out, lse, grad_out, options)
     if fused is None:

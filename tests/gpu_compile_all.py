@@ -193,6 +193,7 @@ def mod_pairs():
 def mod_kernels(head_dim):
     """The forward and both backward passes with each ``mod_pairs`` pair, causal or not, every precision, at the
     default tiles (a mask_mod's tiles come as lists: HAS_MASK; a score_mod takes the scaled-first path)."""
+    from numba_flash import mods
     from numba_flash.kernels.fast.mod_steps import mod_steps
 
     for precision, (score_mod, mask_mod), causal in itertools.product(PRECISIONS, mod_pairs(), (False, True)):
@@ -203,6 +204,10 @@ def mod_kernels(head_dim):
         steps = mod_steps(score_mod, mask_mod, backward=True)
         fast(make_dkdv(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
         fast(make_dq(128, 64, head_dim, precision, True, causal, has_mask, False, MODS=steps))
+    # The dQ kernel that sums a learned relative-bias table's bins (``kernels/fast/bias_table.py``), every precision.
+    table = mod_steps(mods.relative_position_bias(np.zeros((2, 257), np.float32)), None, backward=True)
+    for precision, causal in itertools.product(PRECISIONS, (False, True)):
+        fast(make_dq(128, 64, head_dim, precision, True, causal, False, False, MODS=table, TABLE_REACH=128))
 
 
 def mod_tile_kernels():

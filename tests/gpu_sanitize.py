@@ -192,8 +192,11 @@ RUNS = [
     ("backward", "wgmma", BF16, None, "gqa_mods_mask"),
     ("backward", "wgmma", np.float16, None, "mods_mask_ordered"),
     ("backward", "wgmma", BF16, None, "gqa_mods_mask_unordered"),
-    # A lone relative-bias table whose gradient the dQ kernel sums (kernels/hopper/bias_table.py), checked too.
+    # A lone relative-bias table whose gradient the dQ kernel sums (kernels/fast/bias_table.py), checked too: the
+    # wgmma dQ kernel's, and the mma.sync one's at tiles with more diagonals than threads and at float32.
     ("backward", "wgmma", BF16, None, "gqa_mods_table"),
+    ("backward", "flash2", np.float16, (32, 64), "gqa_mods_table"),
+    ("backward", "flash2", np.float32, (64, 32), "mods_table"),
     # The mods on packed sequences (every tile tests the mask_mod: no tile lists) and on KV caches (contiguous with
     # the library's layout: packed query groups, splits, key warps; paged with 16 x 16 tiles).
     ("forward", "flash2", np.float16, (32, 32), "varlen_mods"),
@@ -359,7 +362,8 @@ def main(selected=()):
             do = do.view(torch.bfloat16) if dtype == BF16 else do
             if "table" in variant:
                 *grads, sums = numba_flash.api._attention_backward_and_table_sums(
-                    q, k, v, o, lse, do, algorithm=algorithm, deterministic=True, block_mask=None, scale=None, **kwargs)
+                    q, k, v, o, lse, do, algorithm=algorithm, deterministic=True, block_mask=None, scale=None,
+                    block_sizes=blocks, **kwargs)
                 worst = max(worst, check("d table", sums.sum((0, 2)),
                                          table_gradient(q64, k64, v64, do_host.astype(np.float64), **kwargs), dtype))
             else:

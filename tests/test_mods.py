@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_flash
-from numba_flash import mods
+from numba_flash import api, mods
 from reference import mods as ref
 from strategies import BFLOAT16, arrays, problems
 from test_hopper import _where
@@ -442,19 +442,21 @@ def _table_reference(torch, q, k, v, table, do, causal, allowed_blocks):
 def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
     """d L / d table through ``numba_flash.torch.attention`` against float64 autograd: ragged lengths, N_q != N_k,
     grouped heads, both causal alignments, block masks, reaches shorter and longer than the sequences (every distance
-    clamped, or none); on a GPU, the same bits on a second run.  16-bit calls on the wgmma kernels (where they run)
-    take the dQ kernel's sums (``kernels/hopper/bias_table.py``; the torch path, ``_bias_gradient``, is then not
-    called), the others the torch path."""
+    clamped, or none); on a GPU, the same bits on a second run.  Each of the three ways it can be summed: by the
+    wgmma dQ kernel (16-bit, where it runs), by the mma.sync dQ kernel (its default tiles; the test below takes others)
+    (``kernels/fast/bias_table.py``;
+    the torch path, ``_bias_gradient``, is then not called), and on the torch path (the kernels' sums refused)."""
     torch = pytest.importorskip("torch")
     import numba_flash.torch as nft
     from tolerances import table_gradient_tolerance
 
     draw = data.draw
-    fused = dtype != np.float32 and _where() is not None and draw(st.booleans())
+    wgmma = dtype != np.float32 and _where() is not None
+    path = draw(st.sampled_from(["wgmma", "mma.sync", "torch"] if wgmma else ["mma.sync", "torch"]))
     kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    longest = 80 if fused else 50   # (the wgmma kernels' tiles are 64 rows: two of them)
+    longest = 80 if path == "wgmma" else 50   # (the wgmma kernels' tiles are 64 rows: two of them)
     n_q, n_k = draw(st.integers(1, longest)), draw(st.integers(1, longest))
-    d = draw(st.sampled_from([16] if fused else [8, 16]))
+    d = draw(st.sampled_from([16] if path == "wgmma" else [8, 16]))
     reach, causal = draw(st.integers(0, 60)), draw(st.sampled_from([False, True, "bottom_right"]))
     batch = draw(st.integers(1, 2))
     blocks = draw(st.one_of(st.none(), st.integers(0, 2 ** 32 - 1)))
@@ -470,10 +472,12 @@ def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
     allowed_blocks = None if block_mask is None else torch.from_numpy(block_mask.to_dense(n_q, n_k))
 
     def table_gradient():
-        out = nft.attention(q, k, v, causal=causal, block_mask=block_mask, algorithm="wgmma" if fused else "flash2",
+        out = nft.attention(q, k, v, causal=causal, block_mask=block_mask,
+                            algorithm="wgmma" if path == "wgmma" else "flash2",
                             score_mod=mods.relative_position_bias(table))
-        if not fused:
-            return out, torch.autograd.grad(out, table, do)[0]
+        if path == "torch":
+            with mock.patch.object(nft, "_backward_and_table_sums", return_value=None):
+                return out, torch.autograd.grad(out, table, do)[0]
         with mock.patch.object(nft, "_table_gradient", side_effect=AssertionError("the torch path ran")):
             return out, torch.autograd.grad(out, table, do)[0]
 
@@ -489,6 +493,44 @@ def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
     assert np.all(err <= tol), f"table gradient, bin {worst}: error {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
     if not numba_flash.in_simulator():   # (run to run on a GPU; the simulator runs every block in one order)
         assert torch.equal(got, table_gradient()[1])
+
+
+@pytest.mark.parametrize("tiles, dtype, reach, causal", [
+    ((16, 16), np.float32, 3, True), ((16, 32), np.float16, 40, "bottom_right"), ((32, 16), BFLOAT16, 0, False),
+    pytest.param((64, 32), np.float32, 9, False, marks=pytest.mark.gpu_only),
+    pytest.param((32, 64), np.float16, 70, True, marks=pytest.mark.gpu_only)])
+def test_the_mma_sync_dq_kernel_sums_the_table_for_any_tiles(tiles, dtype, reach, causal):
+    """The mma.sync dQ kernel's table sums (``kernels/fast/bias_table.py``) at tiles of B_r query rows and B_c keys
+    either way round: more diagonals (B_r + B_c - 1) than threads (2 B_r) at (16, 32) and (32, 64), ragged lengths of
+    several tiles, grouped heads, a reach of 0 (every distance in the two edge bins at once) and one past every
+    distance; the sums over batch entries and query tiles against float64 autograd within
+    ``table_gradient_tolerance``, the kernel's dQ, dK, dV those of the same call without the table."""
+    torch = pytest.importorskip("torch")
+    from tolerances import table_gradient_tolerance
+
+    rng = np.random.default_rng(5)
+    batch, heads, kv_heads, n_q, n_k, d = 2, 2, 1, 45, 70, 16
+    q, do = (rng.standard_normal((batch, heads, n_q, d)).astype(dtype) for _ in "qo")
+    k, v = (rng.standard_normal((batch, kv_heads, n_k, d)).astype(dtype) for _ in "kv")
+    table = rng.standard_normal((heads, 2 * reach + 1)).astype(np.float32)
+    bias = mods.relative_position_bias(table)
+    out, lse = numba_flash.attention(q, k, v, causal=causal, score_mod=bias, return_lse=True)
+    options = dict(causal=causal, scale=None, block_mask=None, algorithm="flash2", deterministic=True,
+                   score_mod=bias, block_sizes=tiles)
+    *grads, sums = api._attention_backward_and_table_sums(q, k, v, out, lse, do, **options)
+    assert sums.shape == (batch, heads, -(-n_q // tiles[0]), 2 * reach + 1)
+    expected = numba_flash.attention_backward(q, k, v, out, lse, do, causal=causal, score_mod=bias,
+                                              block_sizes=tiles)
+    for got, want in zip(grads, expected):
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    as_torch = lambda x: torch.from_numpy(np.asarray(x, np.float64))   # noqa: E731
+    _, reference_grads, weights, logits = _table_reference(torch, *(as_torch(x) for x in (q, k, v, table, do)),
+                                                           causal, None)
+    tol = table_gradient_tolerance(q, np.repeat(k, heads, 1), np.repeat(v, heads, 1), out, do, d ** -0.5,
+                                   weights.numpy(), reach, dtype=dtype, mod_logits=logits)
+    err = np.abs(np.asarray(sums, np.float64).sum((0, 2)) - reference_grads[3].numpy())
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"bin {worst}: error {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
 
 
 def test_the_relative_bias_table_learns_under_torch_compile_and_other_mod_arrays_refuse_to():

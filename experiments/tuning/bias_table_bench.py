@@ -1,19 +1,20 @@
 """What a learned relative-position table costs a training step: forward + backward through ``numba_flash.torch``.
 
 For each case, ``numba_flash.torch.attention(q, k, v, causal=..., score_mod=relative_position_bias(table))`` and its
-backward (dO given), bfloat16, CUDA events, median of ``--repeats``, in one process:
+backward (dO given), ``--dtype`` (bfloat16; float32 runs the mma.sync kernels), CUDA events, median of
+``--repeats``, in one process:
 
 * ``plain``: the same call without the score_mod;
 * ``fixed``: the table does not require grad (the kernels' forward and backward with the bias);
-* ``fused``: the table learns, its gradient summed by the wgmma dQ kernel (``kernels/hopper/bias_table.py``; on a
-  Hopper GPU, where flash2 takes the wgmma backward);
+* ``fused``: the table learns, its gradient summed by the dQ kernel (``kernels/fast/bias_table.py``: on a Hopper GPU
+  the wgmma one for 16-bit calls, where flash2 takes the wgmma backward; the mma.sync one otherwise);
 * ``torch path``: the table learns, its gradient on torch ops (``numba_flash/_bias_gradient.py``: what every other
   backward takes), forced by making the fused path decline.
 
 Also: the largest difference between the two table gradients over the largest entry (float32 sums in other orders),
 and whether the fused one has the same bits on a second run.
 
-    PYTHONPATH=$PWD python3 experiments/tuning/bias_table_bench.py [--repeats 10]
+    PYTHONPATH=$PWD python3 experiments/tuning/bias_table_bench.py [--repeats 10] [--dtype float32]
 
 Prints one line per case; results: ``results/bias_table_gradient_h100.md``.  Needs a GPU and torch.
 """
@@ -30,8 +31,8 @@ CASES = [(4, 16, 4096, 64, True, 128), (2, 16, 8192, 128, True, 128), (4, 16, 40
          (8, 16, 2048, 128, False, 32)]
 
 
-def run_case(batch, heads, n, d, causal, reach, repeats):
-    q, k, v, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+def run_case(batch, heads, n, d, causal, reach, repeats, dtype=torch.bfloat16):
+    q, k, v, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True)
                          for _ in "qkvo")
     fused_path = numba_flash_torch._backward_and_table_sums
     times, gradients = {}, {}
@@ -66,9 +67,10 @@ def run_case(batch, heads, n, d, causal, reach, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = parser.parse_args(argv)
     for case in CASES:
-        run_case(*case, args.repeats)
+        run_case(*case, args.repeats, getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

@@ -56,8 +56,11 @@ from numba import cuda, float32, uint32, uint64
 from ...dropout import dropout_weight
 from ...runtime.launch import Kernel, Launch, inlined_device_function
 from ...sparsity.tile_lists import listed_tile, reads_layout
-from ...tiling import (ROWS_PER_WARP, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages, flash2_threads,
-                       padded_head_dim)
+from ...runtime.arrays import placeholder
+from ...runtime.device import device_limits
+from ...tiling import (ROWS_PER_WARP, SharedTiles, cdiv, flash2_dkdv_smem, flash2_dq_smem, flash2_stages,
+                       flash2_threads, padded_head_dim)
+from .bias_table import FUSED_REACH, table_rows, table_steps, table_words
 from .common import (LOG2_E, allowed, block_mask_arguments, ceil_div, dropout_arguments, dropout_words,
                      has_tile_lists, kernel_name, lane_flags, log2_lse, lse_slabs, operand_extent, partly_masked_tiles,
                      sequence_arguments, sequence_arrays, sequence_bounds, tile_coordinates, tile_copier, tile_movers,
@@ -355,16 +358,51 @@ def make_dkdv(BLOCK_KEYS, BLOCK_QUERIES, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK
 
 
 @lru_cache(maxsize=None)
+def dq_layout(table_reach=None, threads=0):
+    """The dQ kernel's shared memory as ``flash2_dq_smem``'s signature takes it: its tiles, then, where it sums a
+    relative-bias table's gradient of reach ``table_reach`` (``bias_table.py``), that step's words."""
+    if table_reach is None:
+        return flash2_dq_smem
+
+    def layout(block_queries, block_keys, d_pad, precision, stages=1):
+        words = table_words(table_reach, threads, block_queries, block_keys)
+        tiles = flash2_dq_smem(block_queries, block_keys, d_pad, precision, stages)
+        return SharedTiles(tiles.tiles + (("TABLE", -(-words // 4) * 4),))
+
+    return layout
+
+
+def table_fused(call, reach):
+    """Whether this backward's dQ kernel can sum the gradient of a relative-bias table of reach D = ``reach``
+    (``bias_table.py``): no packed sequences, a table of at most 2 FUSED_REACH + 1 bins, and the kernel's tiles with
+    the step's words (one stage of K_j, V_j at least) within the device's shared memory."""
+    if call.varlen is not None or not 0 <= reach <= FUSED_REACH:
+        return False
+    own, streamed = call.block_sizes
+    layout = dq_layout(reach, flash2_threads(own))
+    d_pad = padded_head_dim(call.head_dim, call.precision)
+    return layout(own, streamed, d_pad, call.precision).bytes <= device_limits().shared_bytes_per_block_optin
+
+
 def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False,
-            MODS=None, READS_LAYOUT=True):
+            MODS=None, READS_LAYOUT=True, TABLE_REACH=None):
     """dQ: one thread block per (query tile of BLOCK_QUERIES, batch, head); see the module docstring.
-    MODS, READS_LAYOUT: as ``make_dkdv``'s."""
+    MODS, READS_LAYOUT: as ``make_dkdv``'s.  TABLE_REACH = D (MODS a lone ``relative_position_bias`` of a
+    (H, 2 D + 1) table, no dropout, no packed sequences): dS also summed into the table's bins (``bias_table.py``),
+    written to TABLE_SUMS (a row of 2 D + 1 per block)."""
+    assert TABLE_REACH is None or (MODS is not None and not VARLEN and not HAS_DROPOUT), "a table: see table_fused"
     SIXTEEN = PRECISION != "tf32x3"
     THREADS = flash2_threads(BLOCK_QUERIES)
     WORD = uint32 if SIXTEEN else float32
-    STAGES = flash2_stages(flash2_dq_smem, BLOCK_QUERIES, BLOCK_KEYS, D_PAD, precision=PRECISION, vec=VEC)
+    layout = dq_layout(TABLE_REACH, THREADS)
+    STAGES = flash2_stages(layout, BLOCK_QUERIES, BLOCK_KEYS, D_PAD, precision=PRECISION, vec=VEC)
     ASYNC = STAGES == 2                          # K_j, V_j by cp.async into the other buffer
-    tiles = flash2_dq_smem(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, STAGES)
+    tiles = layout(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, STAGES)
+    TABLE = TABLE_REACH is not None
+    if TABLE:
+        zero_bins, stash_gradients, add_diagonals, write_bins = table_steps(TABLE_REACH, THREADS, BLOCK_QUERIES,
+                                                                            BLOCK_KEYS, True)
+        TABLE_AT, TABLE_BINS = tiles.offset("TABLE"), 2 * TABLE_REACH + 1
     Q_HI, Q_LO = _tile_offsets(tiles, "Q", SIXTEEN)
     DO_HI, DO_LO = _tile_offsets(tiles, "DO", SIXTEEN)
     K_HI, K_LO = _tile_offsets(tiles, "K", SIXTEEN)
@@ -456,8 +494,9 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                do_sn, dq_sb, dq_sh, dq_sn, heads, group, n_q, n_k, head_dim, q_tiles, causal_offset, scale,
                scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r, mask_t_c, q_bounds, q_step,
                k_bounds, k_step, bottom_right, lse_sb, lse_sh, keep_threshold, keep_scale, seed0, seed1, MOD0, MOD1,
-               MOD2, MOD3):
-        # As the dkdv kernel, with the lists per query tile (as the forward's).
+               MOD2, MOD3, TABLE_SUMS):
+        # As the dkdv kernel, with the lists per query tile (as the forward's); TABLE_SUMS: the table's sums
+        # (TABLE), else a placeholder.
         tile, h, b, bh = tile_coordinates(cuda.blockIdx.x, q_tiles, heads, CAUSAL)
         lse_rows = n_q                           # of lse and D per (batch, head), or per head when VARLEN
         q_first, k_first, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
@@ -507,6 +546,9 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
         if ASYNC and n_tiles > 0:
             k0 = listed_tile(tile_entries, first, BLOCK_KEYS)[0] if HAS_MASK else 0
             start_key_tile(smem, 0, K, V, k_row + k0 * k_sn, v_row + k0 * v_sn, k_sn, v_sn, n_k - k0, head_dim, tid)
+        low = high = float32(0)   # (TABLE: this thread's sums of the edge bins)
+        if TABLE:
+            zero_bins(smem, TABLE_AT, tid)
         for j in range(n_tiles):
             if HAS_MASK:
                 k0, partly_masked = listed_tile(tile_entries, first + j, BLOCK_KEYS)
@@ -537,7 +579,13 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
                            keep_threshold, keep_scale, seed0, seed1, mod_args)
             # dQ_i += dS K_j
             accumulate_product(dq_acc, (float32(1), float32(1)), s, smem, K_HI + stage, K_LO + stage, g, t)
+            if TABLE:   # dS along the table's bins; the next tile's first barrier orders its stash after these reads
+                stash_gradients(smem, TABLE_AT, s, warp, g, t)
+                cuda.syncthreads()   # every lane's dS is in the tile
+                low, high = add_diagonals(smem, TABLE_AT, k0 - q0, low, high, tid)
 
+        if TABLE:
+            write_bins(smem, TABLE_AT, low, high, TABLE_SUMS, (bh * q_tiles + q_tile) * TABLE_BINS, tid)
         for half in range(2):
             row = q0 + row0 + 8 * half
             if row < n_q:
@@ -547,19 +595,21 @@ def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, 
     data = ((np.uint32 if VEC else np.uint16) if SIXTEEN else np.float32)
     return Kernel(kernel, kernel_name("flash2_backward_dq", (BLOCK_QUERIES, BLOCK_KEYS), D_PAD, PRECISION, VEC, CAUSAL,
                                       HAS_MASK, HAS_DROPOUT, VARLEN)
-                  + mods_suffix(MODS),
+                  + mods_suffix(MODS) + (f"_table{TABLE_REACH}" if TABLE else ""),
                   arrays=dict(Q=data, K=data, V=data, dO=data, LSE=np.float32, D=np.float32, dQ=data,
                               tile_offsets=np.int32, tile_entries=np.int32, M=np.uint8, q_bounds=np.int32,
-                              k_bounds=np.int32, **slot_arrays(MODS)),
+                              k_bounds=np.int32, **slot_arrays(MODS), TABLE_SUMS=np.float32),
                   floats=("scale", "scale_log2", "keep_scale"))
 
 
-def backward_launches(call, o_strides, do_strides, do_aligned):
+def backward_launches(call, o_strides, do_strides, do_aligned, table_reach=None):
     """flash2's backward for a validated ``AttentionCall`` as three ``Launch``es (preprocess, dK/dV, dQ).
 
     Per call: preprocess takes (O, dO, D); dK/dV (Q, K, V, dO, LSE, D, dK, dV[, q_bounds, k_bounds], seed0, seed1);
     dQ (Q, K, V, dO, LSE, D, dQ[, q_bounds, k_bounds], seed0, seed1), the bounds for per-batch lengths.  D
     is float32 scratch shaped like lse; the results are new C-contiguous arrays of q's, k's and v's shapes.
+    ``table_reach`` (``table_fused``): the dQ kernel also sums the relative-bias table's gradient (``bias_table.py``),
+    into a float32 array of batch * heads * query tiles * (2 D + 1) words passed after dQ.
     """
     own, streamed = call.block_sizes
     d_pad = padded_head_dim(call.head_dim, call.precision)
@@ -600,15 +650,19 @@ def backward_launches(call, o_strides, do_strides, do_aligned):
         dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s)))
 
     q_tiles = cdiv(call.longest_q, own)
-    dq = make_dq(own, streamed, *flags, READS_LAYOUT=reads_layout(partly_masked_tiles(call, (own, streamed), "dq")))
-    dq_stages = flash2_stages(flash2_dq_smem, own, streamed, d_pad, precision=call.precision, vec=vec)
+    dq = make_dq(own, streamed, *flags, READS_LAYOUT=reads_layout(partly_masked_tiles(call, (own, streamed), "dq")),
+                 TABLE_REACH=table_reach)
+    layout = dq_layout(table_reach, threads)
+    dq_stages = flash2_stages(layout, own, streamed, d_pad, precision=call.precision, vec=vec)
+    table = table_reach is not None
     dq_launch = Launch(
-        dq, q_tiles * call.batch_heads, threads,
-        flash2_dq_smem(own, streamed, d_pad, call.precision, dq_stages).bytes,
+        dq, q_tiles * call.batch_heads, threads, layout(own, streamed, d_pad, call.precision, dq_stages).bytes,
         dict(operands, dq_sb=dq_s.batch, dq_sh=dq_s.head, dq_sn=dq_s.row, q_tiles=q_tiles,
-             **block_mask_arguments(call, (own, streamed), "dq")),
-        ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + ("seed0", "seed1"),
-        dict(extents, dQ=words(q_shape, dq_s)))
+             **block_mask_arguments(call, (own, streamed), "dq"), **({} if table else
+                                                                     dict(TABLE_SUMS=placeholder(np.float32)))),
+        ("Q", "K", "V", "dO", "LSE", "D", "dQ") + sequences + (("TABLE_SUMS",) if table else ()) + ("seed0", "seed1"),
+        dict(extents, dQ=words(q_shape, dq_s), **(dict(TABLE_SUMS=table_rows(call.batch_heads, q_tiles, table_reach))
+                                                  if table else {})))
     return preprocess_launch(call, o_strides, do_strides), dkdv_launch, dq_launch
 
 

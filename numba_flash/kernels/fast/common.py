@@ -649,8 +649,16 @@ def warp_lane(tid):
     return tid // 32, lane >> 2, lane & 3
 
 
+@inlined_device_function
+def lane_entry(i, g, t, warp):
+    """(row, column) of lane (g, t) of warp ``warp``'s accumulator register i in a tile of 16-row warps: mma's C
+    fragment and wgmma's accumulator alike (``hopper/wgmma.py``'s table: columns 8 (i // 4) + 2t and + 1, rows g and
+    g + 8 of the warp's 16, whatever the width)."""
+    return 16 * warp + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
+
+
 __all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "cache_rows",
            "ceil_div", "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "entry_fits",
-           "kernel_name", "lse_slabs", "operand_extent", "pair_has_nan", "paging_arguments", "partly_masked_tiles",
-           "row_lse", "sequence_arguments", "sequence_arrays", "sequence_bounds", "sequence_mode", "tile_coordinates",
+           "kernel_name", "lane_entry", "lse_slabs", "operand_extent", "pair_has_nan", "paging_arguments",
+           "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_arrays", "sequence_bounds", "sequence_mode", "tile_coordinates",
            "tile_copier", "tile_movers", "warp_lane", "word_extent", "words_per_chunk_row"]

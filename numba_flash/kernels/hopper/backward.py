@@ -74,7 +74,7 @@ o d score_mod / d score, the derivative the backward's ``ModSteps`` traced (``fa
 ``mod_weight``).  The dK/dV kernel packs P^T for dV's product and keeps P^T o d score_mod / d score in S^T's
 registers in the same pass (``probability_pair``), so the slope needs no registers of its own.  A lone
 ``relative_position_bias`` whose table learns: the dQ kernel also sums dS into the table's bins (TABLE_REACH,
-``bias_table.py``).  Without mods the PTX
+``fast/bias_table.py``).  Without mods the PTX
 instructions are unchanged (sm_90a, 2026-12-06).  GPU tests and sanitizers: ``experiments/tuning/results/
 gpu_tests_h200.md``.
 
@@ -132,7 +132,8 @@ from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled,
 from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
-from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_tile_lists, log2_lse, lse_slabs,
+from ..fast.bias_table import FUSED_REACH, table_rows, table_steps, table_words
+from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_entry, log2_lse, lse_slabs,
                            partly_masked_tiles, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
                            tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
@@ -140,9 +141,8 @@ from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_a
 from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
                                store_vec4, store_word, u32_as_f32)
 from . import forward
-from .bias_table import FUSED_REACH, table_steps, table_words
 from .bulk import bulk_commit, bulk_reduce_add, bulk_wait_done, bulk_wait_read
-from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, lane_entry, mn_major_descriptor,
+from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
                      mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
 from .wgmma import (ROW_BYTES, advanced_device, enable_sm90a, fence_proxy_async, shared_address, swizzle_128_device,
                     wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
@@ -960,7 +960,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
     warpgroup, ``MASK_TILES``), as in the forward; PARTLY_MASKED, VARLEN and MODS as the dK/dV kernel's (a block
     past its sequence's queries leaves before any barrier; a score_mod's dS = P o (dP - D) o d score_mod / d score
     in ``score_gradients``).  TABLE_REACH = D (MODS a lone ``relative_position_bias`` of a (H, 2 D + 1) table): dS
-    also summed into the table's bins (``bias_table.py``), written to TABLE_SUMS (a row of 2 D + 1 per block)."""
+    also summed into the table's bins (``fast/bias_table.py``), written to TABLE_SUMS (a row of 2 D + 1 per block)."""
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
     assert TABLE_REACH is None or (MODS is not None and not VARLEN), "a table's bins: a score_mod, no packed sequences"
     assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
@@ -976,7 +976,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
     mod_weight = entry_steps(MODS)[2]
     TABLE = TABLE_REACH is not None
     if TABLE:
-        zero_bins, stash_gradients, add_diagonals, write_bins = table_steps(TABLE_REACH, WARPGROUP)
+        zero_bins, stash_gradients, add_diagonals, write_bins = table_steps(TABLE_REACH, WARPGROUP, BLOCK_N, BLOCK_N)
         TABLE_BINS = 2 * TABLE_REACH + 1
 
     def gradient_entry(i):
@@ -1204,7 +1204,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     """The wgmma backward for a validated call in its scope: with ``dq_mode`` "separate", three ``Launch``es
     (preprocess, dK/dV, dQ) taking per call what the mma.sync backward's take (``fast/backward.backward_launches``);
     otherwise a ``SummedDq``.  ``table_reach`` (``table_fused``): the dQ kernel also sums the relative-bias table's
-    gradient (``bias_table.py``), into a float32 array of ``table_rows(call, table_reach)`` words passed after dQ."""
+    gradient (``fast/bias_table.py``), into a float32 array of ``bias_table.table_rows`` words passed after dQ."""
     reason = out_of_scope(call, "backward")
     if reason is None and not (do_aligned and all(s % 8 == 0 for s in (do_strides.batch, do_strides.head,
                                                                           do_strides.row))):
@@ -1272,17 +1272,13 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     else:
         assert table_fused(call, dq_mode, table_reach)
         dq = Launch(dq_kernel, q_tiles * call.batch_heads, WARPGROUP,
-                    shared + 4 * table_words(table_reach, WARPGROUP), dq_operands, inputs + ("dQ", "TABLE_SUMS"),
-                    dict(extents, dQ=words(q_shape, dq_s), TABLE_SUMS=table_rows(call, table_reach)))
+                    shared + 4 * table_words(table_reach, WARPGROUP, BLOCK_N, BLOCK_N), dq_operands,
+                    inputs + ("dQ", "TABLE_SUMS"),
+                    dict(extents, dQ=words(q_shape, dq_s), TABLE_SUMS=table_rows(call.batch_heads, q_tiles, table_reach)))
     return preprocess, dkdv, dq
 
 
 def table_fused(call, dq_mode, reach):
     """Whether this backward's dQ kernel can sum the gradient of a relative-bias table of reach D = ``reach``
-    (``bias_table.py``): dQ in a kernel of its own, no packed sequences, a table of at most 2 FUSED_REACH + 1 bins."""
+    (``fast/bias_table.py``): dQ in a kernel of its own, no packed sequences, a table of at most 2 FUSED_REACH + 1 bins."""
     return dq_mode == "separate" and not sequence_mode(call) and 0 <= reach <= FUSED_REACH
-
-
-def table_rows(call, reach):
-    """Words of the dQ kernel's table sums: 2 D + 1 bins per (batch, query head, query tile), in that order."""
-    return call.batch_heads * cdiv(call.n_q, BLOCK_N) * (2 * reach + 1)

@@ -59,13 +59,6 @@ def query_tile(block_id, q_tiles, heads, causal, rows):
 
 
 @inlined_device_function
-def lane_entry(i, g, t, warp):
-    """(row, column) of this lane's accumulator register i in a 64-row accumulator (``wgmma.py``'s table: columns
-    8 (i // 4) + 2t and + 1, whatever its N)."""
-    return 16 * warp + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2
-
-
-@inlined_device_function
 def first_atom_words(base):
     """Words from a shared array at shared address ``base`` to its first 1024-byte boundary, where the swizzled tiles
     start (a 128-byte-swizzle atom is 1024 bytes, and the swizzle is a function of the address)."""
