@@ -95,8 +95,8 @@ def hopper(head_dims, elements=("f16", "bf16")):
     before a change), and the packed ones' registers and spills are the ones to watch.  Head dims past 128 (the
     forward's alone, on the 256-column layout, no register cap) also in every other loop, warpgroup count and
     block mask (float16: bfloat16's kernels differ only in the conversions)."""
-    from numba_flash.kernels.hopper.backward import (DQ_MODES, key_warpgroups, make_dq_convert, make_wgmma_dkdv,
-                                                     make_wgmma_dq, splits_dq_columns)
+    from numba_flash.kernels.hopper.backward import make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES, key_warpgroups, splits_dq_columns
     from numba_flash.kernels.hopper.common import HEAD_DIMS, layout_dim
     from numba_flash.kernels.hopper.forward import DEFAULT_WARPGROUPS, make_wgmma_forward
 
@@ -231,7 +231,8 @@ def hopper_mod_kernels(head_dims, element="f16"):
     with the element test: HAS_MASK, PARTLY_MASKED); then the dQ kernel that sums a relative-bias table's gradient.  float16 only: bfloat16 differs in the packing alone."""
     from numba_flash import mods
     from numba_flash.kernels.fast.mod_steps import mod_steps
-    from numba_flash.kernels.hopper.backward import DQ_MODES, key_warpgroups, make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.backward import make_wgmma_dkdv, make_wgmma_dq
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES, key_warpgroups
     from numba_flash.kernels.hopper.forward import make_wgmma_forward
 
     for d, (score_mod, mask_mod), causal in itertools.product(head_dims, mod_pairs(), (False, True)):

@@ -321,12 +321,13 @@ def wgmma_dq(mode):
     and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
+    from numba_flash.kernels.hopper.dq_sums import UNORDERED_MODES
 
     saved = hopper_backward.DQ_MODE
     hopper_backward.DQ_MODE = mode
     api._PLANS.clear()
     try:
-        yield mode not in hopper_backward.UNORDERED_MODES
+        yield mode not in UNORDERED_MODES
     finally:
         hopper_backward.DQ_MODE = saved
         api._PLANS.clear()

@@ -597,7 +597,7 @@ def test_the_wgmma_backward_matches_the_float64_reference(data):
     run."""
     import ml_dtypes
 
-    from numba_flash.kernels.hopper.backward import DQ_MODES
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES
     from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS
 
     where = _where()
@@ -673,7 +673,7 @@ def test_the_wgmma_backward_with_a_block_mask_matches_the_float64_reference(data
     where deterministic, bitwise equal run to run."""
     import ml_dtypes
 
-    from numba_flash.kernels.hopper.backward import DQ_MODES
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES
     from numba_flash.kernels.hopper.common import BLOCK_N, HEAD_DIMS
     from strategies import block_masks
 
@@ -783,7 +783,7 @@ def _check_wgmma_backward(q, k, v, do, causal, dq_mode, token_major, block_mask=
             assert np.all(np.asarray(got, np.float64)[unseen_keys] == 0), f"{name}: a key no query sees"
     # Bitwise repeatable run to run: a GPU's property (blocks in any order).  The simulator runs blocks in one order,
     # so there the second run can only catch state a call leaves behind: the summing modes' turns and float32 sum.
-    from numba_flash.kernels.hopper.backward import UNORDERED_MODES
+    from numba_flash.kernels.hopper.dq_sums import UNORDERED_MODES
     if dq_mode not in UNORDERED_MODES and (where == "hopper" or dq_mode != "separate"):
         for got, again in zip(grads, gradients()):
             assert np.array_equal(got.view(np.uint16), again.view(np.uint16))

@@ -137,7 +137,7 @@ def check_gradients(q, k, v, causal, block_mask, score_mod, mask_mod, do, dq_mod
 @given(data=st.data())
 def test_the_wgmma_gradients_with_mods_match_the_float64_reference(data):
     """dQ, dK, dV in each way of summing dQ: dS = P (dP - D) d score_mod / d score, 0 where masked."""
-    from numba_flash.kernels.hopper.backward import DQ_MODES
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES
 
     problem = data.draw(wgmma_problems())
     dq_mode = data.draw(st.sampled_from(DQ_MODES))

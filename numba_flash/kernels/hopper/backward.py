@@ -14,7 +14,7 @@ A head dim that is not a multiple of 64 runs on the shared-memory layout of the 
 on d = 128's two swizzled 64-column tiles, ``common.layout_dim``), the pad columns zero-filled by the same cp.async
 copies; the products take only d: S^T and dP^T in d / 16 k-steps, dV, dK (and the dQ kernel's dQ) as m64n{d}k16,
 whose MN-major B is read only up to column d - 1, dQ's slices in the dK/dV kernel as wide as d
-(``dq_slice_columns``), and the stores write d columns.
+(``dq_sums.dq_slice_columns``), and the stores write d columns.
 
 Three launches: the mma.sync backward's preprocess (D = rowsum(dO o O), ``fast/backward.preprocess_launch``),
 a dK/dV kernel of one warpgroup (128 threads; each warp owns 16 of the tile's 64 rows, its lanes hold accumulators
@@ -93,7 +93,7 @@ kernel's, searched by bisection), and the argument holds as before.  "atomic" ad
 ``deterministic=False`` only).  On an H100 (2026-12-05) the two summing modes lost to "separate" everywhere: the
 dK/dV kernel's extra registers and dS^T stores, the adds' traffic, and for "ordered" the waits for turns, cost more
 than two products (``docs/performance.md``).  "bulk-ordered" and "bulk-atomic" sum it as FlashAttention-3's data
-flow does (``bulk_dq_steps``): a block of two warpgroups on 128 keys (each its own K and V tiles; the first copies
+flow does (``dq_sums.bulk_dq_steps``): a block of two warpgroups on 128 keys (each its own K and V tiles; the first copies
 each step's Q_i, the second its dO_i), both warpgroups' dS^T in shared memory, warpgroup w computing dQ_i's columns
 w d / 2 .. (w + 1) d / 2 - 1 over the 128 keys and adding them from a float32 buffer by one bulk reduction
 (``bulk.bulk_reduce_add``) that one of its threads issues, in turn (a counter per query tile and half) or not: half
@@ -138,40 +138,18 @@ from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_
                            tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
-from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, reduce_add_pair,
-                               store_vec4, store_word, u32_as_f32)
+from ..fast.primitives import copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word, u32_as_f32
 from . import forward
 from .bulk import bulk_commit, bulk_reduce_add, bulk_wait_done, bulk_wait_read
-from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, mn_major_descriptor,
-                     mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
-from .wgmma import (ROW_BYTES, advanced_device, enable_sm90a, fence_proxy_async, shared_address, swizzle_128_device,
-                    wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
+from .common import (A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, k_step_bytes,
+                     mn_major_descriptor, mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
+from .dq_sums import (DQ_MODES, DS_TILE_BYTES, UNORDERED_MODES, bulk_dq_steps, contributors, dq_steps, key_warpgroups,
+                      pass_turn, register_order_word, splits_dq_columns, wait_turn)
+from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
+                    wgmma_rs, wgmma_ss, wgmma_wait)
 
 WARPGROUP = 128          # threads of a block: one warpgroup
 TILES = 6                # 64-row tiles in shared memory: the two kept, and two stages of the two streamed
-#: Where dQ is summed over the key tiles: in a pass of its own (S and dP computed again, no atomics), or by the
-#: dK/dV kernel, each key tile's dS K added into a float32 accumulator in an order fixed by semaphores ("ordered",
-#: deterministic) or in whatever order the adds arrive ("atomic"); the "bulk-" modes sum it the same two ways from a
-#: dK/dV kernel of two warpgroups on 128 keys, each adding its half of dQ_i's columns by one bulk reduction from
-#: shared memory (``bulk_dq_steps``; FlashAttention-3's way).
-DQ_MODES = ("separate", "ordered", "atomic", "bulk-ordered", "bulk-atomic")
-#: The modes whose adds land in whatever order they arrive (``deterministic=False`` only).
-UNORDERED_MODES = ("atomic", "bulk-atomic")
-DS_TILE_BYTES = tile_bytes(BLOCK_N)   # dS^T (64 keys x 64 query rows, 16-bit), dQ's A operand
-
-
-def key_warpgroups(dq_mode):
-    """Warpgroups of the dK/dV kernel's block in ``dq_mode``, each on 64 keys of the block's key tile: two in the
-    bulk modes, else one."""
-    return 2 if dq_mode.startswith("bulk-") else 1
-
-
-def splits_dq_columns(head_dim):
-    """Whether the bulk modes can split dQ_i's columns between their two warpgroups at head dim d: each half (d / 2
-    columns) must lie in one 64-column tile of K, which its product's B descriptor names (d <= 64, or d = 128)."""
-    return head_dim <= 64 or head_dim == 128
-
-
 def shared_bytes(head_dim, dq_mode="separate"):
     """The K and V tiles (one each per warpgroup), two stages of Q_i and dO_i, the streamed query rows' lse and D (two
     stages), dS^T (one tile per warpgroup) where dQ is summed by the dK/dV kernel, dQ_i's float32 halves in the bulk
@@ -244,8 +222,6 @@ def row_store(HEAD_DIM, ELEMENT):
     return store_rows
 
 
-S_REGISTERS = BLOCK_N // 2   # a lane's registers of a 64 x 64 accumulator (S, dP, and their transposes)
-A_WORDS = S_REGISTERS // 2   # the same as 16-bit pairs: an A operand from registers
 wait_all_products = wgmma_wait(0)
 wait_all_but_one = wgmma_wait(1)
 
@@ -356,150 +332,6 @@ def dkdv_blocks_per_multiprocessor(head_dim, dq_mode, mods, partly_masked, varle
     have more registers live still."""
     capped = head_dim <= 64 and dq_mode == "separate" and mods is None and not partly_masked and not varlen
     return 3 if capped else 1
-
-
-def dq_slice_columns(head_dim):
-    """Columns of each slice of dQ_i += dS_ij K_j in the dK/dV kernel (``dq_steps``): 64 at d = 128, the whole
-    head dim below.
-
-    A slice is one product whose B (K, read MN-major) starts on one of K's 64-column tiles (the descriptor names
-    whole tiles, N how much of them), and slices of one width keep the products one loop: so the whole d, or 64
-    where d is a multiple of 64.  A slice's accumulator (half its columns in registers) is live beside dK's and
-    dV's (d / 2 each) and the packed P^T and dS^T that the products in flight still read (32): at d = 128 the
-    whole slice would make that 224 where the 64-column slices' 192 already reach 255 registers with spills; at
-    d = 96 it is 176, against 160 for slices of 64 and 32 columns (two product groups and two waits a step, and
-    a second product width).  ptxas 13.0, sm_90a (2026-12-05): at d = 96 the kernels that sum dQ take 243-253
-    registers, no spills, and 243-252 with a 64-column slice in place of the 96-column one, so splitting would
-    win no registers; d = 112 takes 252-255, its unordered kernels spilling 20-28 bytes (d = 128: 20-68)."""
-    return 64 if head_dim == 128 else head_dim
-
-
-@lru_cache(maxsize=None)
-def dq_steps(HEAD_DIM, ELEMENT):
-    """The steps by which the dK/dV kernel sums dQ (``DQ_MODES`` "ordered" and "atomic"): (stage_ds, issue_dq_slice,
-    add_dq_slice, DQ_SLICES, SLICE_REGISTERS).  dQ_i += dS_ij K_j is computed DQ_SLICE columns at a time
-    (``dq_slice_columns``) and each slice is added to the float32 accumulator by reductions in L2
-    (``reduce_add_pair``)."""
-    DQ_SLICE = dq_slice_columns(HEAD_DIM)
-    DQ_SLICES = HEAD_DIM // DQ_SLICE
-    SLICE_REGISTERS = DQ_SLICE // 2
-    slice_product = wgmma_ss(DQ_SLICE, ELEMENT, True, True)   # dQ slice += dS K: A (dS^T's tile) and B (K) MN-major
-    first_slice_product = wgmma_ss(DQ_SLICE, ELEMENT, True, True, fresh=True)
-
-    @inlined_device_function
-    def stage_ds(smem, ds_at, ds_words, warp, g, t):
-        """dS^T, packed (``pack_pairs``), into its swizzled 64 x 64 tile at word ``ds_at``: rows the keys, the query
-        rows along each row, so that the tile is dS as an MN-major A operand.  Word x of ``ds_words`` holds the
-        accumulator's registers 2x and 2x + 1: row 16 warp + g + 8 (x % 2), columns 8 (x // 2) + 2t and + 1."""
-        for x in range(A_WORDS):
-            row, column = 16 * warp + g + 8 * (x % 2), 8 * (x // 2) + 2 * t
-            store_word(smem, ds_at + swizzle_128_device(row * ROW_BYTES + 2 * column) // 4, ds_words[x])
-
-    @inlined_device_function
-    def issue_dq_slice(dq_acc, ds_desc, kt_desc, part):
-        """dq_acc = dS K[:, DQ_SLICE part : DQ_SLICE (part + 1)], four k-steps along the keys (the first
-        overwriting), one commit group.  Where there are several slices they are K's 64-column tiles, DS_TILE_BYTES
-        (64 x 64 16-bit) apart."""
-        wgmma_fence()   # dS^T's tile and the registers, before the products read and write them
-        first_slice_product(dq_acc, ds_desc, advanced_device(kt_desc, part * DS_TILE_BYTES))
-        for step in range(1, BLOCK_N // 16):
-            slice_product(dq_acc, advanced_device(ds_desc, mn_step_bytes(step)),
-                          advanced_device(kt_desc, part * DS_TILE_BYTES + mn_step_bytes(step)))
-        wgmma_commit()
-
-    @inlined_device_function
-    def add_dq_slice(DQ_SUM, first, dq_acc, part, warp, g, t):
-        """This lane's entries of a 64 x DQ_SLICE slice added to the float32 accumulator, row r at first + r
-        HEAD_DIM."""
-        for i in range(0, SLICE_REGISTERS, 2):
-            row, column = lane_entry(i, g, t, warp)
-            reduce_add_pair(DQ_SUM, first + row * HEAD_DIM + DQ_SLICE * part + column, dq_acc[i], dq_acc[i + 1])
-
-    return stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS
-
-
-@lru_cache(maxsize=None)
-def bulk_dq_steps(HEAD_DIM, ELEMENT):
-    """The steps by which the bulk modes' dK/dV kernel (two warpgroups, 128 keys) sums dQ: (issue_dq_half,
-    stage_dq_half, HALF_REGISTERS, HALF_WORDS).  Warpgroup w computes dQ_i's columns w d / 2 .. (w + 1) d / 2 - 1
-    over all 128 keys (A: both warpgroups' dS^T tiles, read as dS; B: both K tiles, MN-major, from that column on),
-    so that each half is added once a step for the block's 128 keys: half the adds of the one-warpgroup modes'
-    64-key tiles.  The half goes from the registers to shared memory in register order (``stage_dq_half``) and from
-    there by one bulk reduction into DQ_SUM, whose (head, query tile) slab of 64 x d is these two halves, each in that
-    order (``make_dq_convert``'s REGISTER_ORDER reads it back)."""
-    assert splits_dq_columns(HEAD_DIM), HEAD_DIM
-    HALF = HEAD_DIM // 2
-    HALF_REGISTERS = HALF // 2
-    HALF_WORDS = BLOCK_N * HALF
-    K_TILE_BYTES = tile_bytes(HEAD_DIM)   # the second warpgroup's K tile follows the first's
-    half_product = wgmma_ss(HALF, ELEMENT, True, True)   # A (dS^T's tiles) and B (K) MN-major
-    first_half_product = wgmma_ss(HALF, ELEMENT, True, True, fresh=True)
-
-    @inlined_device_function
-    def issue_dq_half(dq_acc, ds_desc, kt_desc, wg):
-        """dq_acc = dS K[:, HALF wg : HALF (wg + 1)] over the block's 128 keys: eight k-steps, four from each
-        warpgroup's dS^T and K tiles (the first overwriting), one commit group.  The half starts on a 64-column tile
-        of K (d = 128), or inside the first (d <= 64: its 128-byte rows swizzled by address, as the K-major k-steps'
-        32-byte offsets)."""
-        column = wg * HALF
-        b_at = (column // 64) * DS_TILE_BYTES + (column % 64) * 2
-        wgmma_fence()   # dS^T's tiles and the registers, before the products read and write them
-        first_half_product(dq_acc, ds_desc, advanced_device(kt_desc, b_at))
-        for step in range(1, 2 * BLOCK_N // 16):
-            tile, k = step // 4, step % 4
-            half_product(dq_acc, advanced_device(ds_desc, tile * DS_TILE_BYTES + mn_step_bytes(k)),
-                         advanced_device(kt_desc, tile * K_TILE_BYTES + b_at + mn_step_bytes(k)))
-        wgmma_commit()
-
-    @inlined_device_function
-    def stage_dq_half(smem, at, dq_acc, wtid):
-        """This lane's registers of the half to the float32 buffer at word ``at``, in register order: registers
-        4x .. 4x + 3 of every lane as one block of 512 words, lane after lane (16-byte stores, consecutive lanes
-        consecutive: no bank conflicts)."""
-        for x in range(HALF_REGISTERS // 4):
-            store_vec4(smem, at + 512 * x + 4 * wtid, f32_as_u32(dq_acc[4 * x]), f32_as_u32(dq_acc[4 * x + 1]),
-                       f32_as_u32(dq_acc[4 * x + 2]), f32_as_u32(dq_acc[4 * x + 3]))
-
-    return issue_dq_half, stage_dq_half, HALF_REGISTERS, HALF_WORDS
-
-
-@inlined_device_function
-def register_order_word(row, column, head_dim):
-    """Where a bulk mode's DQ_SUM slab holds dQ_i's entry (row, column), for an even column (the pair at it and
-    the next word): the inverse of ``bulk_dq_steps``' ``stage_dq_half`` and ``lane_entry``."""
-    half = head_dim // 2
-    part, within = column // half, column % half
-    warp, row16 = row // 16, row % 16
-    lane = 4 * (row16 % 8) + (within % 8) // 2
-    return part * BLOCK_N * half + 512 * (within // 8) + 4 * (32 * warp + lane) + 2 * (row16 // 8)
-
-
-@inlined_device_function
-def wait_turn(TURNS, index, turn, tid):
-    """Every thread of the block waits until counter ``index`` of TURNS reaches ``turn``: the blocks before this one
-    in the order of the sum have added their part (thread 0 polls the counter in L2; the fence orders this block's
-    adds after what it saw)."""
-    if tid == 0:
-        while cuda.atomic.add(TURNS, index, 0) != turn:
-            pass
-        cuda.threadfence()
-    cuda.syncthreads()
-
-
-@inlined_device_function
-def pass_turn(TURNS, index, tid):
-    """The block's adds are done and visible (each thread's fence, then the barrier): counter ``index`` moves on."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if tid == 0:
-        cuda.atomic.add(TURNS, index, 1)
-
-
-@inlined_device_function
-def contributors(m, k_tiles, causal_offset, key_rows):
-    """How many key tiles (of ``key_rows`` keys) add to query tile m's dQ under the causal mask: those whose first
-    query tile is at most m (``first_q_tile`` of the dK/dV kernel), key tiles 0 .. count - 1."""
-    return max(0, min(k_tiles, (m * BLOCK_N + BLOCK_N - 1 + causal_offset) // key_rows + 1))
 
 
 @lru_cache(maxsize=None)

@@ -21,6 +21,8 @@ from ..fast.primitives import copy_async16
 from .wgmma import ROW_BYTES, SWIZZLE_128B, descriptor_device, staged_offset_device, swizzle_128_device
 
 BLOCK_N = 64             # rows per tile: keys of a K/V tile, or query rows of a Q/dO tile
+S_REGISTERS = BLOCK_N // 2   # a lane's registers of a 64 x 64 accumulator (S, dP, and their transposes)
+A_WORDS = S_REGISTERS // 2   # the same as 16-bit pairs: an A operand from registers
 #: The head dims the wgmma forward and backward take (``out_of_scope``): multiples of 16 (their products' k-step) up to
 #: 128, on the 64- or 128-column layout (``layout_dim``).
 HEAD_DIMS = tuple(range(16, 129, 16))
