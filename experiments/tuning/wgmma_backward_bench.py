@@ -8,8 +8,9 @@ alone (ours with ``deterministic`` True and False) and a whole training step's a
 CUDA events, median of ``REPEATS``.  ``quick``: the backward alone, float16, no peers.  ``mask``: a random block
 mask of ``MASK_DENSITY`` (blocks of ``MASK_BLOCK``, FlexAttention's default) at ``MASK_SHAPES``: the backward alone
 on wgmma and on mma.sync, and forward + backward through autograd (ours with the backward on wgmma, and with flash2's
-pick) beside FlexAttention's with the same mask.  ``NUMBA_FLASH_WGMMA_DQ``
-(separate, ordered, atomic) picks how the backward sums dQ, ``NUMBA_FLASH_WGMMA=0`` the mma.sync backward.
+pick) beside FlexAttention's with the same mask.  ``NUMBA_FLASH_WGMMA_DQ`` (separate, ordered, atomic, bulk-ordered,
+bulk-atomic: ``kernels/hopper/dq_sums.py``) picks how the backward sums dQ, ``NUMBA_FLASH_WGMMA=0`` the mma.sync
+backward.
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py check
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py bench [--dtypes float16,bfloat16]
