@@ -341,7 +341,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     "ordered" or "atomic" it also adds each step's dS K into DQ_SUM (float32, (batch * heads, q_tiles * 64, d)):
     "ordered" in a fixed order of the key tiles per query tile, kept by the counters TURNS (one per query tile and
     head, zeroed): ascending, or for causal grids descending, the grid then running its shortest key tiles first,
-    so that a block only ever waits for blocks that started before it.
+    so that a block only ever waits for blocks that started before it.  The "bulk-" modes (BULK): a block of two
+    warpgroups per tile of 128 keys (wg, wtid: a thread's warpgroup and its place in it; k0: its warpgroup's first
+    key), each adding its half of dQ_i's columns from shared memory (``dq_sums.bulk_dq_steps``, ``add_dq_half``),
+    DQ_SUM's slabs then in register order and TURNS a counter per query tile, head and half.
 
     HAS_MASK: a block mask lists the query tiles each key tile's block visits, per query head (``MASK_TILES``,
     ``query_steps``, ``listed_step``); "ordered" then gives a key tile the turn of its place among the key tiles
