@@ -37,7 +37,7 @@ from .runtime.device import current_context, device_limits
 from .mods import MASK, Mod, relative_bias_reach
 from .sparsity.block_mask import BlockMask
 from .sparsity.mod_tiles import array_versions
-from .tiling import padded_head_dim
+from .tiling import cdiv, padded_head_dim
 from .sparsity.tile_lists import device_layout
 
 #: Plans kept at most (a model calls attention with a handful of shapes).
@@ -597,7 +597,7 @@ class _TableBackwardPlan(_BackwardPlan):
 
     def __call__(self, q, k, v, o, lse, do):
         stream = self.stream((q, k, v, o, lse, do))   # (host inputs: 0, as after their copies)
-        rows = table_rows(self.call.batch_heads, -(-self.call.n_q // self.table_tile_rows), self.table_reach)
+        rows = table_rows(self.call.batch_heads, cdiv(self.call.n_q, self.table_tile_rows), self.table_reach)
         sums = self.empty((rows,), "float32", stream)
         gradients = super().__call__(q, k, v, o, lse, do, 0, table_sums=sums)
         sums = self.deliver((sums,), ("float32",))[0]

@@ -384,6 +384,7 @@ def table_fused(call, reach):
     return layout(own, streamed, d_pad, call.precision).bytes <= device_limits().shared_bytes_per_block_optin
 
 
+@lru_cache(maxsize=None)
 def make_dq(BLOCK_QUERIES, BLOCK_KEYS, D_PAD, PRECISION, VEC, CAUSAL, HAS_MASK, HAS_DROPOUT, VARLEN=False,
             MODS=None, READS_LAYOUT=True, TABLE_REACH=None):
     """dQ: one thread block per (query tile of BLOCK_QUERIES, batch, head); see the module docstring.
