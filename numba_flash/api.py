@@ -530,7 +530,8 @@ class _BackwardPlan(_Plan):
         aligned = o.aligned and do.aligned
         if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
             dq_mode = hopper_backward.dq_mode(deterministic)
-            self.table_reach = self._fused_table_reach(functools.partial(hopper_backward.table_fused, self.call, dq_mode))
+            self.table_reach = self._fused_table_reach(functools.partial(hopper_backward.table_fused, self.call,
+                                                                         dq_mode))
             self.table_tile_rows = hopper_backward.BLOCK_N
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned, dq_mode,
                                                               self.table_reach)

@@ -22,8 +22,9 @@ heads per key/value head, bottom-right causal), overlap (the wgmma forward's ove
 (its blocks of two warpgroups), strided
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), ordered / separate (the
 wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``),
-bulk_ordered / bulk_unordered (its dK/dV kernel of two warpgroups adding dQ by bulk reductions), nan (NaN in a value row and a query row: the masked-tile sanitising
-path), varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
+bulk_ordered / bulk_unordered (its dK/dV kernel of two warpgroups adding dQ by bulk reductions), nan (NaN in a value
+row and a query row: the masked-tile sanitising path),
+varlen (packed sequences of lengths 0, 1 and ragged ones, grouped heads,
 bottom-right causal, dropout; on the wgmma kernels longer ones over several 64-row tiles, no dropout, with the dQ
 variants above too), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then

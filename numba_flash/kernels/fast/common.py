@@ -660,5 +660,6 @@ def lane_entry(i, g, t, warp):
 __all__ = ["INFINITY_BITS", "LOG2_E", "NEG_INF", "ROWS_PER_WARP", "allowed", "block_mask_arguments", "cache_rows",
            "ceil_div", "chunk_iterations", "chunk_loader", "dropout_arguments", "dropout_words", "entry_fits",
            "kernel_name", "lane_entry", "lse_slabs", "operand_extent", "pair_has_nan", "paging_arguments",
-           "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_arrays", "sequence_bounds", "sequence_mode", "tile_coordinates",
-           "tile_copier", "tile_movers", "warp_lane", "word_extent", "words_per_chunk_row"]
+           "partly_masked_tiles", "row_lse", "sequence_arguments", "sequence_arrays", "sequence_bounds",
+           "sequence_mode", "tile_coordinates", "tile_copier", "tile_movers", "warp_lane", "word_extent",
+           "words_per_chunk_row"]

@@ -93,9 +93,9 @@ kernel's, searched by bisection), and the argument holds as before.  "atomic" ad
 ``deterministic=False`` only).  On an H100 (2026-12-05) the two summing modes lost to "separate" everywhere: the
 dK/dV kernel's extra registers and dS^T stores, the adds' traffic, and for "ordered" the waits for turns, cost more
 than two products (``docs/performance.md``).  "bulk-ordered" and "bulk-atomic" sum it as FlashAttention-3's data
-flow does (``dq_sums.bulk_dq_steps``): a block of two warpgroups on 128 keys (each its own K and V tiles; the first copies
-each step's Q_i, the second its dO_i), both warpgroups' dS^T in shared memory, warpgroup w computing dQ_i's columns
-w d / 2 .. (w + 1) d / 2 - 1 over the 128 keys and adding them from a float32 buffer by one bulk reduction
+flow does (``dq_sums.bulk_dq_steps``): a block of two warpgroups on 128 keys (each its own K and V tiles; the first
+copies each step's Q_i, the second its dO_i), both warpgroups' dS^T in shared memory, warpgroup w computing dQ_i's
+columns w d / 2 .. (w + 1) d / 2 - 1 over the 128 keys and adding them from a float32 buffer by one bulk reduction
 (``bulk.bulk_reduce_add``) that one of its threads issues, in turn (a counter per query tile and half) or not: half
 the adds of the 64-key modes, and none from registers.  At d = 96 and 112 (halves that straddle K's 64-column
 tiles), with a block mask or mods, they fall back to "ordered" and "atomic" (``dq_mode_for``).  Measured on an H100
@@ -133,12 +133,13 @@ from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import cdiv
 from ..fast.backward import preprocess_launch
 from ..fast.bias_table import FUSED_REACH, table_rows, table_steps, table_words
-from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_entry, log2_lse, lse_slabs,
-                           partly_masked_tiles, sequence_arguments, sequence_arrays, sequence_bounds, sequence_mode,
-                           tile_coordinates, warp_lane, word_extent)
+from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_entry, log2_lse,
+                           lse_slabs, partly_masked_tiles, sequence_arguments, sequence_arrays, sequence_bounds,
+                           sequence_mode, tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
-from ..fast.primitives import copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word, u32_as_f32
+from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word,
+                               u32_as_f32)
 from . import forward
 from .bulk import bulk_commit, bulk_reduce_add, bulk_wait_done, bulk_wait_read
 from .common import (A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, k_step_bytes,
@@ -149,13 +150,14 @@ from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_add
                     wgmma_rs, wgmma_ss, wgmma_wait)
 
 WARPGROUP = 128          # threads of a block: one warpgroup
-TILES = 6                # 64-row tiles in shared memory: the two kept, and two stages of the two streamed
+STREAMED_TILES = 4       # 64-row tiles of the streamed Q_i and dO_i in shared memory: two stages of the two
 def shared_bytes(head_dim, dq_mode="separate"):
     """The K and V tiles (one each per warpgroup), two stages of Q_i and dO_i, the streamed query rows' lse and D (two
     stages), dS^T (one tile per warpgroup) where dQ is summed by the dK/dV kernel, dQ_i's float32 halves in the bulk
     modes, and slack to start the tiles on a 1024-byte boundary."""
     groups = key_warpgroups(dq_mode)
-    return ((2 * groups + 4) * tile_bytes(head_dim) + (0 if dq_mode == "separate" else groups * DS_TILE_BYTES)
+    return ((2 * groups + STREAMED_TILES) * tile_bytes(head_dim)
+            + (0 if dq_mode == "separate" else groups * DS_TILE_BYTES)
             + (BLOCK_N * head_dim * 4 if groups > 1 and dq_mode != "separate" else 0) + 2 * 2 * BLOCK_N * 4 + 1024)
 
 
@@ -606,7 +608,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         # The warpgroups' K tiles, then their V tiles, then the stages (stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS).
         k_at, v_at = pad + wg * TILE_WORDS, pad + (GROUPS + wg) * TILE_WORDS
         q_at = pad + 2 * GROUPS * TILE_WORDS
-        ds_at = q_at + 4 * TILE_WORDS                 # dS^T, one tile per warpgroup, when this kernel sums dQ
+        ds_at = q_at + STREAMED_TILES * TILE_WORDS   # dS^T, one tile per warpgroup, when this kernel sums dQ
         dq_at = ds_at + (GROUPS * DS_TILE_BYTES // 4 if SUM_DQ else 0)   # (BULK) the halves of dQ_i, float32
         scalars_at = dq_at + (GROUPS * HALF_WORDS)    # stage s: lse, then D, at + s 2 BLOCK_N
         # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q
@@ -648,7 +650,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             q0 = q_tile * BLOCK_N
             start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh + first_query * q_sn,
                        b * do_sb + h * do_sh + first_query * do_sn, q_sn, do_sn,
-                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, wg, wtid)
+                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, wg,
+                       wtid)
         copy_async_commit()
         c_log2 = float32(scale_log2)
         for step in range(steps):
@@ -1109,11 +1112,13 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
         dq = Launch(dq_kernel, q_tiles * call.batch_heads, WARPGROUP,
                     shared + 4 * table_words(table_reach, WARPGROUP, BLOCK_N, BLOCK_N), dq_operands,
                     inputs + ("dQ", "TABLE_SUMS"),
-                    dict(extents, dQ=words(q_shape, dq_s), TABLE_SUMS=table_rows(call.batch_heads, q_tiles, table_reach)))
+                    dict(extents, dQ=words(q_shape, dq_s),
+                         TABLE_SUMS=table_rows(call.batch_heads, q_tiles, table_reach)))
     return preprocess, dkdv, dq
 
 
 def table_fused(call, dq_mode, reach):
     """Whether this backward's dQ kernel can sum the gradient of a relative-bias table of reach D = ``reach``
-    (``fast/bias_table.py``): dQ in a kernel of its own, no packed sequences, a table of at most 2 FUSED_REACH + 1 bins."""
+    (``fast/bias_table.py``): dQ in a kernel of its own, no packed sequences, a table of at most 2 FUSED_REACH + 1
+    bins."""
     return dq_mode == "separate" and not sequence_mode(call) and 0 <= reach <= FUSED_REACH
