@@ -96,7 +96,8 @@ def hopper(head_dims, elements=("f16", "bf16")):
     forward's alone, on the 256-column layout, no register cap) also in every other loop, warpgroup count and
     block mask (float16: bfloat16's kernels differ only in the conversions)."""
     from numba_flash.kernels.hopper.backward import make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
-    from numba_flash.kernels.hopper.dq_sums import DQ_MODES, key_warpgroups, splits_dq_columns
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES, UNORDERED_MODES, key_warpgroups, splits_dq_columns
+    from numba_flash.kernels.hopper.specialized_dkdv import make_specialized_dkdv
     from numba_flash.kernels.hopper.common import HEAD_DIMS, layout_dim
     from numba_flash.kernels.hopper.forward import DEFAULT_WARPGROUPS, make_wgmma_forward
 
@@ -107,8 +108,10 @@ def hopper(head_dims, elements=("f16", "bf16")):
             if d not in HEAD_DIMS:
                 continue
             for dq_mode in DQ_MODES:
-                if key_warpgroups(dq_mode) == 1 or splits_dq_columns(d):
+                if key_warpgroups(dq_mode) == 1:
                     fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")
+                elif splits_dq_columns(d):   # the bulk modes' kernel of warps with roles
+                    fast(make_specialized_dkdv(d, element, causal, dq_mode not in UNORDERED_MODES, varlen), "sm_90a")
             fast(make_wgmma_dq(d, element, causal, VARLEN=varlen), "sm_90a")
         if d in HEAD_DIMS:
             fast(make_dq_convert(d, element, varlen), "sm_90a")

@@ -642,6 +642,78 @@ def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
     _check_wgmma_backward(q, k, v, do, causal, dq_mode, False)
 
 
+def _hand_over_kernel():
+    """A producer warp fills a one-word-a-lane buffer ``ROUNDS`` times; the two consumer warps (lanes 0 .. 31 each)
+    sum what they read in each round.  The hand-overs go through mbarriers (FULL: the producer's 32 arrivals; EMPTY:
+    one arrival a consumer warp) when ``mbarriers``, else through named barriers (1: buffer full, 2: buffer empty,
+    96 threads: the producer arrives, the consumers sync, and back)."""
+    from numba_flash.kernels.fast.primitives import sync_warp
+    from numba_flash.kernels.hopper.bulk import barrier_arrive, barrier_init, barrier_wait, fence_barrier_init
+    from numba_flash.kernels.hopper.roles import named_barrier_arrive, named_barrier_sync
+
+    full_sync, full_arrive = named_barrier_sync(1, 96), named_barrier_arrive(1, 96)
+    empty_sync, empty_arrive = named_barrier_sync(2, 96), named_barrier_arrive(2, 96)
+
+    @cuda.jit
+    def hand_over(sums, rounds, mbarriers):
+        smem = cuda.shared.array(0, uint32)   # words 0-1: FULL, 2-3: EMPTY, 8 ..: the buffer
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            barrier_init(smem, 0, 32)
+            barrier_init(smem, 2, 2)
+            fence_barrier_init()
+        cuda.syncthreads()
+        if tid < 32:
+            for r in range(rounds):
+                if mbarriers:
+                    barrier_wait(smem, 2, (r & 1) ^ 1)
+                elif r > 0:
+                    empty_sync()
+                smem[8 + tid] = uint32(100 * r + tid)
+                if mbarriers:
+                    barrier_arrive(smem, 0, 1)
+                else:
+                    full_arrive()
+        else:
+            total = uint32(0)
+            for r in range(rounds):
+                if mbarriers:
+                    barrier_wait(smem, 0, r & 1)
+                else:
+                    full_sync()
+                total += smem[8 + tid % 32]
+                sync_warp()
+                if mbarriers:
+                    if tid % 32 == 0:
+                        barrier_arrive(smem, 2, 1)
+                elif r + 1 < rounds:
+                    empty_arrive()
+            sums[tid - 32] = total
+
+    return hand_over
+
+
+@pytest.mark.skipif(_where() is None, reason="mbarrier arrivals with a count and setmaxnreg need sm_90 (or the simulator)")
+@pytest.mark.parametrize("mbarriers", [True, False], ids=["mbarriers", "named_barriers"])
+def test_a_producer_warp_hands_buffers_to_consumer_warps(mbarriers):
+    """The hand-overs of a block whose warps have roles (``kernels/hopper/specialized_dkdv.py``): every consumer
+    lane reads each round's value exactly once, after it was written and before it is overwritten, through either
+    kind of barrier.  A wait that did not wait (as the simulator's mbarrier twin did before it counted arrivals)
+    reads a round twice or misses one."""
+    rounds = 6
+    kernel = _hand_over_kernel()
+    if _where() == "hopper":
+        import torch
+        sums = torch.zeros(64, dtype=torch.int32, device="cuda")
+        kernel[1, 96, 0, 256](sums, rounds, mbarriers)
+        sums = sums.cpu().numpy()
+    else:
+        sums = np.zeros(64, np.uint32)
+        kernel[1, 96, 0, 256](sums, rounds, mbarriers)
+    lanes = np.arange(64) % 32
+    np.testing.assert_array_equal(sums, sum(100 * r + lanes for r in range(rounds)))
+
+
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
 @pytest.mark.parametrize("dq_mode, d, causal, n_q, n_k, group", [
     ("bulk-ordered", 64, True, 70, 150, 2), ("bulk-atomic", 128, "bottom_right", 70, 200, 1),
@@ -649,8 +721,10 @@ def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
     pytest.param("bulk-ordered", 32, "bottom_right", 257, 129, 1, marks=pytest.mark.gpu_only),
     pytest.param("bulk-atomic", 64, False, 1, 250, 2, marks=pytest.mark.gpu_only)])
 def test_the_bulk_modes_split_each_dq_tile_between_two_warpgroups(dq_mode, d, causal, n_q, n_k, group):
-    """The bulk modes' dK/dV kernel: two warpgroups on 128 keys, each adding its half of dQ_i's columns from shared
-    memory by a bulk reduction (in turn, or as they arrive), its float32 sum read back in register order; key
+    """The bulk modes' dK/dV kernel (``specialized_dkdv.py``: a producer warpgroup, a writer warp, two consumer
+    warpgroups on 128 keys, handing tiles and dQ's halves over through mbarriers and named barriers, which the
+    simulator counts as the GPU does), each consumer's half of dQ_i's columns added from shared memory by a bulk
+    reduction (in turn, or as they arrive), its float32 sum read back in register order; key
     blocks whose second warpgroup has a few keys (n_k = 200) or none (n_k = 150, 129), several query tiles, grouped
     heads, both causal alignments.  The property test above draws these modes too (and the head dims they
     leave to the one-warpgroup kernel)."""

@@ -8,9 +8,14 @@ variable barrier with the same semantics as the original:
 
 * it releases when every *live* thread of the block has arrived (a thread
   that returned early no longer counts, as in the original);
-* when a thread raises, the barrier and the warp rooms of
-  ``numba_flash.kernels.primitives`` are broken, so the others stop instead
-  of waiting forever, and the first real error is re-raised.
+* when a thread raises, the barrier, the warp rooms of
+  ``numba_flash.kernels.primitives`` and the named barriers of
+  ``kernels/hopper/roles.py`` are broken (and the mbarriers' waits of
+  ``kernels/hopper/bulk.py`` stop), so the others stop instead of waiting
+  forever, and the first real error is re-raised.
+
+A ``BlockBarrier`` of a given count also serves as a named barrier
+(``bar.sync`` / ``bar.arrive``: ``arrive`` counts a thread that does not wait).
 
 It also fixes a race in the simulator's ``cuda.shared.array``: the array of
 a call site is created by the first thread that asks for it, but two threads
@@ -47,6 +52,15 @@ class BlockBarrier:
                 self._cond.wait()
             if self._broken:
                 raise threading.BrokenBarrierError
+
+    def arrive(self):
+        """Counted without waiting (``bar.arrive``: a named barrier's producer)."""
+        with self._cond:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            self._waiting += 1
+            if self._waiting == self._parties:
+                self._release()
 
     def leave(self):
         """A thread has finished: the others no longer wait for it."""
@@ -102,12 +116,18 @@ def install():
             self._block_barrier.leave()
         if self.exception is not None:
             self._block_barrier.abort()
-            for room in self._manager.__dict__.get("_numba_flash_rooms", {}).values():
+            block = self._manager.__dict__
+            block["_numba_flash_broken"] = True   # (``bulk.barrier_try_wait``'s twin stops waiting)
+            for room in block.get("_numba_flash_rooms", {}).values():
                 room.barrier.abort()
+            for barrier in block.get("_numba_flash_named_barriers", {}).values():
+                barrier.abort()
 
     def run_block(self, grid_point, *args):
         barrier = BlockBarrier(int(np.prod(self._block_dim)))
-        self.__dict__.pop("_numba_flash_rooms", None)
+        for state in ("_numba_flash_rooms", "_numba_flash_named_barriers", "_numba_flash_mbarriers",
+                      "_numba_flash_broken"):
+            self.__dict__.pop(state, None)
         threads = []
         for block_point in np.ndindex(*self._block_dim):
             thread = sim.BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)

@@ -92,23 +92,19 @@ place among them in the same order (``dq_turn``: the forward's list for that que
 kernel's, searched by bisection), and the argument holds as before.  "atomic" adds as the blocks arrive (for
 ``deterministic=False`` only).  On an H100 (2026-12-05) the two summing modes lost to "separate" everywhere: the
 dK/dV kernel's extra registers and dS^T stores, the adds' traffic, and for "ordered" the waits for turns, cost more
-than two products (``docs/performance.md``).  "bulk-ordered" and "bulk-atomic" sum it as FlashAttention-3's data
-flow does (``dq_sums.bulk_dq_steps``): a block of two warpgroups on 128 keys (each its own K and V tiles; the first
-copies each step's Q_i, the second its dO_i), both warpgroups' dS^T in shared memory, warpgroup w computing dQ_i's
-columns w d / 2 .. (w + 1) d / 2 - 1 over the 128 keys and adding them from a float32 buffer by one bulk reduction
-(``bulk.bulk_reduce_add``) that one of its threads issues, in turn (a counter per query tile and half) or not: half
-the adds of the 64-key modes, and none from registers.  At d = 96 and 112 (halves that straddle K's 64-column
-tiles), with a block mask or mods, they fall back to "ordered" and "atomic" (``dq_mode_for``).  Measured on an H100
-(2026-12-06) they lose to "separate" too (1.04-1.7x its time unordered, 1.3-2.4x ordered:
-``experiments/tuning/results/backward_bulk_dq_h100.md``), for want of what FlashAttention-3 has around them (below).
+than two products (``docs/performance.md``).  "bulk-ordered" and "bulk-atomic" sum it as FlashAttention-3's
+backward does, in a dK/dV kernel of its own (``specialized_dkdv.py``): a block of three warpgroups with roles on 128
+keys, two consumers computing and adding dQ_i's column halves from shared memory by bulk reductions that a writer
+warp issues (in turn, or not), a producer warpgroup copying the streamed tiles, ``setmaxnreg`` moving registers from
+it to the consumers.  At d = 96 and 112 (halves that straddle K's 64-column tiles), with a block mask or mods, they
+fall back to "ordered" and "atomic" (``dq_mode_for``).  Their first form (two warpgroups that both computed and
+copied, 2026-12-06, H100) lost to "separate" (1.04-1.7x its time unordered, 1.3-2.4x ordered:
+``experiments/tuning/results/backward_bulk_dq_h100.md``); the kernel with roles replaced it.
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
-* no producer warp: two stages of cp.async copies issued by the warps that compute, instead of bulk copies; and no
-  writer warp for dQ's bulk reductions, so that in "bulk-ordered" a thread waiting for its turn holds its block at
-  the next barrier (``setmaxnreg``, which would give the consumers the registers those warps leave, works from this
-  module's PTX: ptxas allocated 200 live floats in a consumer region of a kernel capped at 168 registers, no spills,
-  ``backward_bulk_dq_h100.md``);
+* copies by cp.async (in the bulk modes' kernel by a producer warpgroup, elsewhere by the warps that compute), not
+  by the tensor copy engine (TMA needs a tensor map made on the host, ``docs/performance.md``);
 * NaN is not confined to the entries that may see it: a NaN in a row the mask hides still meets a weight of
   0 in the tensor cores (0 * NaN = NaN).  The mma.sync backward's NaN semantics (``tests/test_nan.py``) hold
   there, not here;
@@ -138,102 +134,23 @@ from ..fast.common import (LOG2_E, allowed, block_mask_arguments, ceil_div, has_
                            sequence_mode, tile_coordinates, warp_lane, word_extent)
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
-from ..fast.primitives import (copy_async_commit, copy_async_wait_all, exp2, f32_as_u32, load_word, store_word,
-                               u32_as_f32)
-from . import forward
-from .bulk import bulk_commit, bulk_reduce_add, bulk_wait_done, bulk_wait_read
-from .common import (A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, k_step_bytes,
-                     mn_major_descriptor, mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
-from .dq_sums import (DQ_MODES, DS_TILE_BYTES, UNORDERED_MODES, bulk_dq_steps, contributors, dq_steps, key_warpgroups,
-                      pass_turn, register_order_word, splits_dq_columns, wait_turn)
-from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
-                    wgmma_rs, wgmma_ss, wgmma_wait)
+from ..fast.primitives import copy_async_commit, copy_async_wait_all, exp2, load_word, store_word, u32_as_f32
+from . import forward, specialized_dkdv
+from .backward_steps import (WARPGROUP, backward_kernel, step_copier, steps, transposed_scores, wait_all_but_one,
+                             wait_all_products)
+from .common import (A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor,
+                     out_of_scope, query_tile, tile_bytes)
+from .dq_sums import (DQ_MODES, DS_TILE_BYTES, UNORDERED_MODES, contributors, dq_steps, key_warpgroups, pass_turn,
+                      register_order_word, splits_dq_columns, wait_turn)
+from .wgmma import advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
 
-WARPGROUP = 128          # threads of a block: one warpgroup
 STREAMED_TILES = 4       # 64-row tiles of the streamed Q_i and dO_i in shared memory: two stages of the two
 def shared_bytes(head_dim, dq_mode="separate"):
-    """The K and V tiles (one each per warpgroup), two stages of Q_i and dO_i, the streamed query rows' lse and D (two
-    stages), dS^T (one tile per warpgroup) where dQ is summed by the dK/dV kernel, dQ_i's float32 halves in the bulk
-    modes, and slack to start the tiles on a 1024-byte boundary."""
-    groups = key_warpgroups(dq_mode)
-    return ((2 * groups + STREAMED_TILES) * tile_bytes(head_dim)
-            + (0 if dq_mode == "separate" else groups * DS_TILE_BYTES)
-            + (BLOCK_N * head_dim * 4 if groups > 1 and dq_mode != "separate" else 0) + 2 * 2 * BLOCK_N * 4 + 1024)
-
-
-@lru_cache(maxsize=None)
-def products(HEAD_DIM, ELEMENT):
-    """(issue_scores, pack_pairs, issue_weighted) of one warpgroup for head dim HEAD_DIM: a step's two score-like
-    products, an accumulator packed as the next product's A operand, and that product."""
-    K_STEPS = HEAD_DIM // 16
-    scores_by_rows = wgmma_ss(BLOCK_N, ELEMENT, False)      # S = A B^T over d: both tiles K-major
-    first_scores = wgmma_ss(BLOCK_N, ELEMENT, False, fresh=True)
-    weights_by_rows = wgmma_rs(HEAD_DIM, ELEMENT, True)     # acc += A B: A in registers, B MN-major
-    _, pack = sixteen_bit_ops(ELEMENT)
-
-    @inlined_device_function
-    def issue_scores(s, a_desc, b_desc, dp, da_desc, db_desc):
-        """s = A B^T, then dp = dA dB^T, over d (four 64-row tiles), a commit group each: s may be waited for alone
-        (``wait_all_but_one``) while dp's products run.  Each first k-step overwrites its accumulator (``fresh``):
-        zeros moved into dp's registers after s's products were issued would make ptxas wait for them."""
-        wgmma_fence()   # the registers the previous products left, before these write them
-        first_scores(s, a_desc, b_desc)
-        for step in range(1, K_STEPS):
-            scores_by_rows(s, advanced_device(a_desc, k_step_bytes(step)), advanced_device(b_desc, k_step_bytes(step)))
-        wgmma_commit()
-        first_scores(dp, da_desc, db_desc)
-        for step in range(1, K_STEPS):
-            scores_by_rows(dp, advanced_device(da_desc, k_step_bytes(step)),
-                           advanced_device(db_desc, k_step_bytes(step)))
-        wgmma_commit()
-
-    @inlined_device_function
-    def pack_pairs(words, s):
-        """A 64 x 64 accumulator as the A operand of the next product: 16-bit pairs, k-step x in words 4x .. 4x + 3
-        (the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8): the accumulator's 8-column blocks 2x
-        and 2x + 1)."""
-        for x in range(S_REGISTERS // 2):
-            words[x] = pack(s[2 * x], s[2 * x + 1])
-
-    @inlined_device_function
-    def issue_weighted(acc, words, b_desc):
-        """acc += A B for A packed in ``words`` (64 x 64) and B the MN-major tile of ``b_desc``: four k-steps."""
-        for step in range(BLOCK_N // 16):
-            weights_by_rows(acc, (words[4 * step], words[4 * step + 1], words[4 * step + 2], words[4 * step + 3]),
-                            advanced_device(b_desc, mn_step_bytes(step)))
-
-    return issue_scores, pack_pairs, issue_weighted
-
-
-@lru_cache(maxsize=None)
-def row_store(HEAD_DIM, ELEMENT):
-    """``store_rows(X, first, row_stride, acc, rows_valid, factor, warp, g, t)``: this lane's rows of a 64 x
-    HEAD_DIM accumulator times ``factor``, as 16-bit pairs into X (element (r, x) at first + r row_stride + x)."""
-    _, pack = sixteen_bit_ops(ELEMENT)
-
-    @inlined_device_function
-    def store_rows(X, first, row_stride, acc, rows_valid, factor, warp, g, t):
-        for r in range(2):
-            row = 16 * warp + g + 8 * r
-            if row < rows_valid:
-                for block in range(HEAD_DIM // 8):
-                    i = 4 * block + 2 * r
-                    store_word(X, (first + row * row_stride + 8 * block + 2 * t) // 2,
-                               pack(acc[i] * factor, acc[i + 1] * factor))
-
-    return store_rows
-
-
-wait_all_products = wgmma_wait(0)
-wait_all_but_one = wgmma_wait(1)
-
-
-@lru_cache(maxsize=None)
-def steps(HEAD_DIM, ELEMENT):
-    """What both kernels are made of, for head dim HEAD_DIM: (registers of a 64 x HEAD_DIM accumulator, words of a
-    tile, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows)."""
-    return (HEAD_DIM // 2, tile_bytes(HEAD_DIM) // 4, tile_copier(HEAD_DIM, WARPGROUP)[1], *products(HEAD_DIM, ELEMENT),
-            row_store(HEAD_DIM, ELEMENT))
+    """The one-warpgroup kernels': the K and V tiles, two stages of Q_i and dO_i, the streamed query rows' lse and D
+    (two stages), dS^T where dQ is summed by the dK/dV kernel, and slack to start the tiles on a 1024-byte
+    boundary.  (The bulk modes' kernel: ``specialized_dkdv.shared_bytes``.)"""
+    return ((2 + STREAMED_TILES) * tile_bytes(head_dim) + (0 if dq_mode == "separate" else DS_TILE_BYTES)
+            + 2 * 2 * BLOCK_N * 4 + 1024)
 
 
 #: A block mask's lists for these kernels are of 64 x 64 tiles (``sparsity/tile_lists.py``): query tiles per key tile
@@ -311,15 +228,6 @@ def element_test(CAUSAL, TRANSPOSED, MODS=None, READS_LAYOUT=True):
     return hidden_entries
 
 
-def _kernel(fn, name, results, scratch=None, blocks=1, threads=WARPGROUP):
-    """A backward kernel of this module as a ``Kernel``: 16-bit operands and results as pairs, lse and D float32,
-    and ``scratch`` ({name: dtype}: scratch arrays, and a block mask's lists and layout); ``blocks``: the blocks
-    ptxas must fit on a multiprocessor (the launch bounds' minimum: a register cap above 1), of ``threads``."""
-    return Kernel(fn, name, arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, dO=np.uint32, LSE=np.float32,
-                                        D=np.float32, **{x: np.uint32 for x in results}, **(scratch or {})),
-                  floats=("scale", "scale_log2"), launch_bounds=(threads, blocks))
-
-
 def dkdv_blocks_per_multiprocessor(head_dim, dq_mode, mods, partly_masked, varlen):
     """Blocks of the dK/dV kernel that ptxas is asked to fit on one multiprocessor (the launch bounds' minimum).
 
@@ -343,10 +251,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     "ordered" or "atomic" it also adds each step's dS K into DQ_SUM (float32, (batch * heads, q_tiles * 64, d)):
     "ordered" in a fixed order of the key tiles per query tile, kept by the counters TURNS (one per query tile and
     head, zeroed): ascending, or for causal grids descending, the grid then running its shortest key tiles first,
-    so that a block only ever waits for blocks that started before it.  The "bulk-" modes (BULK): a block of two
-    warpgroups per tile of 128 keys (wg, wtid: a thread's warpgroup and its place in it; k0: its warpgroup's first
-    key), each adding its half of dQ_i's columns from shared memory (``dq_sums.bulk_dq_steps``, ``add_dq_half``),
-    DQ_SUM's slabs then in register order and TURNS a counter per query tile, head and half.
+    so that a block only ever waits for blocks that started before it.  (The "bulk-" modes have a kernel of their
+    own: ``specialized_dkdv.py``.)
 
     HAS_MASK: a block mask lists the query tiles each key tile's block visits, per query head (``MASK_TILES``,
     ``query_steps``, ``listed_step``); "ordered" then gives a key tile the turn of its place among the key tiles
@@ -371,10 +277,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     assert not (VARLEN and HAS_MASK), "packed sequences take no block mask"
     assert MODS is None or not VARLEN, "mods: not with packed sequences yet"
     assert MODS is None or not MODS.has_mask or HAS_MASK, "a mask_mod's tiles come as lists (HAS_MASK)"
-    GROUPS = key_warpgroups(DQ_MODE)   # warpgroups of the block, each on 64 of its keys
-    BULK = GROUPS > 1   # two warpgroups, dQ_i's halves added by bulk reductions
-    assert not BULK or (not HAS_MASK and MODS is None and splits_dq_columns(HEAD_DIM)), "bulk modes: see dq_mode_for"
-    KEY_ROWS = GROUPS * BLOCK_N          # keys of the block's tile
+    assert key_warpgroups(DQ_MODE) == 1, "the bulk modes' kernel: specialized_dkdv.py"
     sequence, lse_row = sequence_bounds(VARLEN)
     ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
                                                                                                        ELEMENT)
@@ -384,15 +287,12 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     SCORE_MOD = HAS_MODS and MODS.has_score
     ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
     stage_ds, issue_dq_slice, add_dq_slice, DQ_SLICES, SLICE_REGISTERS = dq_steps(HEAD_DIM, ELEMENT)
-    if BULK:
-        issue_dq_half, stage_dq_half, SLICE_REGISTERS, HALF_WORDS = bulk_dq_steps(HEAD_DIM, ELEMENT)
-    else:
-        issue_dq_half = stage_dq_half = None
-        HALF_WORDS = 0
     list_bounds, listed = tile_list(PARTLY_MASKED)
     hidden_entries = element_test(CAUSAL, True, MODS, HAS_MASK and reads_layout(PARTLY_MASKED))
     mod_weight = entry_steps(MODS)[2]
     _, pack = sixteen_bit_ops(ELEMENT)
+    probabilities, score_gradients = transposed_scores(CAUSAL, ELEMENT_TEST)
+    start_step = step_copier(HEAD_DIM, WARPGROUP)
 
     # ---- which query tiles a block visits, in what order, and (ordered) when it adds to each one's dQ ----
     @inlined_device_function
@@ -444,42 +344,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                     high = middle
             before = low - first   # listed key tiles before this one
             return count - 1 - before if CAUSAL else before
-        return contributors(q_tile, k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL else tile
-
-    @inlined_device_function
-    def start_step(smem, at, scalars_at, Q, dO, LSE, D, q_first, do_first, q_sn, do_sn, lse_first, q0, n_q, wg, wtid):
-        """Q_i and dO_i of a step on their way into the stage at word ``at``; their rows' lse (log2 units; +inf
-        past N_q, so that P = 0) and D stored at ``scalars_at`` (plain stores: the barrier that lands the tiles
-        publishes them too).  Two warpgroups (BULK) share the work: the first copies Q_i and its lse, the second dO_i
-        and its D."""
-        if not BULK or wg == 0:
-            start_tile(smem, at, Q, q_first + q0 * q_sn, q_sn, n_q - q0, wtid)
-        if not BULK or wg == 1:
-            start_tile(smem, at + TILE_WORDS, dO, do_first + q0 * do_sn, do_sn, n_q - q0, wtid)
-        if wtid < BLOCK_N:
-            row = q0 + wtid
-            inside = row < n_q
-            if not BULK or wg == 0:
-                store_word(smem, scalars_at + wtid,
-                           f32_as_u32(log2_lse(LSE[lse_first + row]) if inside else float32(math.inf)))
-            if not BULK or wg == 1:
-                store_word(smem, scalars_at + BLOCK_N + wtid,
-                           f32_as_u32(D[lse_first + row] if inside else float32(0)))
-
-    @inlined_device_function
-    def probabilities(st, smem, scalars_at, k0, q0, n_k, causal_offset, c_log2, masked, hidden, warp, g, t):
-        """st: S^T -> P^T = exp2(c S^T - lse), 0 where the key may not be seen (``masked``, block-uniform: a tile
-        the causal diagonal crosses, or the last keys' ragged one); with the element test, where bit i of
-        ``hidden`` is set (``element_test``: a tile a block mask covers only partly too)."""
-        for i in range(S_REGISTERS):
-            key, column = lane_entry(i, g, t, warp)
-            p = exp2(cuda.fma(st[i], c_log2, -u32_as_f32(load_word(smem, scalars_at + column))))
-            if ELEMENT_TEST:
-                if (hidden >> uint32(i)) & uint32(1):
-                    p = float32(0)
-            elif masked and (k0 + key >= n_k or (CAUSAL and k0 + key > q0 + column + causal_offset)):
-                p = float32(0)
-            st[i] = p
+        return contributors(q_tile, k_tiles, causal_offset, BLOCK_N) - 1 - tile if CAUSAL else tile
 
     @inlined_device_function
     def entry_weight(i, st, smem, scalars_at, k0, q0, n_q, n_k, hidden, mod_args, warp, g, t):
@@ -513,13 +378,6 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
     mod_probabilities = unrolled([probability_pair(x) for x in range(A_WORDS)]) if SCORE_MOD else None
 
     @inlined_device_function
-    def score_gradients(dpt, st, smem, scalars_at, warp, g, t):
-        """dpt: dP^T -> dS^T = P^T o (dP^T - D), for P^T in st (with a score_mod, P^T o d score_mod / d score)."""
-        for i in range(S_REGISTERS):
-            _, column = lane_entry(i, g, t, warp)
-            dpt[i] = st[i] * (dpt[i] - u32_as_f32(load_word(smem, scalars_at + BLOCK_N + column)))
-
-    @inlined_device_function
     def start_dq(smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, warp, g, t):
         """dS^T into shared memory (the A operand must be dS, the transpose of what the registers hold), fenced for
         the tensor cores and published by a barrier, then dQ's first slice issued: before dK's and dV's products,
@@ -547,30 +405,6 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         if ORDERED:
             pass_turn(TURNS, bh * q_tiles + q_tile, tid)
 
-    @inlined_device_function
-    def add_dq_half(smem, dq_at, DQ_SUM, TURNS, dq_acc, bh, q_tile, q_tiles, turn, wg, wtid):
-        """(BULK) This warpgroup's half of dQ_i (waited for) into its shared buffer, then added to DQ_SUM by one bulk
-        reduction that one thread issues, when ORDERED in the turn of TURNS' counter for the half (the two halves
-        are different words: each has its own order).  The reduction runs on while the step ends; the buffer is
-        refilled only after its issuer has seen it read (``bulk_wait_read`` before the barrier that precedes the
-        next step's dQ)."""
-        stage_dq_half(smem, dq_at, dq_acc, wtid)
-        fence_proxy_async()   # the half, written by ordinary stores, read by the copy engine
-        cuda.syncthreads()
-        if wtid == 0:
-            index = (bh * q_tiles + q_tile) * GROUPS + wg
-            if ORDERED:
-                while cuda.atomic.add(TURNS, index, 0) != turn:
-                    pass
-                cuda.threadfence()
-            bulk_reduce_add(DQ_SUM, (bh * q_tiles + q_tile) * BLOCK_N * HEAD_DIM + wg * HALF_WORDS, smem, dq_at,
-                            HALF_WORDS * 4)
-            bulk_commit()
-            if ORDERED:   # the adds done and visible before the next in the order may start its own
-                bulk_wait_done()
-                cuda.threadfence()
-                cuda.atomic.add(TURNS, index, 1)
-
     def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
                do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
                causal_offset, scale, scale_log2, tile_offsets, tile_entries, M, mask_rows, mask_cols, mask_t_r,
@@ -590,40 +424,35 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         # before it).
         tile = k_tiles - 1 - rank if CAUSAL and ORDERED else rank
         tid = cuda.threadIdx.x
-        wg = tid // WARPGROUP if BULK else 0   # this thread's warpgroup, on keys k0 .. k0 + 63 of the block's tile
-        wtid = tid % WARPGROUP if BULK else tid
-        tile_k0 = tile * KEY_ROWS
-        k0 = tile_k0 + wg * BLOCK_N
+        k0 = tile * BLOCK_N
         lse_rows = n_q   # of lse and D per (batch, head), or per head over the packed sequences (VARLEN)
         first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
                                                                    causal_offset, bottom_right, 0)
-        if VARLEN and tile_k0 >= n_k:   # the grid covers the longest sequence; the whole block leaves, before any
+        if VARLEN and k0 >= n_k:   # the grid covers the longest sequence; the whole block leaves, before any
             return                      # barrier
         # The sequence's query and key tiles (the grid's k_tiles and q_tiles still lay out the lists and dQ's sum).
-        own_q_tiles, own_k_tiles = (ceil_div(n_q, BLOCK_N), ceil_div(n_k, KEY_ROWS)) if VARLEN else (q_tiles, k_tiles)
-        warp, g, t = warp_lane(wtid)
+        own_q_tiles, own_k_tiles = (ceil_div(n_q, BLOCK_N), ceil_div(n_k, BLOCK_N)) if VARLEN else (q_tiles, k_tiles)
+        warp, g, t = warp_lane(tid)
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
         pad = first_atom_words(base)
-        # The warpgroups' K tiles, then their V tiles, then the stages (stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS).
-        k_at, v_at = pad + wg * TILE_WORDS, pad + (GROUPS + wg) * TILE_WORDS
-        q_at = pad + 2 * GROUPS * TILE_WORDS
-        ds_at = q_at + STREAMED_TILES * TILE_WORDS   # dS^T, one tile per warpgroup, when this kernel sums dQ
-        dq_at = ds_at + (GROUPS * DS_TILE_BYTES // 4 if SUM_DQ else 0)   # (BULK) the halves of dQ_i, float32
-        scalars_at = dq_at + (GROUPS * HALF_WORDS)    # stage s: lse, then D, at + s 2 BLOCK_N
+        # K_j, V_j, then the stages (stage s: Q_i, dO_i at q_at + s 2 TILE_WORDS).
+        k_at, v_at = pad, pad + TILE_WORDS
+        q_at = pad + 2 * TILE_WORDS
+        ds_at = q_at + STREAMED_TILES * TILE_WORDS   # dS^T, when this kernel sums dQ
+        scalars_at = ds_at + (DS_TILE_BYTES // 4 if SUM_DQ else 0)    # stage s: lse, then D, at + s 2 BLOCK_N
         # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q
         # MN-major, dQ += dS K reads K MN-major: the same bytes.  The stage-0 descriptors, advanced by a stage's bytes.
         k_desc, v_desc = k_major_descriptor(base + k_at * 4), k_major_descriptor(base + v_at * 4)
         q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + (q_at + TILE_WORDS) * 4)
         qt_desc = mn_major_descriptor(base + q_at * 4)
         dot_desc = mn_major_descriptor(base + (q_at + TILE_WORDS) * 4)
-        # dQ's operands: in the bulk modes both warpgroups' (the first's, followed by the second's)
-        kt_desc = mn_major_descriptor(base + (pad if BULK else k_at) * 4)
+        kt_desc = mn_major_descriptor(base + k_at * 4)
         ds_desc = mn_major_descriptor(base + ds_at * 4)
 
         # The steps: every query tile of every query head of the group that sees key tile j, heads in order.
         bh0 = (b * kv_heads + h_kv) * group   # the group's first query head, as a batch*heads index
-        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, tile_k0, own_q_tiles,
+        first_q_tile, per_head, steps = query_steps(tile_offsets, bh0, group, tile, k_tiles, k0, own_q_tiles,
                                                     causal_offset)
 
         dk_acc = cuda.local.array(ACC_REGISTERS, float32)
@@ -639,8 +468,8 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
 
         # (a key tile no listed query tile sees, or a sequence without queries, copies nothing: dK = dV = 0)
         if steps > 0 or not (HAS_MASK or VARLEN):
-            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + (first_key + k0) * k_sn, k_sn, n_k - k0, wtid)
-            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + (first_key + k0) * v_sn, v_sn, n_k - k0, wtid)
+            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + (first_key + k0) * k_sn, k_sn, n_k - k0, tid)
+            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + (first_key + k0) * v_sn, v_sn, n_k - k0, tid)
         if steps > 0:
             if HAS_MASK:
                 x, q_tile, _ = listed_step(tile_offsets, tile_entries, bh0, group, tile, k_tiles, 0)
@@ -650,8 +479,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             q0 = q_tile * BLOCK_N
             start_step(smem, q_at, scalars_at, Q, dO, LSE, D, b * q_sb + h * q_sh + first_query * q_sn,
                        b * do_sb + h * do_sh + first_query * do_sn, q_sn, do_sn,
-                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, wg,
-                       wtid)
+                       lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh), q0, n_q, tid)
         copy_async_commit()
         c_log2 = float32(scale_log2)
         for step in range(steps):
@@ -676,7 +504,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                            LSE, D, b * q_sb + h_next * q_sh + first_query * q_sn,
                            b * do_sb + h_next * do_sh + first_query * do_sn, q_sn, do_sn,
                            lse_row(b * kv_heads * group + h_next, b, h_next, first_query, lse_rows, lse_sb, lse_sh),
-                           (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, wg, wtid)
+                           (q_next if HAS_MASK else first_q_tile + (step + 1) % per_head) * BLOCK_N, n_q, tid)
             copy_async_commit()
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             # What the mods read besides the entry (``fast.mod_steps.entry_steps``): batch, this step's query head,
@@ -709,16 +537,7 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
             wait_all_but_one()   # dP^T
             score_gradients(dpt, st, smem, scalars, warp, g, t)
             pack_pairs(ds_words, dpt)
-            if BULK:
-                # Both warpgroups' dS^T in shared memory (published by the barrier), the previous step's reduction
-                # done reading dQ's buffer (its issuer waits before the barrier), then this half of dQ_i issued.
-                stage_ds(smem, ds_at + wg * (DS_TILE_BYTES // 4), ds_words, warp, g, t)
-                fence_proxy_async()
-                if wtid == 0:
-                    bulk_wait_read()
-                cuda.syncthreads()
-                issue_dq_half(dq_acc, ds_desc, kt_desc, wg)
-            elif SUM_DQ:
+            if SUM_DQ:
                 start_dq(smem, ds_at, ds_words, ds_desc, kt_desc, dq_acc, warp, g, t)
             wgmma_fence()   # dS^T's registers, before the product reads them
             issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
@@ -727,17 +546,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
                 h = h_kv * group + (x if HAS_MASK else step // per_head)
                 turn = dq_turn(row_offsets, row_entries, b * kv_heads * group + h, q_tile, q_tiles, tile, own_k_tiles,
                                causal_offset)
-                if BULK:
-                    wait_all_but_one()   # dV's and dQ's products (dK's may run on)
-                    add_dq_half(smem, dq_at + wg * HALF_WORDS, DQ_SUM, TURNS, dq_acc, b * kv_heads * group + h,
-                                q_tile, q_tiles, turn, wg, wtid)
-                else:
-                    add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn,
-                           warp, g, t, tid)
+                add_dq(DQ_SUM, TURNS, ds_desc, kt_desc, dq_acc, b * kv_heads * group + h, q_tile, q_tiles, turn, warp,
+                       g, t, tid)
             wait_all_products()
 
-        if BULK and wtid == 0:
-            bulk_wait_done()   # the last reduction's adds, before the block ends
         store_rows(dK, b * dk_sb + h_kv * dk_sh + (first_key + k0) * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale), warp,
                    g, t)
         store_rows(dV, b * dv_sb + h_kv * dv_sh + (first_key + k0) * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp,
@@ -747,10 +559,10 @@ def make_wgmma_dkdv(HEAD_DIM, ELEMENT, CAUSAL, DQ_MODE="separate", HAS_MASK=Fals
         "" if DQ_MODE == "separate" else f"_dq_{DQ_MODE.replace('-', '_')}") + (
         ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "") + (
         mods_suffix(MODS))
-    return _kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
-                                                    row_offsets=np.int32, row_entries=np.int32, **BOUNDS_ARRAYS,
-                                                    **slot_arrays(MODS)),
-                   dkdv_blocks_per_multiprocessor(HEAD_DIM, DQ_MODE, MODS, ELEMENT_TEST, VARLEN), WARPGROUP * GROUPS)
+    return backward_kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, **MASK_ARRAYS,
+                                                            row_offsets=np.int32, row_entries=np.int32,
+                                                            **BOUNDS_ARRAYS, **slot_arrays(MODS)),
+                           dkdv_blocks_per_multiprocessor(HEAD_DIM, DQ_MODE, MODS, ELEMENT_TEST, VARLEN))
 
 
 @lru_cache(maxsize=None)
@@ -981,7 +793,7 @@ def make_wgmma_dq(HEAD_DIM, ELEMENT, CAUSAL, HAS_MASK=False, PARTLY_MASKED=True,
         store_rows(dQ, b * dq_sb + h * dq_sh + (first_query + q0) * dq_sn, dq_sn, dq_acc, n_q - q0, float32(scale),
                    warp, g, t)
 
-    return _kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
+    return backward_kernel(kernel, f"wgmma_backward_dq_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "") + (
         ("_sparse" if PARTLY_MASKED else "_sparse_whole_tiles") if HAS_MASK else "") + ("_varlen" if VARLEN else "")
                    + mods_suffix(MODS) + (f"_table{TABLE_REACH}" if TABLE else ""), ("dQ",),
                    dict(MASK_ARRAYS, tile_order=np.int32, **BOUNDS_ARRAYS, **slot_arrays(MODS), TABLE_SUMS=np.float32))
@@ -1082,12 +894,18 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
     has_mask = has_tile_lists(call)   # a block mask's, or a mask_mod's classified tiles
     compiled_mods = mod_steps(*call.mods, backward=True) if call.mods else None
-    dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode, has_mask,
-                                  partly_masked_tiles(call, MASK_TILES, "dkdv"), varlen, compiled_mods)
+    if groups > 1:   # the bulk modes' kernel of three warpgroups with roles
+        dkdv_kernel = specialized_dkdv.make_specialized_dkdv(call.head_dim, call.precision, bool(call.causal),
+                                                             dq_mode not in UNORDERED_MODES, varlen)
+        dkdv_threads, dkdv_shared = specialized_dkdv.THREADS, specialized_dkdv.shared_bytes(call.head_dim)
+    else:
+        dkdv_kernel = make_wgmma_dkdv(call.head_dim, call.precision, bool(call.causal), dq_mode, has_mask,
+                                      partly_masked_tiles(call, MASK_TILES, "dkdv"), varlen, compiled_mods)
+        dkdv_threads, dkdv_shared = WARPGROUP, shared_bytes(call.head_dim, dq_mode)
     dkdv_grid = k_tiles * call.batch * call.kv_heads
     preprocess = preprocess_launch(call, o_strides, do_strides)
     if dq_mode != "separate":
-        dkdv = Launch(dkdv_kernel, dkdv_grid, groups * WARPGROUP, shared_bytes(call.head_dim, dq_mode), dkdv_operands,
+        dkdv = Launch(dkdv_kernel, dkdv_grid, dkdv_threads, dkdv_shared, dkdv_operands,
                       inputs + ("dK", "dV", "DQ_SUM", "TURNS") + bounds, dkdv_extents)
         convert = Launch(make_dq_convert(call.head_dim, call.precision, varlen, groups > 1), q_tiles * call.batch_heads,
                          WARPGROUP,

@@ -13,7 +13,9 @@ Synchronization and Communication Instructions: mbarrier".  How the pieces fit:
 * An mbarrier (8 bytes of shared memory, 8-byte aligned) counts *phases*.  ``barrier_init(smem, word,
   arrivals)`` sets how many arrivals a phase needs; ``barrier_expect_bytes(smem, word, nbytes)`` is one
   arrival that also adds ``nbytes`` to the transaction count the phase must see counted off before it
-  completes.  A phase completes when both are spent; its *parity* then flips.
+  completes.  ``barrier_arrive(smem, word, count)`` is ``count`` plain arrivals (a producer that filled a buffer with
+  its own stores or ``cp.async`` copies, or a consumer done with one).  A phase completes when both are spent; its
+  *parity* then flips.
   ``barrier_try_wait(smem, word, parity)`` is True once the phase of that parity has completed (it
   suspends the thread a while before answering False, so a loop on it does not spin hot).  A buffer
   used for tile j of a ring of S buffers waits with parity (j // S) & 1.
@@ -35,7 +37,8 @@ Synchronization and Communication Instructions: mbarrier".  How the pieces fit:
   ``fence.proxy.async`` and a barrier before the one thread issues it.
 
 The simulator has no copy engine: there ``bulk_copy`` copies at once (one of the orders the GPU may
-choose), the barriers count nothing and ``barrier_try_wait`` is True.  Whether a kernel waits for its
+choose), so the barriers count arrivals only (an ``expect_bytes`` is one arrival), each phase's parity kept per
+simulated block: a warp-specialised kernel whose consumers wait for a producer's arrivals waits there too.  Whether a kernel waits for its
 tiles before it reads them only the GPU can say (compute-sanitizer's racecheck and synccheck, and its
 results: ``tests/gpu_sanitize.py``).
 """
@@ -99,6 +102,10 @@ if not config.ENABLE_CUDASIM:
     barrier_expect_bytes = _barrier_operation(
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
         "One arrival on the mbarrier at ``smem[word]`` that also expects ``nbytes`` more of copies.")
+    barrier_arrive = _barrier_operation(
+        "mbarrier.arrive.shared::cta.b64 _, [$0], $1;",
+        "``count`` arrivals on the mbarrier at ``smem[word]`` (release: what this thread wrote before, a thread that "
+        "sees the phase complete sees).")
     barrier_try_wait = _barrier_operation(
         "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; selp.u32 $0, 1, 0, done; }",
         "Whether the phase of ``parity`` (0 or 1) of the mbarrier at ``smem[word]`` has completed.", answers=True)
@@ -145,14 +152,44 @@ if not config.ENABLE_CUDASIM:
         return types.void(dst, dst_word, smem, src_word, nbytes), codegen
 
 else:
+    import threading
+
+    _CHANGED = threading.Condition()   # held to read or change a barrier; notified when a phase completes
+
+    def _barriers():
+        """The simulated block's mbarriers: word -> [arrivals a phase needs, arrivals still missing, phase]."""
+        return threading.current_thread()._manager.__dict__.setdefault("_numba_flash_mbarriers", {})
+
     def barrier_init(smem, word, arrivals):
-        """Nothing to count here: the simulator's copies land when they are issued."""
+        """A phase needs ``arrivals`` arrivals (the copies land when issued: no bytes to count)."""
+        with _CHANGED:
+            _barriers()[int(word)] = [int(arrivals), int(arrivals), 0]
+
+    def barrier_arrive(smem, word, count):
+        """``count`` arrivals; the last of a phase completes it and flips its parity."""
+        with _CHANGED:
+            state = _barriers()[int(word)]
+            state[1] -= int(count)
+            if state[1] < 0:
+                raise RuntimeError(f"mbarrier at word {word}: more arrivals than its phase needs")
+            if state[1] == 0:
+                state[1], state[2] = state[0], state[2] + 1
+                _CHANGED.notify_all()
 
     def barrier_expect_bytes(smem, word, nbytes):
-        """Nothing to count here."""
+        """One arrival (the bytes have landed already)."""
+        barrier_arrive(smem, word, 1)
 
     def barrier_try_wait(smem, word, parity):
-        """Every copy issued has landed."""
+        """Whether the phase of ``parity`` has completed: the current phase's parity differs (a wait for the phase
+        before the first succeeds at once, as on the GPU).  Here the thread sleeps until it has, and answers True (the
+        GPU's answer may be False first: the callers loop); it stops when another thread of its block failed."""
+        block = threading.current_thread()._manager.__dict__
+        with _CHANGED:
+            while (_barriers()[int(word)][2] & 1) == int(parity):
+                if block.get("_numba_flash_broken"):
+                    raise threading.BrokenBarrierError
+                _CHANGED.wait(0.05)
         return True
 
     def bulk_copy(dst, dst_word, src, src_word, nbytes, smem, barrier):
@@ -180,5 +217,5 @@ def barrier_wait(smem, word, parity):
         pass
 
 
-__all__ = ["BARRIER_BYTES", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait", "bulk_commit",
+__all__ = ["BARRIER_BYTES", "barrier_arrive", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait", "bulk_commit",
            "bulk_copy", "bulk_reduce_add", "bulk_wait_done", "bulk_wait_read", "fence_barrier_init"]

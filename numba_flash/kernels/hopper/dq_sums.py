@@ -8,9 +8,10 @@ dS_ij K_j into a float32 sum DQ_SUM (a (head, query tile) slab of 64 x d each) t
 * "ordered" / "atomic": a block of one warpgroup on 64 keys adds dQ_i's columns a slice at a time (``dq_steps``) from
   its registers by reductions in L2 (``red.global.add.v2.f32``), in a fixed order of the key tiles (a counter per
   query tile and head: ``wait_turn``, ``pass_turn``, turns counted by ``contributors``) or as they arrive;
-* "bulk-ordered" / "bulk-atomic": a block of two warpgroups on 128 keys, warpgroup w computing dQ_i's columns
-  w d / 2 .. (w + 1) d / 2 - 1 over all 128 keys and adding them from shared memory by one bulk reduction
-  (``bulk_dq_steps``, ``bulk.bulk_reduce_add``): FlashAttention-3's data flow, half the adds and none from registers.
+* "bulk-ordered" / "bulk-atomic": two consumer warpgroups on 128 keys (``specialized_dkdv.py``, a block whose warps
+  have roles), consumer w computing dQ_i's columns w d / 2 .. (w + 1) d / 2 - 1 over all 128 keys, a writer warp
+  adding them from shared memory by one bulk reduction (``bulk_dq_steps``, ``bulk.bulk_reduce_add``):
+  FlashAttention-3's data flow, half the adds and none from registers.
 
 Which is the default and what each measured: ``backward.DQ_MODE``, ``docs/performance.md``.
 """
@@ -26,9 +27,9 @@ from .wgmma import ROW_BYTES, advanced_device, swizzle_128_device, wgmma_commit,
 
 #: Where dQ is summed over the key tiles: in a pass of its own (S and dP computed again, no atomics), or by the
 #: dK/dV kernel, each key tile's dS K added into a float32 accumulator in an order fixed by semaphores ("ordered",
-#: deterministic) or in whatever order the adds arrive ("atomic"); the "bulk-" modes sum it the same two ways from a
-#: dK/dV kernel of two warpgroups on 128 keys, each adding its half of dQ_i's columns by one bulk reduction from
-#: shared memory (``bulk_dq_steps``; FlashAttention-3's way).
+#: deterministic) or in whatever order the adds arrive ("atomic"); the "bulk-" modes sum it the same two ways from the
+#: dK/dV kernel of ``specialized_dkdv.py``, each consumer warpgroup's half of dQ_i's columns added by one bulk reduction
+#: from shared memory (``bulk_dq_steps``; FlashAttention-3's way).
 DQ_MODES = ("separate", "ordered", "atomic", "bulk-ordered", "bulk-atomic")
 #: The modes whose adds land in whatever order they arrive (``deterministic=False`` only).
 UNORDERED_MODES = ("atomic", "bulk-atomic")
@@ -36,8 +37,8 @@ DS_TILE_BYTES = tile_bytes(BLOCK_N)   # dS^T (64 keys x 64 query rows, 16-bit), 
 
 
 def key_warpgroups(dq_mode):
-    """Warpgroups of the dK/dV kernel's block in ``dq_mode``, each on 64 keys of the block's key tile: two in the
-    bulk modes, else one."""
+    """Warpgroups of the dK/dV kernel's block in ``dq_mode`` that compute, each on 64 keys of the block's key tile:
+    two in the bulk modes (``specialized_dkdv.py``, beside its producer warpgroup), else one."""
     return 2 if dq_mode.startswith("bulk-") else 1
 
 

@@ -1,0 +1,319 @@
+"""dK, dV and dQ's sums in one kernel whose warps have roles: FlashAttention-3's backward, as far as Numba reaches.
+
+The wgmma backward's "bulk-" ways of summing dQ (``dq_sums.DQ_MODES``) run this kernel.  A block of three warpgroups
+(384 threads) per (tile of 128 keys, batch, key/value head):
+
+* two *consumer* warpgroups, each on 64 of the keys (its K_j and V_j in shared memory, dK and dV in its registers),
+  run the five products of every step as the one-warpgroup dK/dV kernel does (``backward.py``'s docstring), and
+  between them warpgroup c computes dQ_i's columns c d/2 .. (c + 1) d/2 - 1 over all 128 keys from both warpgroups'
+  dS^T (``dq_sums.bulk_dq_steps``), writing them to a float32 buffer of its own;
+* a *producer* warpgroup: its first two warps copy each step's Q_i, dO_i (cp.async), lse and D into one of two
+  stages; its third, the *writer*, hands each filled dQ buffer to the copy engine, which adds it to DQ_SUM in L2
+  (``bulk.bulk_reduce_add``), in a fixed order of the key tiles (ORDERED: a counter per query tile and half) or as
+  it comes; its fourth has nothing to do.  It gives back its registers (``roles.register_budget``) so that the
+  consumers can hold 240 each.
+
+So no consumer ever issues a copy's address arithmetic or waits for an add's turn: a consumer waits only when the
+data it needs is not there yet.  The hand-overs, each on its own barrier::
+
+    producer (warps 0-1)                       consumers (warpgroups 1, 2)                   writer (warp 2)
+    wait EMPTY[s]                              wait FULL[s]
+    Q_i, dO_i, lse, D -> stage s               S^T, dP^T, P^T, dV += P^T dO_i, dS^T
+    (cp.async, waited for, fenced)             dS^T -> shared (two buffers)  .. CONSUMERS (256) ..
+    arrive FULL[s]                             dQ half = dS K over 128 keys, dK += dS^T Q_i
+                                               wait DQ_EMPTY[c] .. dQ half -> buffer c ..     wait DQ_FULL[c]
+                                               arrive DQ_FULL[c]                              (turn) bulk add
+                                               products done: arrive EMPTY[s]                 read: arrive DQ_EMPTY[c]
+
+FULL and EMPTY are mbarriers (``bulk.py``: a phase per use of a stage, waited for by parity), CONSUMERS, DQ_FULL and
+DQ_EMPTY named barriers (``roles.py``).  The dS^T tiles have two buffers, by step parity: a warpgroup writes step
+s + 1's only after CONSUMERS of step s, which the other passes only after its products of step s - 1 (the last to
+read that buffer) are done.  Each fence and barrier is at its hand-over: the producer's copies are waited for and
+fenced for the tensor cores (``fence_proxy_async``) before its arrival; a consumer fences its dS^T and dQ stores
+before the barriers that publish them to the tensor cores and the copy engine.
+
+Ordered (deterministic): as the one-warpgroup "ordered" mode, a key tile's turn at query tile i's half is its place
+in the grid's dispatch order (ascending; causal grids from the diagonal down, dispatched shortest first), so a
+writer only waits for blocks dispatched before its own, which are running or done.  The writer waits for its turn
+while the consumers go on with the next step: they stop only if the buffer is still full when they need it again.
+
+Scope: d <= 64 and d = 128 (``dq_sums.splits_dq_columns``), dense or causal (either alignment), grouped heads, packed
+sequences (VARLEN), strides as the other kernels'; no block mask or mods (``backward.dq_mode_for`` sends those to
+the one-warpgroup kernel).  sm_90a (wgmma, setmaxnreg).
+"""
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from ...runtime.launch import inlined_device_function
+from ..fast.common import ceil_div, sequence_bounds, tile_coordinates, warp_lane
+from ..fast.primitives import copy_async_commit, copy_async_wait_all, sync_warp
+from .backward_steps import (WARPGROUP, backward_kernel, step_copier, steps, transposed_scores, wait_all_but_one,
+                             wait_all_products)
+from .bulk import (BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, bulk_commit, bulk_reduce_add,
+                   bulk_wait_done, bulk_wait_read, fence_barrier_init)
+from .common import A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor, tile_bytes
+from .dq_sums import DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, splits_dq_columns
+from .roles import named_barrier_arrive, named_barrier_sync, register_budget
+from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
+
+CONSUMER_GROUPS = 2                          # consumer warpgroups, each on 64 keys of the block's tile
+KEY_ROWS = CONSUMER_GROUPS * BLOCK_N         # keys of a block's tile
+THREADS = (1 + CONSUMER_GROUPS) * WARPGROUP  # the producer warpgroup, then the consumers
+COPIERS = 64                                 # the producer's first two warps copy the streamed tiles
+WRITER_WARP = 2                              # the producer's third warp hands dQ's halves to the copy engine
+STAGES = 2                                   # of Q_i, dO_i, lse and D (and of dS^T)
+#: Registers a thread after the budgets: 128 x 24 + 256 x 240 = 64512 of the multiprocessor's 65536, what the launch
+#: bounds of 384 threads (168 a thread) reserve for the block.
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
+#: Named barriers: both consumer warpgroups; dQ buffer c filled (its consumers and the writer); buffer c emptied.
+CONSUMERS_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 4
+
+consumers_sync = named_barrier_sync(CONSUMERS_BARRIER, CONSUMER_GROUPS * WARPGROUP)
+# dQ buffer c's barriers (c = 0, 1), of a consumer warpgroup and the writer warp: one global each (a tuple of them
+# does not type in Numba), chosen by ``dq_barrier``.
+_dq_full_sync0, _dq_full_sync1 = (named_barrier_sync(DQ_FULL_BARRIER + c, WARPGROUP + 32) for c in range(2))
+_dq_full_arrive0, _dq_full_arrive1 = (named_barrier_arrive(DQ_FULL_BARRIER + c, WARPGROUP + 32) for c in range(2))
+_dq_empty_sync0, _dq_empty_sync1 = (named_barrier_sync(DQ_EMPTY_BARRIER + c, WARPGROUP + 32) for c in range(2))
+_dq_empty_arrive0, _dq_empty_arrive1 = (named_barrier_arrive(DQ_EMPTY_BARRIER + c, WARPGROUP + 32) for c in range(2))
+give_registers = register_budget("dec", PRODUCER_REGISTERS)
+take_registers = register_budget("inc", CONSUMER_REGISTERS)
+
+
+def shared_bytes(head_dim):
+    """Both consumers' K and V tiles, two stages of Q_i and dO_i, two buffers of both consumers' dS^T tiles, their
+    float32 dQ halves, two stages of lse and D, the four mbarriers, and slack to start the tiles on a 1024-byte
+    boundary."""
+    return ((2 * CONSUMER_GROUPS + 2 * STAGES) * tile_bytes(head_dim) + STAGES * CONSUMER_GROUPS * DS_TILE_BYTES
+            + BLOCK_N * head_dim * 4 + STAGES * 2 * BLOCK_N * 4 + 2 * STAGES * BARRIER_BYTES + 1024)
+
+
+@inlined_device_function
+def dq_barrier(c, full, wait):
+    """At dQ buffer c's FULL (``full``) or EMPTY barrier: wait there (``wait``) or arrive (a barrier's id is a
+    constant of its instruction)."""
+    if full and wait:
+        if c == 0:
+            _dq_full_sync0()
+        else:
+            _dq_full_sync1()
+    elif full:
+        if c == 0:
+            _dq_full_arrive0()
+        else:
+            _dq_full_arrive1()
+    elif wait:
+        if c == 0:
+            _dq_empty_sync0()
+        else:
+            _dq_empty_sync1()
+    elif c == 0:
+        _dq_empty_arrive0()
+    else:
+        _dq_empty_arrive1()
+
+
+@lru_cache(maxsize=None)
+def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
+    """The kernel of the module docstring for head dim HEAD_DIM, ELEMENT "f16" or "bf16".  Its parameters are the
+    one-warpgroup dK/dV kernel's that it reads (``backward.make_wgmma_dkdv``): DQ_SUM (float32, a (head, query tile)
+    slab of 64 x d in register order per half, ``dq_sums.register_order_word``) and TURNS (int32, a counter per
+    (head, query tile, half), zeroed) as its "ordered" mode's."""
+    assert splits_dq_columns(HEAD_DIM), HEAD_DIM
+    sequence, lse_row = sequence_bounds(VARLEN)
+    ACC_REGISTERS, TILE_WORDS, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows = steps(HEAD_DIM,
+                                                                                                       ELEMENT)
+    start_step = step_copier(HEAD_DIM, COPIERS)
+    probabilities, score_gradients = transposed_scores(CAUSAL, False)
+    stage_ds = dq_steps(HEAD_DIM, ELEMENT)[0]
+    issue_dq_half, stage_dq_half, HALF_REGISTERS, HALF_WORDS = bulk_dq_steps(HEAD_DIM, ELEMENT)
+    DS_WORDS = DS_TILE_BYTES // 4
+
+    @inlined_device_function
+    def query_step(step, first_q_tile, per_head, h_kv, group):
+        """(query head, query tile) of step ``step``: every query tile from first_q_tile of each head of the
+        group in turn."""
+        return h_kv * group + step // per_head, first_q_tile + step % per_head
+
+    @inlined_device_function
+    def produce(smem, q_at, scalars_at, barriers_at, Q, dO, LSE, D, b, h_kv, group, kv_heads, q_sb, q_sh, q_sn,
+                do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile, per_head, steps, tid):
+        """The copier warps: each step's tiles into stage step % 2 once its consumers are done with it, waited for
+        and fenced (the tensor cores read them), then announced on FULL[s] (an arrival of each of the 64 threads)."""
+        for step in range(steps):
+            stage = step & 1
+            barrier_wait(smem, barriers_at + (STAGES + stage) * 2, ((step >> 1) & 1) ^ 1)   # EMPTY[s]
+            h, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
+            start_step(smem, q_at + stage * 2 * TILE_WORDS, scalars_at + stage * 2 * BLOCK_N, Q, dO, LSE, D,
+                       b * q_sb + h * q_sh + first_query * q_sn, b * do_sb + h * do_sh + first_query * do_sn, q_sn,
+                       do_sn, lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh),
+                       q_tile * BLOCK_N, n_q, tid)
+            copy_async_commit()
+            copy_async_wait_all()
+            fence_proxy_async()
+            barrier_arrive(smem, barriers_at + stage * 2, 1)   # FULL[s]
+
+    @inlined_device_function
+    def write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles, causal_offset,
+                 first_q_tile, per_head, steps, lane):
+        """The writer warp: each step, each consumer's dQ half, once its buffer is full, added to DQ_SUM by one bulk
+        reduction (lane 0; when ORDERED in its turn, and its adds done before the turn passes on); the buffer handed
+        back once the engine has read it (no hand-back after the last step: its consumers never wait again)."""
+        if steps > 0:
+            dq_barrier(0, False, False)
+            dq_barrier(1, False, False)
+        for step in range(steps):
+            h, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
+            slab = (b * kv_heads * group + h) * q_tiles + q_tile
+            turn = contributors(q_tile, own_k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL else tile
+            for c in range(CONSUMER_GROUPS):
+                dq_barrier(c, True, True)
+                if lane == 0:
+                    if ORDERED:
+                        while cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 0) != turn:
+                            pass
+                        cuda.threadfence()
+                    bulk_reduce_add(DQ_SUM, slab * BLOCK_N * HEAD_DIM + c * HALF_WORDS, smem, dq_at + c * HALF_WORDS,
+                                    HALF_WORDS * 4)
+                    bulk_commit()
+                    bulk_wait_read()
+                    if ORDERED:   # the adds done and visible before the next in the order starts its own
+                        bulk_wait_done()
+                        cuda.threadfence()
+                        cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 1)
+                sync_warp()
+                if step + 1 < steps:
+                    dq_barrier(c, False, False)
+        if lane == 0:
+            bulk_wait_done()   # the last reductions' adds, before the block ends
+
+    def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
+               do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
+               causal_offset, scale, scale_log2, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh):
+        # Operands as the one-warpgroup dK/dV kernel's (``backward.make_wgmma_dkdv``).
+        rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
+        # Causal: rank 0 is key tile 0 (longest first), or when the adds are ordered from the diagonal down, the last
+        # key tile (shortest first: every block it waits for started before it).
+        tile = k_tiles - 1 - rank if CAUSAL and ORDERED else rank
+        tid = cuda.threadIdx.x
+        tile_k0 = tile * KEY_ROWS
+        lse_rows = n_q   # of lse and D per (batch, head), or per head over the packed sequences (VARLEN)
+        first_query, first_key, n_q, n_k, causal_offset = sequence(b, q_bounds, q_step, k_bounds, k_step, n_q, n_k,
+                                                                   causal_offset, bottom_right, 0)
+        if VARLEN and tile_k0 >= n_k:   # the grid covers the longest sequence; the whole block leaves, before any
+            return                      # barrier
+        own_q_tiles, own_k_tiles = (ceil_div(n_q, BLOCK_N), ceil_div(n_k, KEY_ROWS)) if VARLEN else (q_tiles, k_tiles)
+        # Every query tile of every query head of the group that sees the block's first key (causal: from the tile
+        # holding row tile_k0 - causal_offset).
+        first_q_tile = max(0, tile_k0 - causal_offset) // BLOCK_N if CAUSAL else 0
+        per_head = max(0, own_q_tiles - first_q_tile)
+        steps = group * per_head
+
+        smem = cuda.shared.array(0, uint32)
+        base = shared_address(smem)
+        pad = first_atom_words(base)
+        # The consumers' K tiles (one after the other: dQ's halves read both), their V tiles, the stages (stage s:
+        # Q_i, dO_i at q_at + s 2 TILE_WORDS), dS^T (buffer s: both consumers' tiles), the dQ halves, lse and D
+        # (stage s at scalars_at + s 2 BLOCK_N), the mbarriers FULL[0], FULL[1], EMPTY[0], EMPTY[1].
+        q_at = pad + 2 * CONSUMER_GROUPS * TILE_WORDS
+        ds_at = q_at + STAGES * 2 * TILE_WORDS
+        dq_at = ds_at + STAGES * CONSUMER_GROUPS * DS_WORDS
+        scalars_at = dq_at + CONSUMER_GROUPS * HALF_WORDS
+        barriers_at = scalars_at + STAGES * 2 * BLOCK_N
+        if tid < STAGES:
+            barrier_init(smem, barriers_at + tid * 2, COPIERS)                                  # FULL
+            barrier_init(smem, barriers_at + (STAGES + tid) * 2, CONSUMER_GROUPS * WARPGROUP // 32)   # EMPTY
+            fence_barrier_init()
+        cuda.syncthreads()   # the barriers' initialisation, before anyone arrives or waits (the last block barrier)
+
+        if tid < WARPGROUP:   # the producer warpgroup
+            give_registers()
+            if tid < COPIERS:
+                produce(smem, q_at, scalars_at, barriers_at, Q, dO, LSE, D, b, h_kv, group, kv_heads, q_sb, q_sh,
+                        q_sn, do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile,
+                        per_head, steps, tid)
+            elif tid // 32 == WRITER_WARP:
+                write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles,
+                         causal_offset, first_q_tile, per_head, steps, tid % 32)
+            return
+
+        take_registers()
+        c = tid // WARPGROUP - 1   # this consumer's warpgroup, on keys k0 .. k0 + 63
+        wtid = tid % WARPGROUP
+        k0 = tile_k0 + c * BLOCK_N
+        warp, g, t = warp_lane(wtid)
+        k_at, v_at = pad + c * TILE_WORDS, pad + (CONSUMER_GROUPS + c) * TILE_WORDS
+        # S^T = K Q^T and dP^T = V dO^T read all four K-major; dV += P^T dO and dK += dS^T Q read dO and Q MN-major,
+        # dQ's halves both K tiles and both dS^T tiles MN-major.  The stage-0 (buffer-0) descriptors.
+        k_desc, v_desc = k_major_descriptor(base + k_at * 4), k_major_descriptor(base + v_at * 4)
+        q_desc, do_desc = k_major_descriptor(base + q_at * 4), k_major_descriptor(base + (q_at + TILE_WORDS) * 4)
+        qt_desc = mn_major_descriptor(base + q_at * 4)
+        dot_desc = mn_major_descriptor(base + (q_at + TILE_WORDS) * 4)
+        kt_desc = mn_major_descriptor(base + pad * 4)
+        ds_desc = mn_major_descriptor(base + ds_at * 4)
+
+        dk_acc = cuda.local.array(ACC_REGISTERS, float32)
+        dv_acc = cuda.local.array(ACC_REGISTERS, float32)
+        st = cuda.local.array(S_REGISTERS, float32)
+        dpt = cuda.local.array(S_REGISTERS, float32)
+        dq_acc = cuda.local.array(HALF_REGISTERS, float32)
+        p_words = cuda.local.array(A_WORDS, uint32)    # P^T, packed: the A operand of dV's product
+        ds_words = cuda.local.array(A_WORDS, uint32)   # dS^T, packed: dK's
+        for i in range(ACC_REGISTERS):
+            dk_acc[i] = float32(0)
+            dv_acc[i] = float32(0)
+
+        if steps > 0:
+            start_tile(smem, k_at, K, b * k_sb + h_kv * k_sh + (first_key + k0) * k_sn, k_sn, n_k - k0, wtid)
+            start_tile(smem, v_at, V, b * v_sb + h_kv * v_sh + (first_key + k0) * v_sn, v_sn, n_k - k0, wtid)
+            copy_async_commit()
+            copy_async_wait_all()
+            fence_proxy_async()
+            consumers_sync()   # both consumers' K_j and V_j there: dQ's halves read both K tiles
+        c_log2 = float32(scale_log2)
+        for step in range(steps):
+            stage = step & 1
+            _, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
+            q0 = q_tile * BLOCK_N
+            offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
+            scalars = scalars_at + stage * 2 * BLOCK_N
+            barrier_wait(smem, barriers_at + stage * 2, (step >> 1) & 1)   # FULL[s]: Q_i, dO_i, lse, D landed
+            issue_scores(st, k_desc, advanced_device(q_desc, offset), dpt, v_desc, advanced_device(do_desc, offset))
+            wait_all_but_one()   # S^T
+            masked = (CAUSAL and k0 + BLOCK_N - 1 > q0 + causal_offset) or k0 + BLOCK_N > n_k
+            probabilities(st, smem, scalars, k0, q0, n_k, causal_offset, c_log2, masked, uint32(0), warp, g, t)
+            pack_pairs(p_words, st)
+            wgmma_fence()   # P^T's registers, before the product reads them
+            issue_weighted(dv_acc, p_words, advanced_device(dot_desc, offset))
+            wgmma_commit()
+            wait_all_but_one()   # dP^T
+            score_gradients(dpt, st, smem, scalars, warp, g, t)
+            pack_pairs(ds_words, dpt)
+            # Both consumers' dS^T in buffer s, for the tensor cores; then this consumer's half of dQ_i, then dK.
+            stage_ds(smem, ds_at + (stage * CONSUMER_GROUPS + c) * DS_WORDS, ds_words, warp, g, t)
+            fence_proxy_async()
+            consumers_sync()
+            issue_dq_half(dq_acc, advanced_device(ds_desc, stage * CONSUMER_GROUPS * DS_TILE_BYTES), kt_desc, c)
+            wgmma_fence()   # dS^T's registers, before the product reads them
+            issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
+            wgmma_commit()
+            wait_all_but_one()   # dV's and dQ's products (dK's may run on)
+            dq_barrier(c, False, True)   # (EMPTY) the writer done with the previous half
+            stage_dq_half(smem, dq_at + c * HALF_WORDS, dq_acc, wtid)
+            fence_proxy_async()   # ordinary stores, read by the copy engine
+            dq_barrier(c, True, False)
+            wait_all_products()
+            sync_warp()   # every lane done reading the stage (its lse and D too)
+            if wtid % 32 == 0:
+                barrier_arrive(smem, barriers_at + (STAGES + stage) * 2, 1)   # EMPTY[s]
+
+        store_rows(dK, b * dk_sb + h_kv * dk_sh + (first_key + k0) * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale),
+                   warp, g, t)
+        store_rows(dV, b * dv_sb + h_kv * dv_sh + (first_key + k0) * dv_sn, dv_sn, dv_acc, n_k - k0, float32(1), warp,
+                   g, t)
+
+    name = (f"wgmma_backward_dkdv_d{HEAD_DIM}_{ELEMENT}" + ("_causal" if CAUSAL else "")
+            + ("_dq_bulk_ordered" if ORDERED else "_dq_bulk_atomic") + ("_varlen" if VARLEN else ""))
+    return backward_kernel(kernel, name, ("dK", "dV"), dict(DQ_SUM=np.float32, TURNS=np.int32, q_bounds=np.int32,
+                                                            k_bounds=np.int32), 1, THREADS)
