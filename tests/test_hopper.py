@@ -649,10 +649,7 @@ def _hand_over_kernel():
     96 threads: the producer arrives, the consumers sync, and back)."""
     from numba_flash.kernels.fast.primitives import sync_warp
     from numba_flash.kernels.hopper.bulk import barrier_arrive, barrier_init, barrier_wait, fence_barrier_init
-    from numba_flash.kernels.hopper.roles import named_barrier_arrive, named_barrier_sync
-
-    full_sync, full_arrive = named_barrier_sync(1, 96), named_barrier_arrive(1, 96)
-    empty_sync, empty_arrive = named_barrier_sync(2, 96), named_barrier_arrive(2, 96)
+    from numba_flash.kernels.hopper.roles import named_arrive, named_sync
 
     @cuda.jit
     def hand_over(sums, rounds, mbarriers):
@@ -668,26 +665,26 @@ def _hand_over_kernel():
                 if mbarriers:
                     barrier_wait(smem, 2, (r & 1) ^ 1)
                 elif r > 0:
-                    empty_sync()
+                    named_sync(2, 96)
                 smem[8 + tid] = uint32(100 * r + tid)
                 if mbarriers:
                     barrier_arrive(smem, 0, 1)
                 else:
-                    full_arrive()
+                    named_arrive(1, 96)
         else:
             total = uint32(0)
             for r in range(rounds):
                 if mbarriers:
                     barrier_wait(smem, 0, r & 1)
                 else:
-                    full_sync()
+                    named_sync(1, 96)
                 total += smem[8 + tid % 32]
                 sync_warp()
                 if mbarriers:
                     if tid % 32 == 0:
                         barrier_arrive(smem, 2, 1)
                 elif r + 1 < rounds:
-                    empty_arrive()
+                    named_arrive(2, 96)
             sums[tid - 32] = total
 
     return hand_over

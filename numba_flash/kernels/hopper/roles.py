@@ -2,22 +2,23 @@
 
 A warp-specialised block gives its warps different jobs (one warpgroup copies tiles and hands dQ's sums to the copy
 engine, the others compute), so they cannot all meet at ``syncthreads``: each hand-over has its own barrier among the
-threads it concerns.  numba-cuda exposes neither piece below; both are one PTX instruction with constant operands
-(``primitives.ptx_statement``), made once per (barrier, count) or budget.
+threads it concerns.  numba-cuda exposes neither piece below; each is one PTX instruction.
 
-* ``named_barrier_sync(ID, COUNT)`` is ``bar.sync ID, COUNT``: the thread waits until COUNT threads (a multiple of 32)
-  have arrived at barrier ID (1 .. 15; 0 is ``syncthreads``'), counting those that only ``named_barrier_arrive(ID,
-  COUNT)`` (``bar.arrive``: counted, not waiting).  A producer arrives and a consumer syncs: what the producer wrote
-  before its arrive the consumer sees after its sync, as with ``syncthreads``.
-* ``register_budget(DIRECTION, COUNT)`` is ``setmaxnreg.{dec,inc}.sync.aligned.u32 COUNT``: every thread of the
-  warpgroup gives back registers down to COUNT, or waits until the block's pool has room and takes them up to COUNT.
-  The block is launched with the registers of its launch bounds (168 a thread for 384 threads a block); a producer
-  warpgroup that drops to 24 leaves enough for two consumer warpgroups to rise to 240 (128 x 24 + 256 x 240 =
-  64512 of 65536).  ptxas allocates each region to its budget (a session check, 2026-12-06:
-  ``experiments/tuning/results/backward_bulk_dq_h100.md``).  sm_90a only.
+* ``named_sync(barrier, threads)`` is ``bar.sync barrier, threads``: the thread waits until ``threads`` threads (a
+  multiple of 32) have arrived at barrier ``barrier`` (1 .. 15, the same in every lane of a warp; 0 is
+  ``syncthreads``'), counting those that only ``named_arrive(barrier, threads)`` (``bar.arrive``: counted, not
+  waiting).  A producer arrives and a consumer syncs: what the producer wrote before its arrive the consumer sees
+  after its sync, as with ``syncthreads``.
+* ``register_budget(DIRECTION, COUNT)`` is ``setmaxnreg.{dec,inc}.sync.aligned.u32 COUNT`` (a constant of the
+  instruction): every thread of the warpgroup gives back registers down to COUNT, or waits until the block's pool has
+  room and takes them up to COUNT.  The block is launched with the registers of its launch bounds (168 a thread for
+  384 threads a block); a producer warpgroup that drops to 24 leaves enough for two consumer warpgroups to rise to
+  240 (128 x 24 + 256 x 240 = 64512 of 65536).  ptxas allocates each region to its budget (2026-12-07, sm_90a: the
+  bulk modes' consumer loop without a spill at 240, ``specialized_dkdv.py``).  sm_90a only.
 
 The simulator runs each thread as a Python thread: there a named barrier is a ``runtime.simulator.BlockBarrier`` of
-COUNT parties per (block, ID), with ``arrive`` counting a thread without waiting, and a register budget does nothing.
+``threads`` parties per (block, barrier), with ``arrive`` counting a thread without waiting, and a register budget
+does nothing.
 """
 from functools import lru_cache
 
@@ -25,14 +26,8 @@ from numba import config
 
 from ..fast.primitives import ptx_statement
 
-#: Named barrier 0 is the block's (``syncthreads``); these kernels use 1 .. 15.
-FIRST_NAMED_BARRIER = 1
-LAST_NAMED_BARRIER = 15
-
-
-def _check(ID, COUNT):
-    if not FIRST_NAMED_BARRIER <= ID <= LAST_NAMED_BARRIER or COUNT <= 0 or COUNT % 32:
-        raise ValueError(f"named barrier {ID} of {COUNT} threads: the id must be 1..15, the count a multiple of 32")
+#: Named barrier 0 is the block's (``syncthreads``); kernels with roles use 1 .. 15.
+NAMED_BARRIERS = range(1, 16)
 
 
 def _check_budget(DIRECTION, COUNT):
@@ -41,17 +36,32 @@ def _check_budget(DIRECTION, COUNT):
 
 
 if not config.ENABLE_CUDASIM:
-    @lru_cache(maxsize=None)
-    def named_barrier_sync(ID, COUNT):
-        """Wait at barrier ID until COUNT threads have arrived (this one among them)."""
-        _check(ID, COUNT)
-        return ptx_statement(f"bar.sync {ID}, {COUNT};")
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
 
-    @lru_cache(maxsize=None)
-    def named_barrier_arrive(ID, COUNT):
-        """Arrive at barrier ID of COUNT threads without waiting."""
-        _check(ID, COUNT)
-        return ptx_statement(f"bar.arrive {ID}, {COUNT};")
+    from ..fast.primitives import _I32
+
+    def _named(text, doc):
+        @intrinsic
+        def operation(typingctx, barrier, threads):
+            if not (isinstance(barrier, types.Integer) and isinstance(threads, types.Integer)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                operands = [context.cast(builder, value, ty, types.uint32) for value, ty in zip(args, sig.args)]
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I32]), text, "r,r,~{memory}",
+                                   side_effect=True)
+                builder.call(asm, operands)
+                return context.get_dummy_value()
+
+            return types.void(barrier, threads), codegen
+
+        operation.__doc__ = doc
+        return operation
+
+    named_sync = _named("bar.sync $0, $1;", "Wait at named barrier ``barrier`` until ``threads`` threads arrived.")
+    named_arrive = _named("bar.arrive $0, $1;", "Arrive at named barrier ``barrier`` of ``threads`` threads.")
 
     @lru_cache(maxsize=None)
     def register_budget(DIRECTION, COUNT):
@@ -66,33 +76,27 @@ else:
 
     _LOCK = threading.Lock()
 
-    def _barrier(ID, COUNT):
-        """The simulated block's barrier ID (made by the first thread that reaches it)."""
+    def _barrier(barrier, threads):
+        """The simulated block's named barrier (made by the first thread that reaches it)."""
+        barrier, threads = int(barrier), int(threads)
+        if barrier not in NAMED_BARRIERS or threads <= 0 or threads % 32:
+            raise ValueError(f"named barrier {barrier} of {threads} threads: 1..15, a multiple of 32 threads")
         block = threading.current_thread()._manager
         with _LOCK:
             barriers = block.__dict__.setdefault("_numba_flash_named_barriers", {})
-            barrier = barriers.get(ID)
-            if barrier is None:
-                barrier = barriers[ID] = BlockBarrier(COUNT)
-        return barrier
+            if barrier not in barriers:
+                barriers[barrier] = BlockBarrier(threads)
+                barriers[barrier].threads = threads
+        found = barriers[barrier]
+        if found.threads != threads:
+            raise ValueError(f"named barrier {barrier}: {threads} threads here, {found.threads} elsewhere")
+        return found
 
-    @lru_cache(maxsize=None)
-    def named_barrier_sync(ID, COUNT):
-        _check(ID, COUNT)
+    def named_sync(barrier, threads):
+        _barrier(barrier, threads).wait()
 
-        def sync():
-            _barrier(ID, COUNT).wait()
-
-        return sync
-
-    @lru_cache(maxsize=None)
-    def named_barrier_arrive(ID, COUNT):
-        _check(ID, COUNT)
-
-        def arrive():
-            _barrier(ID, COUNT).arrive()
-
-        return arrive
+    def named_arrive(barrier, threads):
+        _barrier(barrier, threads).arrive()
 
     @lru_cache(maxsize=None)
     def register_budget(DIRECTION, COUNT):
@@ -100,4 +104,4 @@ else:
         return ptx_statement("")
 
 
-__all__ = ["named_barrier_arrive", "named_barrier_sync", "register_budget"]
+__all__ = ["NAMED_BARRIERS", "named_arrive", "named_sync", "register_budget"]

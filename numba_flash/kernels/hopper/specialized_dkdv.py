@@ -55,7 +55,7 @@ from .bulk import (BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, bu
                    bulk_wait_done, bulk_wait_read, fence_barrier_init)
 from .common import A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor, tile_bytes
 from .dq_sums import DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, splits_dq_columns
-from .roles import named_barrier_arrive, named_barrier_sync, register_budget
+from .roles import named_arrive, named_sync, register_budget
 from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
 
 CONSUMER_GROUPS = 2                          # consumer warpgroups, each on 64 keys of the block's tile
@@ -67,16 +67,11 @@ STAGES = 2                                   # of Q_i, dO_i, lse and D (and of d
 #: Registers a thread after the budgets: 128 x 24 + 256 x 240 = 64512 of the multiprocessor's 65536, what the launch
 #: bounds of 384 threads (168 a thread) reserve for the block.
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
-#: Named barriers: both consumer warpgroups; dQ buffer c filled (its consumers and the writer); buffer c emptied.
+#: Named barriers: both consumer warpgroups; dQ buffer c filled (DQ_FULL_BARRIER + c: its consumer warpgroup and the
+#: writer warp), and emptied (DQ_EMPTY_BARRIER + c).
 CONSUMERS_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 4
+CONSUMER_THREADS, DQ_BUFFER_THREADS = CONSUMER_GROUPS * WARPGROUP, WARPGROUP + 32
 
-consumers_sync = named_barrier_sync(CONSUMERS_BARRIER, CONSUMER_GROUPS * WARPGROUP)
-# dQ buffer c's barriers (c = 0, 1), of a consumer warpgroup and the writer warp: one global each (a tuple of them
-# does not type in Numba), chosen by ``dq_barrier``.
-_dq_full_sync0, _dq_full_sync1 = (named_barrier_sync(DQ_FULL_BARRIER + c, WARPGROUP + 32) for c in range(2))
-_dq_full_arrive0, _dq_full_arrive1 = (named_barrier_arrive(DQ_FULL_BARRIER + c, WARPGROUP + 32) for c in range(2))
-_dq_empty_sync0, _dq_empty_sync1 = (named_barrier_sync(DQ_EMPTY_BARRIER + c, WARPGROUP + 32) for c in range(2))
-_dq_empty_arrive0, _dq_empty_arrive1 = (named_barrier_arrive(DQ_EMPTY_BARRIER + c, WARPGROUP + 32) for c in range(2))
 give_registers = register_budget("dec", PRODUCER_REGISTERS)
 take_registers = register_budget("inc", CONSUMER_REGISTERS)
 
@@ -87,31 +82,6 @@ def shared_bytes(head_dim):
     boundary."""
     return ((2 * CONSUMER_GROUPS + 2 * STAGES) * tile_bytes(head_dim) + STAGES * CONSUMER_GROUPS * DS_TILE_BYTES
             + BLOCK_N * head_dim * 4 + STAGES * 2 * BLOCK_N * 4 + 2 * STAGES * BARRIER_BYTES + 1024)
-
-
-@inlined_device_function
-def dq_barrier(c, full, wait):
-    """At dQ buffer c's FULL (``full``) or EMPTY barrier: wait there (``wait``) or arrive (a barrier's id is a
-    constant of its instruction)."""
-    if full and wait:
-        if c == 0:
-            _dq_full_sync0()
-        else:
-            _dq_full_sync1()
-    elif full:
-        if c == 0:
-            _dq_full_arrive0()
-        else:
-            _dq_full_arrive1()
-    elif wait:
-        if c == 0:
-            _dq_empty_sync0()
-        else:
-            _dq_empty_sync1()
-    elif c == 0:
-        _dq_empty_arrive0()
-    else:
-        _dq_empty_arrive1()
 
 
 @lru_cache(maxsize=None)
@@ -161,14 +131,14 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
         reduction (lane 0; when ORDERED in its turn, and its adds done before the turn passes on); the buffer handed
         back once the engine has read it (no hand-back after the last step: its consumers never wait again)."""
         if steps > 0:
-            dq_barrier(0, False, False)
-            dq_barrier(1, False, False)
+            for c in range(CONSUMER_GROUPS):   # the buffers start empty
+                named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
         for step in range(steps):
             h, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
             slab = (b * kv_heads * group + h) * q_tiles + q_tile
             turn = contributors(q_tile, own_k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL else tile
             for c in range(CONSUMER_GROUPS):
-                dq_barrier(c, True, True)
+                named_sync(DQ_FULL_BARRIER + c, DQ_BUFFER_THREADS)
                 if lane == 0:
                     if ORDERED:
                         while cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 0) != turn:
@@ -184,7 +154,7 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
                         cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 1)
                 sync_warp()
                 if step + 1 < steps:
-                    dq_barrier(c, False, False)
+                    named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
         if lane == 0:
             bulk_wait_done()   # the last reductions' adds, before the block ends
 
@@ -270,7 +240,7 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             copy_async_commit()
             copy_async_wait_all()
             fence_proxy_async()
-            consumers_sync()   # both consumers' K_j and V_j there: dQ's halves read both K tiles
+            named_sync(CONSUMERS_BARRIER, CONSUMER_THREADS)   # both consumers' K_j, V_j there: dQ's halves read both
         c_log2 = float32(scale_log2)
         for step in range(steps):
             stage = step & 1
@@ -293,16 +263,16 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             # Both consumers' dS^T in buffer s, for the tensor cores; then this consumer's half of dQ_i, then dK.
             stage_ds(smem, ds_at + (stage * CONSUMER_GROUPS + c) * DS_WORDS, ds_words, warp, g, t)
             fence_proxy_async()
-            consumers_sync()
+            named_sync(CONSUMERS_BARRIER, CONSUMER_THREADS)
             issue_dq_half(dq_acc, advanced_device(ds_desc, stage * CONSUMER_GROUPS * DS_TILE_BYTES), kt_desc, c)
             wgmma_fence()   # dS^T's registers, before the product reads them
             issue_weighted(dk_acc, ds_words, advanced_device(qt_desc, offset))
             wgmma_commit()
             wait_all_but_one()   # dV's and dQ's products (dK's may run on)
-            dq_barrier(c, False, True)   # (EMPTY) the writer done with the previous half
+            named_sync(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)   # the writer done with the previous half
             stage_dq_half(smem, dq_at + c * HALF_WORDS, dq_acc, wtid)
             fence_proxy_async()   # ordinary stores, read by the copy engine
-            dq_barrier(c, True, False)
+            named_arrive(DQ_FULL_BARRIER + c, DQ_BUFFER_THREADS)
             wait_all_products()
             sync_warp()   # every lane done reading the stage (its lse and D too)
             if wtid % 32 == 0:
