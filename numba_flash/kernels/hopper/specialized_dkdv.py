@@ -101,20 +101,24 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
     DS_WORDS = DS_TILE_BYTES // 4
 
     @inlined_device_function
-    def query_step(step, first_q_tile, per_head, h_kv, group):
-        """(query head, query tile) of step ``step``: every query tile from first_q_tile of each head of the
-        group in turn."""
-        return h_kv * group + step // per_head, first_q_tile + step % per_head
+    def next_step(h, q_tile, first_q_tile, own_q_tiles):
+        """(query head, query tile) of the step after query tile q_tile of head h: every query tile from first_q_tile
+        to own_q_tiles - 1 of each head of the group in turn (counted, where a division by the tiles a head has would
+        cost each role a 64-bit division a step)."""
+        if q_tile + 1 < own_q_tiles:
+            return h, q_tile + 1
+        return h + 1, first_q_tile
 
     @inlined_device_function
     def produce(smem, q_at, scalars_at, barriers_at, Q, dO, LSE, D, b, h_kv, group, kv_heads, q_sb, q_sh, q_sn,
-                do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile, per_head, steps, tid):
+                do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile, own_q_tiles, steps,
+                tid):
         """The copier warps: each step's tiles into stage step % 2 once its consumers are done with it, waited for
         and fenced (the tensor cores read them), then announced on FULL[s] (an arrival of each of the 64 threads)."""
+        h, q_tile = h_kv * group, first_q_tile
         for step in range(steps):
             stage = step & 1
             barrier_wait(smem, barriers_at + (STAGES + stage) * 2, ((step >> 1) & 1) ^ 1)   # EMPTY[s]
-            h, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
             start_step(smem, q_at + stage * 2 * TILE_WORDS, scalars_at + stage * 2 * BLOCK_N, Q, dO, LSE, D,
                        b * q_sb + h * q_sh + first_query * q_sn, b * do_sb + h * do_sh + first_query * do_sn, q_sn,
                        do_sn, lse_row(b * kv_heads * group + h, b, h, first_query, lse_rows, lse_sb, lse_sh),
@@ -123,18 +127,19 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             copy_async_wait_all()
             fence_proxy_async()
             barrier_arrive(smem, barriers_at + stage * 2, 1)   # FULL[s]
+            h, q_tile = next_step(h, q_tile, first_q_tile, own_q_tiles)
 
     @inlined_device_function
     def write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles, causal_offset,
-                 first_q_tile, per_head, steps, lane):
+                 first_q_tile, own_q_tiles, steps, lane):
         """The writer warp: each step, each consumer's dQ half, once its buffer is full, added to DQ_SUM by one bulk
         reduction (lane 0; when ORDERED in its turn, and its adds done before the turn passes on); the buffer handed
         back once the engine has read it (no hand-back after the last step: its consumers never wait again)."""
         if steps > 0:
             for c in range(CONSUMER_GROUPS):   # the buffers start empty
                 named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
+        h, q_tile = h_kv * group, first_q_tile
         for step in range(steps):
-            h, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
             slab = (b * kv_heads * group + h) * q_tiles + q_tile
             turn = contributors(q_tile, own_k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL else tile
             for c in range(CONSUMER_GROUPS):
@@ -155,6 +160,7 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
                 sync_warp()
                 if step + 1 < steps:
                     named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
+            h, q_tile = next_step(h, q_tile, first_q_tile, own_q_tiles)
         if lane == 0:
             bulk_wait_done()   # the last reductions' adds, before the block ends
 
@@ -202,10 +208,10 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             if tid < COPIERS:
                 produce(smem, q_at, scalars_at, barriers_at, Q, dO, LSE, D, b, h_kv, group, kv_heads, q_sb, q_sh,
                         q_sn, do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile,
-                        per_head, steps, tid)
+                        own_q_tiles, steps, tid)
             elif tid // 32 == WRITER_WARP:
                 write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles,
-                         causal_offset, first_q_tile, per_head, steps, tid % 32)
+                         causal_offset, first_q_tile, own_q_tiles, steps, tid % 32)
             return
 
         take_registers()
@@ -242,10 +248,11 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             fence_proxy_async()
             named_sync(CONSUMERS_BARRIER, CONSUMER_THREADS)   # both consumers' K_j, V_j there: dQ's halves read both
         c_log2 = float32(scale_log2)
+        h, q_tile = h_kv * group, first_q_tile
         for step in range(steps):
             stage = step & 1
-            _, q_tile = query_step(step, first_q_tile, per_head, h_kv, group)
             q0 = q_tile * BLOCK_N
+            h, q_tile = next_step(h, q_tile, first_q_tile, own_q_tiles)   # (the next step's)
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             scalars = scalars_at + stage * 2 * BLOCK_N
             barrier_wait(smem, barriers_at + stage * 2, (step >> 1) & 1)   # FULL[s]: Q_i, dO_i, lse, D landed
