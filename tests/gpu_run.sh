@@ -2,8 +2,9 @@
 # One batch of GPU work: tests, compute-sanitizer, benchmarks and experiments, each under a time limit.
 #
 #   bash tests/gpu_run.sh [STEP ...]     # steps: tests sanitize (memcheck racecheck) bench host backward accuracy
-#                                        # experiments decode train ring hopper sixteen mods (default: all but
-#                                        # backward, decode, train, ring, hopper, sixteen, mods; ring needs two GPUs)
+#                                        # experiments decode train ring hopper roles sixteen mods (default: all but
+#                                        # backward, decode, train, ring, hopper, roles, sixteen, mods; ring needs
+#                                        # two GPUs)
 #
 # Logs go to $OUT/run (or ./run), results files to experiments/{paper,tuning}/results/.  Every step prints one
 # summary line; a step cut by its limit says so (rc=124) and the next one starts.  Most of a GPU
@@ -112,10 +113,23 @@ for s in $STEPS; do
                 --command "NUMBA_FLASH_WGMMA_WARPGROUPS=$groups python3 -m numba_flash bench --device-time ..."
             grep -E "\| wgmma \|" "$LOGS/wgmma_warpgroups$groups.log" | tail -12
         done ;;
+    roles)  # issue 45: the bulk modes' dK/dV kernel whose warps have roles (specialized_dkdv.py): every way of
+            # summing dQ timed in one process, then its tests and racecheck, synccheck, memcheck (one tool a run)
+        step backward_modes ${MODES_LIMIT:-240} python3 experiments/tuning/wgmma_backward_bench.py modes
+        grep -E "^\(" "$LOGS/backward_modes.log" | tail -12
+        HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu_smoke} step roles_test 150 python3 -m pytest -q -n 6 \
+            -p no:cacheprovider tests/test_hopper.py -k "bulk or hands or backward"
+        tail -3 "$LOGS/roles_test.log"
+        for tool in racecheck synccheck memcheck; do
+            step roles_$tool 120 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
+                python3 tests/gpu_sanitize.py quick backward wgmma bulk_ordered,gqa_bulk_unordered,varlen_bulk_ordered
+            grep -hE "SUMMARY|rror" "$LOGS/roles_$tool.log" | tail -3
+        done ;;
     train)
         step train_gpt ${TRAIN_LIMIT:-300} python3 experiments/paper/train_gpt.py --steps ${TRAIN_STEPS:-300}
         tail -6 "$LOGS/train_gpt.log" ;;
-    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring, hopper, sixteen)"
+    *) echo "unknown step $s (tests, sanitize, bench, host, backward, accuracy, experiments, decode, train, ring, hopper, roles,"
+       echo "sixteen, mods)"
        exit 2 ;;
     esac
 done

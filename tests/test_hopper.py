@@ -690,7 +690,7 @@ def _hand_over_kernel():
     return hand_over
 
 
-@pytest.mark.skipif(_where() is None, reason="mbarrier arrivals with a count and setmaxnreg need sm_90 (or the simulator)")
+@pytest.mark.skipif(_where() is None, reason="mbarrier arrivals with a count need sm_90 (or the simulator)")
 @pytest.mark.parametrize("mbarriers", [True, False], ids=["mbarriers", "named_barriers"])
 def test_a_producer_warp_hands_buffers_to_consumer_warps(mbarriers):
     """The hand-overs of a block whose warps have roles (``kernels/hopper/specialized_dkdv.py``): every consumer

@@ -8,14 +8,19 @@ alone (ours with ``deterministic`` True and False) and a whole training step's a
 CUDA events, median of ``REPEATS``.  ``quick``: the backward alone, float16, no peers.  ``mask``: a random block
 mask of ``MASK_DENSITY`` (blocks of ``MASK_BLOCK``, FlexAttention's default) at ``MASK_SHAPES``: the backward alone
 on wgmma and on mma.sync, and forward + backward through autograd (ours with the backward on wgmma, and with flash2's
-pick) beside FlexAttention's with the same mask.  ``NUMBA_FLASH_WGMMA_DQ`` (separate, ordered, atomic, bulk-ordered,
-bulk-atomic: ``kernels/hopper/dq_sums.py``) picks how the backward sums dQ, ``NUMBA_FLASH_WGMMA=0`` the mma.sync
-backward.
+pick) beside FlexAttention's with the same mask.  ``modes``: the backward alone in every way of summing dQ
+(``kernels/hopper/dq_sums.py``'s DQ_MODES, switched in one process; the bulk modes run the kernel whose warps have
+roles, ``specialized_dkdv.py``) at ``MODE_SHAPES``, bfloat16, each mode's largest difference from "separate" over the
+largest entry and, for the deterministic ones, whether a second call gives the same bits; then forward + backward
+through autograd in "separate" and in the fastest other mode beside torch's flash and cuDNN.
+``NUMBA_FLASH_WGMMA_DQ`` (separate, ordered, atomic, bulk-ordered, bulk-atomic) picks how the backward sums dQ for
+the other commands, ``NUMBA_FLASH_WGMMA=0`` the mma.sync backward.
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py check
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py bench [--dtypes float16,bfloat16]
     NUMBA_FLASH_WGMMA_DQ=atomic PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py quick
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py mask
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py modes
 
 Prints one line per case; results read from those lines: results/bench_wgmma_backward_h100.md.
 """
@@ -37,6 +42,10 @@ CHECKS = [(1, 1, 1, 64, 64, 64, "float16", False), (1, 2, 1, 130, 200, 64, "floa
 MASK_SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128)]
 MASK_DENSITY = 0.1
 MASK_BLOCK = 128
+#: ``modes``: (B, H_q, H_kv, N, d, causal), issue 45's rows and two more, dense and causal.
+MODE_SHAPES = [(4, 16, 16, 4096, 64, False), (4, 16, 16, 4096, 64, True), (2, 16, 16, 8192, 128, False),
+               (2, 16, 16, 8192, 128, True), (4, 32, 8, 4096, 128, False), (4, 32, 8, 4096, 128, True),
+               (8, 16, 16, 2048, 64, False), (16, 16, 16, 1024, 128, True), (4, 16, 16, 3000, 64, True)]
 
 
 def reference_gradients(torch, q, k, v, grad_out, causal, group):
@@ -122,9 +131,62 @@ def bench_mask(torch, batch, heads, n, d, dtype):
           " ".join(f"{k}={v:.3f}" for k, v in times.items()), flush=True)
 
 
+def bench_modes(torch, batch, heads, kv_heads, n, d, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from numba_flash import api
+    from numba_flash.kernels.hopper import backward as hopper_backward
+    from numba_flash.kernels.hopper.dq_sums import DQ_MODES, UNORDERED_MODES
+    from numba_flash.tools.timing import time_ms
+
+    def use(mode):   # DQ_MODE for the while; the plans laid out for the previous one forgotten
+        hopper_backward.DQ_MODE = mode
+        api._PLANS.clear()
+
+    q, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in "qo")
+    k, v = (torch.randn(batch, kv_heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    out, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True)
+    timed = lambda run: time_ms(run, repeats=REPEATS, warmup=2)   # noqa: E731
+    saved, times, notes, gradients = hopper_backward.DQ_MODE, {}, [], {}
+    try:
+        for mode in DQ_MODES:
+            use(mode)
+            deterministic = mode not in UNORDERED_MODES
+
+            def backward(deterministic=deterministic):
+                return numba_flash.attention_backward(q, k, v, out, lse, grad_out, causal=causal,
+                                                      deterministic=deterministic)
+
+            gradients[mode] = backward()
+            times[mode] = timed(backward)
+            if mode != "separate":
+                difference = max(float((x.float() - y.float()).abs().max() / y.float().abs().max())
+                                 for x, y in zip(gradients[mode], gradients["separate"]))
+                notes.append(f"{mode} diff={difference:.1e}")
+            if deterministic:
+                notes.append(f"{mode} same={all(torch.equal(x, y) for x, y in zip(gradients[mode], backward()))}")
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            def forward(backend=backend):
+                with sdpa_kernel(backend):
+                    return sdpa(*leaves, is_causal=bool(causal), enable_gqa=heads != kv_heads)
+            times[f"{name} fwd+bwd"] = timed(lambda: torch.autograd.grad(forward(), leaves, grad_out))
+        fastest = min((m for m in DQ_MODES if m != "separate"), key=times.get)
+        for mode in ("separate", fastest):
+            use(mode)
+            times[f"ours fwd+bwd ({mode})"] = timed(lambda: torch.autograd.grad(
+                numba_flash_torch.attention(*leaves, causal=causal, deterministic=mode not in UNORDERED_MODES),
+                leaves, grad_out))
+    finally:
+        use(saved)
+    print((batch, heads, kv_heads, n, d, causal), " ".join(f"{k}={v:.3f}" for k, v in times.items()), "|",
+          " ".join(notes), flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("check", "bench", "quick", "mask"))
+    parser.add_argument("what", choices=("check", "bench", "quick", "mask", "modes"))
     parser.add_argument("--dtypes", default="float16,bfloat16")
     args = parser.parse_args(argv)
     if numba_flash.in_simulator():
@@ -135,6 +197,10 @@ def main(argv=None):
     if args.what == "check":
         for case in CHECKS:
             check(torch, *case)
+        return 0
+    if args.what == "modes":
+        for shape in MODE_SHAPES:
+            bench_modes(torch, *shape)
         return 0
     dtypes = ["float16"] if args.what == "quick" else args.dtypes.split(",")
     if args.what == "mask":

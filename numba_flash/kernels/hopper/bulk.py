@@ -36,11 +36,11 @@ Synchronization and Communication Instructions: mbarrier".  How the pieces fit:
   as an ordered sum's turn counter).  The source is written by ordinary stores: each writer's
   ``fence.proxy.async`` and a barrier before the one thread issues it.
 
-The simulator has no copy engine: there ``bulk_copy`` copies at once (one of the orders the GPU may
-choose), so the barriers count arrivals only (an ``expect_bytes`` is one arrival), each phase's parity kept per
-simulated block: a warp-specialised kernel whose consumers wait for a producer's arrivals waits there too.  Whether a kernel waits for its
-tiles before it reads them only the GPU can say (compute-sanitizer's racecheck and synccheck, and its
-results: ``tests/gpu_sanitize.py``).
+The simulator has no copy engine: there ``bulk_copy`` copies at once (one of the orders the GPU may choose), so
+the barriers count arrivals only (an ``expect_bytes`` is one arrival), each phase's parity kept per simulated block:
+a warp-specialised kernel whose consumers wait for a producer's arrivals waits there too.  Whether a kernel waits
+for the bytes of its copies before it reads them only the GPU can say (compute-sanitizer's racecheck and synccheck,
+and its results: ``tests/gpu_sanitize.py``).
 """
 import numpy as np
 from numba import config
@@ -217,5 +217,5 @@ def barrier_wait(smem, word, parity):
         pass
 
 
-__all__ = ["BARRIER_BYTES", "barrier_arrive", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait", "bulk_commit",
-           "bulk_copy", "bulk_reduce_add", "bulk_wait_done", "bulk_wait_read", "fence_barrier_init"]
+__all__ = ["BARRIER_BYTES", "barrier_arrive", "barrier_expect_bytes", "barrier_init", "barrier_try_wait", "barrier_wait",
+           "bulk_commit", "bulk_copy", "bulk_reduce_add", "bulk_wait_done", "bulk_wait_read", "fence_barrier_init"]
