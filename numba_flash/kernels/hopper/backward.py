@@ -145,6 +145,8 @@ from .dq_sums import (DQ_MODES, DS_TILE_BYTES, UNORDERED_MODES, contributors, dq
 from .wgmma import advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
 
 STREAMED_TILES = 4       # 64-row tiles of the streamed Q_i and dO_i in shared memory: two stages of the two
+
+
 def shared_bytes(head_dim, dq_mode="separate"):
     """The one-warpgroup kernels': the K and V tiles, two stages of Q_i and dO_i, the streamed query rows' lse and D
     (two stages), dS^T where dQ is summed by the dK/dV kernel, and slack to start the tiles on a 1024-byte
