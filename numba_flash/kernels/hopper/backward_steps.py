@@ -90,8 +90,8 @@ wait_all_but_one = wgmma_wait(1)
 
 @lru_cache(maxsize=None)
 def steps(HEAD_DIM, ELEMENT):
-    """What every dK/dV and dQ kernel is made of, for head dim HEAD_DIM: (registers of a 64 x HEAD_DIM accumulator, words of a
-    tile, start_tile, issue_scores, pack_pairs, issue_weighted, store_rows)."""
+    """What every dK/dV and dQ kernel is made of, for head dim HEAD_DIM: (registers of a 64 x HEAD_DIM accumulator,
+    words of a tile, start_tile (by a warpgroup), issue_scores, pack_pairs, issue_weighted, store_rows)."""
     return (HEAD_DIM // 2, tile_bytes(HEAD_DIM) // 4, tile_copier(HEAD_DIM, WARPGROUP)[1], *products(HEAD_DIM, ELEMENT),
             row_store(HEAD_DIM, ELEMENT))
 
