@@ -79,10 +79,25 @@ def check(torch, batch, heads, kv_heads, n_q, n_k, d, dtype_name, causal):
     print((batch, heads, kv_heads, n_q, n_k, d, dtype_name, causal), " | ".join(parts), flush=True)
 
 
-def bench(torch, batch, heads, kv_heads, n, d, dtype, causal, peers):
-    from numba_flash.tools.timing import time_ms
+def torch_times(torch, leaves, grad_out, causal, timed, forward_too=False):
+    """Milliseconds of torch SDPA's flash and cuDNN backends on ``leaves`` (q, k, v): forward + backward, and the
+    forward alone when ``forward_too``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    times, grouped = {}, leaves[0].shape[1] != leaves[1].shape[1]
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        def forward(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(*leaves, is_causal=bool(causal), enable_gqa=grouped)
+        times[f"{name} fwd+bwd"] = timed(lambda: torch.autograd.grad(forward(), leaves, grad_out))
+        if forward_too:
+            times[f"{name} fwd"] = timed(forward)
+    return times
+
+
+def bench(torch, batch, heads, kv_heads, n, d, dtype, causal, peers):
+    from numba_flash.tools.timing import time_ms
 
     q, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in "qo")
     k, v = (torch.randn(batch, kv_heads, n, d, device="cuda", dtype=dtype) for _ in "kv")
@@ -94,12 +109,7 @@ def bench(torch, batch, heads, kv_heads, n, d, dtype, causal, peers):
                                                                    deterministic=deterministic))
     if peers:
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
-            def forward(backend=backend):
-                with sdpa_kernel(backend):
-                    return sdpa(*leaves, is_causal=bool(causal), enable_gqa=heads != kv_heads)
-            times[f"{name} fwd+bwd"] = timed(lambda: torch.autograd.grad(forward(), leaves, grad_out))
-            times[f"{name} fwd"] = timed(forward)
+        times.update(torch_times(torch, leaves, grad_out, causal, timed, forward_too=True))
         times["ours fwd+bwd"] = timed(lambda: torch.autograd.grad(
             numba_flash_torch.attention(*leaves, causal=causal), leaves, grad_out))
         times["ours fwd"] = timed(lambda: numba_flash.attention(q, k, v, causal=causal))
@@ -132,9 +142,6 @@ def bench_mask(torch, batch, heads, n, d, dtype):
 
 
 def bench_modes(torch, batch, heads, kv_heads, n, d, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
     from numba_flash.kernels.hopper.dq_sums import DQ_MODES, UNORDERED_MODES
@@ -167,11 +174,7 @@ def bench_modes(torch, batch, heads, kv_heads, n, d, causal):
             if deterministic:
                 notes.append(f"{mode} same={all(torch.equal(x, y) for x, y in zip(gradients[mode], backward()))}")
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
-            def forward(backend=backend):
-                with sdpa_kernel(backend):
-                    return sdpa(*leaves, is_causal=bool(causal), enable_gqa=heads != kv_heads)
-            times[f"{name} fwd+bwd"] = timed(lambda: torch.autograd.grad(forward(), leaves, grad_out))
+        times.update(torch_times(torch, leaves, grad_out, causal, timed))
         fastest = min((m for m in DQ_MODES if m != "separate"), key=times.get)
         for mode in ("separate", fastest):
             use(mode)
