@@ -199,7 +199,7 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
         barriers_at = scalars_at + STAGES * 2 * BLOCK_N
         if tid < STAGES:
             barrier_init(smem, barriers_at + tid * 2, COPIERS)                                  # FULL
-            barrier_init(smem, barriers_at + (STAGES + tid) * 2, CONSUMER_GROUPS * WARPGROUP // 32)   # EMPTY
+            barrier_init(smem, barriers_at + (STAGES + tid) * 2, CONSUMER_THREADS)              # EMPTY
             fence_barrier_init()
         cuda.syncthreads()   # the barriers' initialisation, before anyone arrives or waits (the last block barrier)
 
@@ -281,9 +281,10 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             fence_proxy_async()   # ordinary stores, read by the copy engine
             named_arrive(DQ_FULL_BARRIER + c, DQ_BUFFER_THREADS)
             wait_all_products()
-            sync_warp()   # every lane done reading the stage (its lse and D too)
-            if wtid % 32 == 0:
-                barrier_arrive(smem, barriers_at + (STAGES + stage) * 2, 1)   # EMPTY[s]
+            # EMPTY[s]: an arrival of every consumer thread, each after its own last read of the stage (lse and D
+            # too).  One arrival a warp after a warp barrier is as correct by PTX's memory model, but racecheck
+            # (2026-12-07, H100) then reports the other lanes' reads of lse against the producer's next stores.
+            barrier_arrive(smem, barriers_at + (STAGES + stage) * 2, 1)
 
         store_rows(dK, b * dk_sb + h_kv * dk_sh + (first_key + k0) * dk_sn, dk_sn, dk_acc, n_k - k0, float32(scale),
                    warp, g, t)
