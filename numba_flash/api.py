@@ -529,7 +529,7 @@ class _BackwardPlan(_Plan):
         o_strides, do_strides = check_backward_operands(self.call, o, lse, do)
         aligned = o.aligned and do.aligned
         if algorithm == "wgmma" or (algorithm == "flash2" and hopper_backward.chosen_for(self.call, block_sizes)):
-            dq_mode = hopper_backward.dq_mode(deterministic)
+            dq_mode = hopper_backward.dq_mode(self.call, deterministic)
             self.table_reach = self._fused_table_reach(functools.partial(hopper_backward.table_fused, self.call,
                                                                          dq_mode))
             self.table_tile_rows = hopper_backward.BLOCK_N
@@ -668,7 +668,7 @@ class _VarlenBackwardPlan(_BackwardPlan):
         aligned = o.aligned and do.aligned
         if algorithm == "wgmma" or (not mods and hopper_backward.chosen_for(self.call, block_sizes)):
             self.launches = hopper_backward.backward_launches(self.call, o_strides, do_strides, aligned,
-                                                              hopper_backward.dq_mode(deterministic))
+                                                              hopper_backward.dq_mode(self.call, deterministic))
         else:
             self.launches = backward_launches(self.call, o_strides, do_strides, aligned)
 

@@ -407,10 +407,11 @@ def test_the_wgmma_forward_at_d256_runs_in_blocks_of_two_warpgroups(monkeypatch,
 
 def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkeypatch, hopper_lookalike):
     """Which backward ``algorithm="flash2"`` lays out on a device made to look like an H200 (nothing launched): the
-    wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), summing
-    dQ in a kernel of its own whether or not the caller asks for determinism (``DQ_MODE``), with no block mask or
-    one of whole 64 x 64 tiles (the forward's pick); mma.sync outside the scope, at the scope's other head dims, for
-    other block masks and wherever the caller names tiles."""
+    wgmma one inside its scope where flash2 takes the wgmma forward (``AUTOMATIC_SCOPE``: d = 64, 96, 128), with no
+    block mask or one of whole 64 x 64 tiles (the forward's pick), summing dQ as ``dq_mode`` says: in a kernel of its
+    own when the caller asks for determinism (the default), by the bulk kernel's unordered adds where they measured
+    faster when not (dense; causal at d = 128 over 16 or more key tiles of 128); mma.sync outside the scope, at the
+    scope's other head dims, for other block masks and wherever the caller names tiles."""
     import numba_flash
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
@@ -419,19 +420,27 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     device = hopper_lookalike
 
     def kernel(d=64, dtype=np.float16, causal=False, block_mask=None, dropout_p=0.0, block_sizes=None,
-               deterministic=True):
-        x = np.zeros((1, 2, 70, d), dtype)
-        lse = np.zeros((1, 2, 70), np.float32)
+               deterministic=True, n=70):
+        x = np.zeros((1, 2, n, d), dtype)
+        lse = np.zeros((1, 2, n), np.float32)
         plan = api._BackwardPlan((x, x, x, x, lse, x), (causal, None, block_mask, dropout_p, "flash2", block_sizes,
                                                          deterministic, None, None))
         launches = plan.launches
         dkdv = launches.dkdv if isinstance(launches, hopper_backward.SummedDq) else launches[1]
         return dkdv.kernel.name
 
-    assert kernel() == kernel(deterministic=False) == "wgmma_backward_dkdv_d64_f16"
+    assert kernel() == "wgmma_backward_dkdv_d64_f16"
+    assert kernel(deterministic=False) == "wgmma_backward_dkdv_d64_f16_dq_bulk_atomic"
+    assert kernel(causal=True, deterministic=False) == "wgmma_backward_dkdv_d64_f16_causal"
     assert kernel(d=128, causal="bottom_right", dtype=np.dtype("bfloat16")).startswith("wgmma")
+    long_causal = dict(d=128, causal=True, deterministic=False)
+    assert kernel(**long_causal, n=15 * 128) == "wgmma_backward_dkdv_d128_f16_causal"   # 15 key tiles of 128
+    assert kernel(**long_causal, n=15 * 128 + 1) == "wgmma_backward_dkdv_d128_f16_causal_dq_bulk_atomic"
     assert kernel(d=96) == "wgmma_backward_dkdv_d96_f16"
+    assert kernel(d=96, deterministic=False) == "wgmma_backward_dkdv_d96_f16"   # (halves straddle K's tiles)
     assert kernel(d=96, causal=True, deterministic=False) == "wgmma_backward_dkdv_d96_f16_causal"
+    whole_tiles = numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))
+    assert kernel(block_mask=whole_tiles, deterministic=False) == "wgmma_backward_dkdv_d64_f16_sparse_whole_tiles"
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "atomic")   # NUMBA_FLASH_WGMMA_DQ=atomic
     assert kernel(deterministic=False).endswith("_dq_atomic") and kernel() == "wgmma_backward_dkdv_d64_f16"
     # The bulk modes where their two warpgroups can split dQ's columns (d <= 64, 128), else the one-warpgroup kernel
@@ -439,8 +448,7 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "bulk-ordered")
     assert kernel(d=128) == "wgmma_backward_dkdv_d128_f16_dq_bulk_ordered"
     assert kernel(d=96) == "wgmma_backward_dkdv_d96_f16_dq_ordered"
-    assert kernel(block_mask=numba_flash.BlockMask(np.array([[True, False], [True, True]]), (64, 64))) == (
-        "wgmma_backward_dkdv_d64_f16_dq_ordered_sparse_whole_tiles")
+    assert kernel(block_mask=whole_tiles) == "wgmma_backward_dkdv_d64_f16_dq_ordered_sparse_whole_tiles"
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "bulk-atomic")
     assert kernel(deterministic=False).endswith("_dq_bulk_atomic") and kernel() == "wgmma_backward_dkdv_d64_f16"
     monkeypatch.setattr(hopper_backward, "DQ_MODE", "separate")

@@ -79,8 +79,8 @@ instructions are unchanged (sm_90a, 2026-12-06).  GPU tests and sanitizers: ``ex
 gpu_tests_h200.md``.
 
 Deterministic.  dQ_i is the sum over key tiles of dS_ij K_j, and float32 addition is not associative, so the order
-of the adds must not depend on timing.  Five ways of summing it are built (``DQ_MODES``), and the one that measured
-fastest is the default for every call (``DQ_MODE``; the others stay for ``NUMBA_FLASH_WGMMA_DQ``, to measure them):
+of the adds must not depend on timing.  Five ways of summing it are built (``DQ_MODES``); a call takes the fastest
+measured of those its ``deterministic`` allows (``dq_mode``; ``NUMBA_FLASH_WGMMA_DQ`` forces one, to measure them):
 "separate" gives dQ a kernel of its own (``make_wgmma_dq``: a warpgroup per query tile streams K_j, V_j past it and
 computes S and dP again: seven products instead of five, but no adds across blocks), so the dK/dV kernel needs no dS
 tile in shared memory and no dQ registers.  "ordered" sums dQ in the dK/dV kernel, giving each query tile of each
@@ -99,7 +99,12 @@ warp issues (in turn, or not), a producer warpgroup copying the streamed tiles, 
 it to the consumers.  At d = 96 and 112 (halves that straddle K's 64-column tiles), with a block mask or mods, they
 fall back to "ordered" and "atomic" (``dq_mode_for``).  Their first form (two warpgroups that both computed and
 copied, 2026-12-06, H100) lost to "separate" (1.04-1.7x its time unordered, 1.3-2.4x ordered:
-``experiments/tuning/results/backward_bulk_dq_h100.md``); the kernel with roles replaced it.
+``experiments/tuning/results/backward_bulk_dq_h100.md``); the kernel with roles replaced it, and "bulk-atomic" now
+takes 0.74-0.88x the time of "separate" dense and at d = 128 causal over long sequences (H100, 2026-12-07,
+``experiments/tuning/results/backward_dq_modes_h100.md``), so ``deterministic=False`` takes it there.  Determinism
+costs those calls 1.14-1.36x the backward's time; "bulk-ordered" stays slower than "separate" (each query tile's
+adds pass from key tile to key tile, a few microseconds a hand-over, and the chain restarts with each wave of
+blocks).
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
@@ -814,21 +819,36 @@ class SummedDq:
     turns: int
 
 
-#: How the backward sums dQ (``DQ_MODES``), for every call: "separate" by default, the fastest of them at every shape
-#: timed (H100, 2026-12-05, d = 64, 96, 128, dense and causal, GQA: "atomic" took 1.10-1.89x its time in float16
-#: and bfloat16, "ordered" 1.8-2.9x in float16; 2026-12-06, bfloat16: "bulk-atomic" 1.04-1.70x, "bulk-ordered"
-#: 1.3-2.4x; ``docs/performance.md``), and deterministic.  ``NUMBA_FLASH_WGMMA_DQ``
-#: picks another for a process, to measure them side by side; an unordered one ("atomic", "bulk-atomic") then serves
-#: the calls that allow it (``deterministic=False``), the others staying on "separate".
-DQ_MODE = os.environ.get("NUMBA_FLASH_WGMMA_DQ", "separate")
+#: How the backward sums dQ when the environment names a way (``NUMBA_FLASH_WGMMA_DQ``, one of ``DQ_MODES``), for
+#: every call of the process, to measure the ways side by side; an unordered one ("atomic", "bulk-atomic") then serves
+#: the calls that allow it (``deterministic=False``), the others staying on "separate".  None (unset): ``dq_mode``.
+DQ_MODE = os.environ.get("NUMBA_FLASH_WGMMA_DQ") or None
+#: Key tiles of 128 keys from which a causal call's bulk-atomic backward beats "separate" at d > 64 (``dq_mode``).
+BULK_CAUSAL_KEY_TILES = 16
 
 
-def dq_mode(deterministic):
-    """The ``DQ_MODES`` entry a call takes: ``DQ_MODE``, unless that is an unordered one (adds whose last bits may
-    differ from run to run) and the caller asked for the same bits on every run."""
+def dq_mode(call, deterministic):
+    """The ``DQ_MODES`` entry a call runs in.  By default the fastest way measured that ``deterministic`` allows
+    (H100, 2026-12-07, bfloat16, nine shapes, d = 64 and 128, dense and causal, GQA, every way in one process:
+    ``experiments/tuning/results/backward_dq_modes_h100.md``):
+
+    * deterministic: "separate", the fastest of the three deterministic ways everywhere ("bulk-ordered" took
+      1.11-1.86x its time, "ordered" 1.76-3.18x: a key tile's turn waits for every earlier key tile's add to land);
+    * ``deterministic=False``: "bulk-atomic" where it beat "separate" (0.74-0.88x its time dense, 0.84-0.88x causal at
+      d = 128 over 32-64 key tiles of 128), else "separate" (causal at d <= 64, 1.04-1.15x; causal over 8 key tiles
+      at d = 128, 1.03x), and outside the bulk kernel's scope (``dq_mode_for``): "atomic", the other unordered
+      way, lost to "separate" everywhere (1.37-2.13x its time).
+
+    ``DQ_MODE`` set: that mode (within determinism's bounds), or its one-warpgroup twin outside the bulk kernel's
+    scope."""
+    if DQ_MODE is None:
+        key_tiles = cdiv(call.longest_k, 2 * BLOCK_N)
+        bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
+        fast = "bulk-atomic" if not deterministic and bulk_pays else "separate"
+        return "separate" if dq_mode_for(call, fast) != fast else fast
     if DQ_MODE not in DQ_MODES:
         raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES}, not {DQ_MODE!r}")
-    return "separate" if DQ_MODE in UNORDERED_MODES and deterministic else DQ_MODE
+    return dq_mode_for(call, "separate" if DQ_MODE in UNORDERED_MODES and deterministic else DQ_MODE)
 
 
 def dq_mode_for(call, mode):
@@ -863,8 +883,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
         reason = "do must have rows that start on 16-byte boundaries for the wgmma backward"
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
-    assert dq_mode in DQ_MODES, dq_mode
-    dq_mode = dq_mode_for(call, dq_mode)
+    assert dq_mode in DQ_MODES and dq_mode_for(call, dq_mode) == dq_mode, dq_mode   # (``dq_mode``)
     groups = key_warpgroups(dq_mode)
     if not in_simulator():
         enable_sm90a()
