@@ -16,15 +16,15 @@ The decisions, in order
    kernel's causal mask takes each row's own query index i = row mod N_q (``forward.py``, QUERY_GROUPS), and so do
    a call's mods, with its query head h_kv G + g (causal or not).
 2. **The tile.**  Rows R = G N_q (packed) or N_q.  16-bit tiles whose rows start on 16-byte boundaries travel
-   by cp.async (``streamed``): up to 16 rows, one warp owns the rows and ``DECODE_KEY_WARPS`` warps of the block
-   take turns along the keys (cuDNN's layout; ``tiling.DECODE_KEY_WARPS``), B_c = 32 up to d = 128
-   (``tiling.DECODE_STREAMED_KEYS``).  More rows: one block of ceil(R / 16) * 16 rows (at most 128: more rows
-   take several tiles, each reading the group's K/V), in warps of 16 rows (more warps to issue copies and
-   products on a multiprocessor's four schedulers), B_c = 32 at d = 128 and 64 at d <= 64.  ptxas (13.0,
-   sm_90, 2026-12-06; ``tests/gpu_compile_all.py decode``) at d = 128, causal query groups, split: (128, 64)
-   in 32-row warps 255 registers and 96 bytes of spills, in 16-row warps 4 bytes; (128, 32) in 16-row warps
-   188 registers and none; (32, 32) 176.  float32 and unaligned rows: ``tiling.decode_block_sizes`` (their
-   tiles wait in registers).
+   by cp.async (``streamed``): up to d = 128, one warp owns 16 rows and ``DECODE_KEY_WARPS`` warps of the block
+   take turns along the keys (cuDNN's layout; ``tiling.DECODE_KEY_WARPS``), B_c = 32 or wider
+   (``tiling.DECODE_STREAMED_KEYS``).  More rows take ceil(R / 16) such tiles, each reading the group's K/V
+   (the later reads mostly from L2).  That beat one tile of all R rows in 16-row warps without key warps at
+   every multi-query shape timed (H100, 2026-12-07, (B, 32, 1, N, d), one query: 2.0-2.5x less GPU time, e.g.
+   (4, 32, 1, 8192, 128) 20.1 us against 46.3; ``experiments/tuning/results/decode_mqa_tiles_h100.md``): a
+   block of two warps keeps too few bytes in flight.  d = 256, float32 and unaligned rows:
+   ``tiling.decode_block_sizes`` (one block of ceil(R / 16) * 16 rows, at most 128, in 16-row warps; float32
+   and unaligned tiles wait in registers).
    A paged cache takes the widest B_c that divides its page.
 3. **The splits**, from an estimate of the call's time (``estimate``), the S in 1 .. ``MOST_SPLITS`` that
    minimises
@@ -105,8 +105,6 @@ SPLIT_FIXED_S = 1e-6
 MOST_SPLITS = 256
 #: Relative margin within which fewer splits win.
 TIE = 0.005
-#: The most rows of a packed tile (more rows take several tiles).
-MOST_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -150,11 +148,10 @@ def _precision(dtype_bytes):
 def default_tile(rows, head_dim, dtype_bytes, streamed, page_size=None):
     """(B_r, B_c, rows per warp) of the library's tile for ``rows`` query rows (the module docstring, 2)."""
     precision = _precision(dtype_bytes)
-    d_pad = padded_head_dim(head_dim, precision)
-    block_m, block_n = decode_block_sizes(rows, head_dim, precision)
-    if streamed and d_pad <= 128:
-        block_n = max(block_n, DECODE_STREAMED_KEYS) if block_m <= ROWS_PER_WARP else \
-            min(block_n, DECODE_STREAMED_KEYS if d_pad > 64 else 64)
+    key_warps_tile = streamed and padded_head_dim(head_dim, precision) <= 128
+    block_m, block_n = decode_block_sizes(min(rows, ROWS_PER_WARP) if key_warps_tile else rows, head_dim, precision)
+    if key_warps_tile:
+        block_n = max(block_n, DECODE_STREAMED_KEYS)
     if page_size is not None:
         block_n = page_key_tile(block_n, page_size, precision)
     return block_m, block_n, ROWS_PER_WARP
