@@ -20,7 +20,7 @@ The decisions, in order
    take turns along the keys (cuDNN's layout; ``tiling.DECODE_KEY_WARPS``), B_c = 32 or wider
    (``tiling.DECODE_STREAMED_KEYS``).  More rows take ceil(R / 16) such tiles, each reading the group's K/V
    (the later reads mostly from L2).  That beat one tile of all R rows in 16-row warps without key warps at
-   every multi-query shape timed (H100, 2026-12-07, (B, 32, 1, N, d), one query: 2.0-2.5x less GPU time, e.g.
+   every multi-query shape timed (H100, 2026-12-07, (B, 32, 1, N, d), one query: 1.55-2.51x less GPU time, e.g.
    (4, 32, 1, 8192, 128) 20.1 us against 46.3; ``experiments/tuning/results/decode_mqa_tiles_h100.md``): a
    block of two warps keeps too few bytes in flight.  d = 256, float32 and unaligned rows:
    ``tiling.decode_block_sizes`` (one block of ceil(R / 16) * 16 rows, at most 128, in 16-row warps; float32

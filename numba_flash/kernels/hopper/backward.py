@@ -842,7 +842,7 @@ def dq_mode(call, deterministic):
     ``DQ_MODE`` set: that mode (within determinism's bounds), or its one-warpgroup twin outside the bulk kernel's
     scope."""
     if DQ_MODE is None:
-        key_tiles = cdiv(call.longest_k, 2 * BLOCK_N)
+        key_tiles = cdiv(call.longest_k, specialized_dkdv.KEY_ROWS)
         bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
         fast = "bulk-atomic" if not deterministic and bulk_pays else "separate"
         return "separate" if dq_mode_for(call, fast) != fast else fast
