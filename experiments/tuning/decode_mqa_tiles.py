@@ -1,13 +1,14 @@
-"""Multi-query decoding: the packed 32-row tile of ``decode_plan`` against two 16-row tiles with key warps.
+"""Multi-query decoding: one packed tile of the group's 32 rows against 16-row tiles with key warps.
 
-Issue 47's gap is MQA (one K/V head for 32 query heads): ``decode_plan`` packs the group's 32 rows into one tile of two
-warps, each K/V tile read once, over few blocks (``docs/decoding.md``: (4, 32, 1, 8192) 45.9 us of GPU time against
-cuDNN's 15.6 on an H100).  The alternative needs no new kernel: two tiles of 16 rows each, with the four key warps the
-16-row tiles have (``block_sizes=(16, 32)``, ``key_warps=4``), which reads each K/V tile twice, the second time
-mostly from L2.  For each (B, H_q, H_kv, N, d), bfloat16, one new query per sequence, caches full, lengths on the GPU:
-the whole call (CUDA events around an idle stream) and the GPU work alone (``device_only``), in microseconds, for the
-plan's choice and the forced variants in ``VARIANTS``, their largest difference from the plan's output, and torch
-SDPA's cuDNN and flash backends (``enable_gqa``); one process.
+Issue 47's gap is MQA (one K/V head for 32 query heads).  Until 2026-12-07 ``decode_plan`` packed the group's 32
+rows into one tile of two warps, each K/V tile read once, over few blocks (``docs/decoding.md``: (4, 32, 1, 8192)
+45.9 us of GPU time against cuDNN's 15.6 on an H100).  The alternative, which the plan now takes after this script's
+run (``results/decode_mqa_tiles_h100.md``): two tiles of 16 rows each, with the four key warps the 16-row tiles
+have, which reads each K/V tile twice, the second time mostly from L2.  For each (B, H_q, H_kv, N, d), bfloat16, one
+new query per sequence, caches full, lengths on the GPU: the whole call (CUDA events around an idle stream) and the
+GPU work alone (``device_only``), in microseconds, for the plan's choice and the forced variants in ``VARIANTS``,
+their largest difference from the plan's output, and torch SDPA's cuDNN and flash backends (``enable_gqa``); one
+process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/decode_mqa_tiles.py
 
@@ -24,10 +25,11 @@ from numba_flash.tools.timing import time_ms
 CASES = [(4, 32, 1, 8192, 128), (4, 32, 1, 16384, 128), (1, 32, 1, 32768, 128), (16, 32, 1, 8192, 128),
          (1, 32, 1, 8192, 128), (4, 32, 1, 8192, 64), (64, 32, 1, 2048, 128)]
 #: The plan's choice, and forced tiles / key warps / splits (``attention_with_kv_cache``'s arguments).
-VARIANTS = {"plan": {}, "16 rows, 4 key warps": dict(block_sizes=(16, 32), key_warps=4),
+VARIANTS = {"plan": {}, "32-row tile, 2 warps": dict(block_sizes=(32, 32), key_warps=1),
+            "16 rows, 4 key warps": dict(block_sizes=(16, 32), key_warps=4),
             "16 rows, 2 key warps": dict(block_sizes=(16, 32), key_warps=2),
             "16 rows, 4 key warps, 8 splits": dict(block_sizes=(16, 32), key_warps=4, num_splits=8),
-            "plan's tile, 33 splits": dict(num_splits=33)}
+            "32-row tile, 33 splits": dict(block_sizes=(32, 32), key_warps=1, num_splits=33)}
 
 
 def microseconds(run):
