@@ -11,7 +11,9 @@ an H100, 2026-12-06.)
 
 Arguments select runs by name (any word of "forward flash2 float32 sparse
 ...", all given words must match; "a,b" matches either); none runs
-everything.  The word "quick" runs only the last (smallest) case: each run
+everything.  The word "quick" runs only the last (smallest) case, or for the
+bulk modes' backward the case of most query rows (its blocks go round both of
+their stages, the hand-over racecheck found wanting on 2026-12-07): each run
 compiles its kernels, which dominates the time.  Shapes are small (the sanitizer slows kernels down a
 lot) and chosen to be ragged: N_q and N_k not multiples of any block size,
 N_q != N_k, odd d.  Variants: dense, sparse (a random block mask with an
@@ -328,7 +330,8 @@ def main(selected=()):
             print(f"{run_name(run)}: skipped (needs compute capability 9.0)", flush=True)
             continue
         cases = WGMMA_WIDE_CASES if "d256" in variant else WGMMA_CASES if algorithm == "wgmma" else CASES
-        cases = cases[-1:] if quick else cases
+        if quick:
+            cases = [max(cases, key=lambda case: case[2])] if "bulk" in variant else cases[-1:]
         if variant.startswith("decode"):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
             key_warps = int(variant[-1]) if "key_warps" in variant else 4 if variant == "decode_swizzled" else 0
