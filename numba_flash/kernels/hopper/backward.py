@@ -96,8 +96,9 @@ than two products (``docs/performance.md``).  "bulk-ordered" and "bulk-atomic" s
 backward does, in a dK/dV kernel of its own (``specialized_dkdv.py``): a block of three warpgroups with roles on 128
 keys, two consumers computing and adding dQ_i's column halves from shared memory by bulk reductions that a writer
 warp issues (in turn, or not), a producer warpgroup copying the streamed tiles, ``setmaxnreg`` moving registers from
-it to the consumers.  At d = 96 and 112 (halves that straddle K's 64-column tiles), with a block mask or mods, they
-fall back to "ordered" and "atomic" (``dq_mode_for``).  Their first form (two warpgroups that both computed and
+it to the consumers.  At d = 96 and 112 (halves that straddle K's 64-column tiles), with a block mask or mods, a call
+takes "separate" (``dq_mode``), or where ``NUMBA_FLASH_WGMMA_DQ`` forces a bulk mode, "ordered" or "atomic"
+(``dq_mode_for``).  The bulk modes' first form (two warpgroups that both computed and
 copied, 2026-12-06, H100) lost to "separate" (1.04-1.7x its time unordered, 1.3-2.4x ordered:
 ``experiments/tuning/results/backward_bulk_dq_h100.md``); the kernel with roles replaced it, and "bulk-atomic" now
 takes 0.74-0.88x the time of "separate" dense and at d = 128 causal over long sequences (H100, 2026-12-07,
