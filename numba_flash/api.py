@@ -691,19 +691,13 @@ class _CachePlan(_Plan):
         self.user_shape = tuple(q.shape)
         self.n_new = 0 if k_new is None else k_new.shape[2]
         # The layout from decode_plan's model of the GPU: flash-decoding's splits (blocks sharing each tile's keys,
-        # merged by lse), the key warps (the warps of a block sharing them) and the tile.  The user's kv_stages and
-        # key_warps are checked at the library's narrow tile, and the plan's tile taken where they fit it alike.
+        # merged by lse), the key warps (the warps of a block sharing them) and the tile.
         stages, self.key_warps = check_decode_layout(call, kv_stages, key_warps)
         if block_sizes is None and streamed(call) and not device_limits().simulated:   # (others: the narrow tile)
-            tile = self._decode_plan(call, None, num_splits, kv_stages, key_warps).block_sizes
-            if tile != call.block_sizes:
-                planned = replace(call, block_sizes=tile)
-                try:
-                    fits = check_decode_layout(planned, kv_stages, key_warps) == (stages, self.key_warps)
-                except ValueError:   # the kv_stages / key_warps asked for fit the library's narrower tile only
-                    fits = False
-                if fits:
-                    call = self.call = planned
+            planned = self.at_planned_tile(call, num_splits, kv_stages, key_warps)
+            if planned is not None:
+                call, (stages, self.key_warps) = planned
+                self.call = call
         self.plan = self._decode_plan(call, call.block_sizes, num_splits, stages, self.key_warps)
         self.splits = self.plan.splits
         self.launch = forward_launch(call, self.splits, stages, self.key_warps, self.plan.warp_rows)
@@ -719,6 +713,17 @@ class _CachePlan(_Plan):
                                                call.varlen.paging)
                                  for name, cache, new_name, new in (("k_cache", k_cache, "k_new", k_new),
                                                                     ("v_cache", v_cache, "v_new", v_new)))
+
+    @classmethod
+    def at_planned_tile(cls, call, num_splits, kv_stages, key_warps):
+        """(call, (K/V buffers, key warps)) at the tile that ``decode_plan`` picks for a call the library tiles, with
+        the layout ``check_decode_layout`` gives it there (the library's key warps for that tile where the user left
+        them at 0); None where the user's kv_stages / key_warps fit only the library's narrower tile."""
+        planned = replace(call, block_sizes=cls._decode_plan(call, None, num_splits, kv_stages, key_warps).block_sizes)
+        try:
+            return planned, check_decode_layout(planned, kv_stages, key_warps)
+        except ValueError:
+            return None
 
     @staticmethod
     def _decode_plan(call, block_sizes, num_splits, kv_stages, key_warps):
