@@ -724,9 +724,10 @@ def test_a_producer_warp_hands_buffers_to_consumer_warps(mbarriers):
     ("bulk-ordered", 64, True, 70, 150, 2), ("bulk-atomic", 128, "bottom_right", 70, 200, 1),
     pytest.param("bulk-ordered", 128, False, 200, 300, 3, marks=pytest.mark.gpu_only),
     pytest.param("bulk-ordered", 32, "bottom_right", 257, 129, 1, marks=pytest.mark.gpu_only),
-    pytest.param("bulk-atomic", 64, False, 1, 250, 2, marks=pytest.mark.gpu_only)])
+    pytest.param("bulk-atomic", 64, False, 1, 250, 2, marks=pytest.mark.gpu_only),
+    pytest.param("bulk-ordered", 64, False, 1000, 1000, 2, marks=pytest.mark.gpu_only)])   # rotated by 2
 def test_the_bulk_modes_split_each_dq_tile_between_two_warpgroups(dq_mode, d, causal, n_q, n_k, group):
-    """The bulk modes' dK/dV kernel (``specialized_dkdv.py``: a producer warpgroup, a writer warp, two consumer
+    """The bulk modes' dK/dV kernel (``specialized_dkdv.py``: a producer warpgroup, two writer warps, two consumer
     warpgroups on 128 keys, handing tiles and dQ's halves over through mbarriers and named barriers, which the
     simulator counts as the GPU does), each consumer's half of dQ_i's columns added from shared memory by a bulk
     reduction (in turn, or as they arrive), its float32 sum read back in register order; key
@@ -737,6 +738,37 @@ def test_the_bulk_modes_split_each_dq_tile_between_two_warpgroups(dq_mode, d, ca
     q, do = (rng.standard_normal((1, group, n_q, d)).astype(np.float16) for _ in range(2))
     k, v = (rng.standard_normal((1, 1, n_k, d)).astype(np.float16) for _ in range(2))
     _check_wgmma_backward(q, k, v, do, causal, dq_mode, False)
+
+
+@given(q_tiles=st.integers(1, 300), k_tiles=st.integers(1, 150), group=st.integers(1, 3), rotates=st.booleans())
+def test_the_dense_bulk_ordered_turns_follow_the_order_in_which_the_key_tiles_reach_each_query_tile(
+        q_tiles, k_tiles, group, rotates):
+    """The schedule of ``specialized_dkdv.py``'s dense ordered adds, as its roles walk it (``next_step`` from
+    ``rotated_start``): every key tile visits each (head, query tile) of its group once; at each query tile the turns
+    are a permutation of the key tiles, in the order of the steps at which they get there, so that no turn waits for
+    a block that reaches the tile later (a wait in a cycle would hang the GPU); and rotated, each key tile gets there
+    ``rotation`` steps after the one whose turn comes before it, but for the first key tile's wait on the last."""
+    from numba_flash.kernels.hopper.dq_sums import rotated_start, rotated_turn, rotation_stride
+    from numba_flash.kernels.hopper.specialized_dkdv import next_step
+
+    rotation = rotation_stride.py_func(q_tiles, k_tiles) * rotates
+    assert rotation * (k_tiles - 1) < q_tiles
+    reached = np.zeros((k_tiles, group, q_tiles), int)   # the step at which each key tile gets to each tile
+    for tile in range(k_tiles):
+        start = rotated_start.py_func(tile, rotation, 0, q_tiles)
+        h, q_tile = 0, start
+        for step in range(group * q_tiles):
+            reached[tile, h, q_tile] = step
+            h, q_tile = next_step.py_func(h, q_tile, 0, start, q_tiles)
+        assert (h, q_tile) == (group, start)
+        assert sorted(reached[tile].ravel()) == list(range(group * q_tiles))   # each once
+    for m in range(q_tiles):
+        turns = [rotated_turn.py_func(m, tile, rotation, k_tiles, q_tiles) for tile in range(k_tiles)]
+        order = sorted(range(k_tiles), key=lambda tile: (reached[tile, 0, m], tile))
+        assert [turns[tile] for tile in order] == list(range(k_tiles))
+        if rotation:
+            gaps = [reached[order[i], 0, m] - reached[order[i - 1], 0, m] for i in range(1, k_tiles)]
+            assert all(gap >= 1 for gap in gaps) and sum(gap != rotation for gap in gaps) <= 1
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")

@@ -12,7 +12,7 @@ pick) beside FlexAttention's with the same mask.  ``modes``: the backward alone 
 (``kernels/hopper/dq_sums.py``'s DQ_MODES, switched in one process; the bulk modes run the kernel whose warps have
 roles, ``specialized_dkdv.py``) at ``MODE_SHAPES``, bfloat16, each mode's largest difference from "separate" over the
 largest entry and, for the deterministic ones, whether a second call gives the same bits; then forward + backward
-through autograd in "separate" and in the fastest other mode beside torch's flash and cuDNN.
+through autograd in each mode beside torch's flash and cuDNN (``--modes``: fewer of them).
 ``NUMBA_FLASH_WGMMA_DQ`` (separate, ordered, atomic, bulk-ordered, bulk-atomic) picks how the backward sums dQ for
 the other commands, ``NUMBA_FLASH_WGMMA=0`` the mma.sync backward.
 
@@ -20,13 +20,14 @@ the other commands, ``NUMBA_FLASH_WGMMA=0`` the mma.sync backward.
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py bench [--dtypes float16,bfloat16]
     NUMBA_FLASH_WGMMA_DQ=atomic PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py quick
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py mask
-    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py modes
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_backward_bench.py modes [--modes separate,bulk-ordered]
 
 Prints one line per case; results read from those lines: results/bench_wgmma_backward_h100.md.
 """
 import argparse
 
 import numba_flash
+from numba_flash.kernels.hopper.dq_sums import DQ_MODES
 import numba_flash.torch as numba_flash_torch
 
 REPEATS = 10
@@ -141,10 +142,10 @@ def bench_mask(torch, batch, heads, n, d, dtype):
           " ".join(f"{k}={v:.3f}" for k, v in times.items()), flush=True)
 
 
-def bench_modes(torch, batch, heads, kv_heads, n, d, causal):
+def bench_modes(torch, modes, batch, heads, kv_heads, n, d, causal):
     from numba_flash import api
     from numba_flash.kernels.hopper import backward as hopper_backward
-    from numba_flash.kernels.hopper.dq_sums import DQ_MODES, UNORDERED_MODES
+    from numba_flash.kernels.hopper.dq_sums import UNORDERED_MODES
     from numba_flash.tools.timing import time_ms
 
     def use(mode):   # DQ_MODE for the while; the plans laid out for the previous one forgotten
@@ -157,7 +158,7 @@ def bench_modes(torch, batch, heads, kv_heads, n, d, causal):
     timed = lambda run: time_ms(run, repeats=REPEATS, warmup=2)   # noqa: E731
     saved, times, notes, gradients = hopper_backward.DQ_MODE, {}, [], {}
     try:
-        for mode in DQ_MODES:
+        for mode in modes:
             use(mode)
             deterministic = mode not in UNORDERED_MODES
 
@@ -175,8 +176,7 @@ def bench_modes(torch, batch, heads, kv_heads, n, d, causal):
                 notes.append(f"{mode} same={all(torch.equal(x, y) for x, y in zip(gradients[mode], backward()))}")
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         times.update(torch_times(torch, leaves, grad_out, causal, timed))
-        fastest = min((m for m in DQ_MODES if m != "separate"), key=times.get)
-        for mode in ("separate", fastest):
+        for mode in modes:
             use(mode)
             times[f"ours fwd+bwd ({mode})"] = timed(lambda: torch.autograd.grad(
                 numba_flash_torch.attention(*leaves, causal=causal, deterministic=mode not in UNORDERED_MODES),
@@ -191,6 +191,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("check", "bench", "quick", "mask", "modes"))
     parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--modes", default=",".join(DQ_MODES), help="modes: the ways of summing dQ to time")
     args = parser.parse_args(argv)
     if numba_flash.in_simulator():
         print("needs a GPU")
@@ -203,7 +204,7 @@ def main(argv=None):
         return 0
     if args.what == "modes":
         for shape in MODE_SHAPES:
-            bench_modes(torch, *shape)
+            bench_modes(torch, args.modes.split(","), *shape)
         return 0
     dtypes = ["float16"] if args.what == "quick" else args.dtypes.split(",")
     if args.what == "mask":

@@ -129,7 +129,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from ...runtime.arrays import placeholder
-from ...runtime.device import in_simulator
+from ...runtime.device import device_limits, in_simulator
 from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled, unrolled_or
 from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import cdiv
@@ -912,7 +912,9 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
     dkdv_operands = dict(operands, dk_sb=dkv_s.batch, dk_sh=dkv_s.head, dk_sn=dkv_s.row, dv_sb=dkv_s.batch,
                          dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles,
                          **block_mask_arguments(call, MASK_TILES, "dkdv"), row_offsets=rows_lists["tile_offsets"],
-                         row_entries=rows_lists["tile_entries"])
+                         row_entries=rows_lists["tile_entries"],
+                         # (bulk-ordered, dense: whether a head's key tiles, a block each, fit the GPU at once)
+                         rotates=int(not in_simulator() and k_tiles <= device_limits().multiprocessors))
     dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
     has_mask = has_tile_lists(call)   # a block mask's, or a mask_mod's classified tiles
     compiled_mods = mod_steps(*call.mods, backward=True) if call.mods else None

@@ -190,3 +190,33 @@ def contributors(m, k_tiles, causal_offset, key_rows):
     """How many key tiles (of ``key_rows`` keys) add to query tile m's dQ under the causal mask: those whose first
     query tile is at most m (``first_q_tile`` of the dK/dV kernel), key tiles 0 .. count - 1."""
     return max(0, min(k_tiles, (m * BLOCK_N + BLOCK_N - 1 + causal_offset) // key_rows + 1))
+
+
+@inlined_device_function
+def rotation_stride(q_tiles, k_tiles):
+    """How far apart the bulk-ordered kernel's key tiles start along the query tiles of a dense head
+    (``rotated_start``): the widest stride r that leaves each of the k_tiles a step of its own at every query tile
+    (r (k_tiles - 1) < q_tiles); 0 (every key tile from query tile 0) where there is none, or one key tile."""
+    return (q_tiles - 1) // (k_tiles - 1) if k_tiles > 1 else 0
+
+
+@inlined_device_function
+def rotated_start(tile, rotation, first_q_tile, q_tiles):
+    """The query tile where key tile ``tile`` starts: first_q_tile without rotation; else -rotation tile (mod
+    q_tiles), so that key tile t reaches query tile m at its step (m + rotation t) mod q_tiles and tile t - 1 reached
+    it ``rotation`` steps before (``rotated_turn``)."""
+    if rotation == 0:
+        return first_q_tile
+    return (q_tiles - rotation * tile) % q_tiles
+
+
+@inlined_device_function
+def rotated_turn(m, tile, rotation, k_tiles, q_tiles):
+    """Key tile ``tile``'s turn at dense query tile m, when the k_tiles start where ``rotated_start`` puts them: the
+    order in which they reach m, by (m + rotation t) mod q_tiles.  The last ``wrapped`` key tiles (m + rotation t >=
+    q_tiles) reach it first, in ascending order, then tiles 0, 1, ...; without rotation the order is 0, 1, ...
+    (every tile reaches m at step m), which is then the grid's dispatch order."""
+    wrapped = 0 if rotation == 0 else max(0, k_tiles - (q_tiles - m + rotation - 1) // rotation)
+    first = k_tiles - wrapped
+    return tile - first if tile >= first else tile + wrapped
+

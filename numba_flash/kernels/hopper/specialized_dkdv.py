@@ -8,15 +8,15 @@ The wgmma backward's "bulk-" ways of summing dQ (``dq_sums.DQ_MODES``) run this 
   between them warpgroup c computes dQ_i's columns c d/2 .. (c + 1) d/2 - 1 over all 128 keys from both warpgroups'
   dS^T (``dq_sums.bulk_dq_steps``), writing them to a float32 buffer of its own;
 * a *producer* warpgroup: its first two warps copy each step's Q_i, dO_i (cp.async), lse and D into one of two
-  stages; its third, the *writer*, hands each filled dQ buffer to the copy engine, which adds it to DQ_SUM in L2
-  (``bulk.bulk_reduce_add``), in a fixed order of the key tiles (ORDERED: a counter per query tile and half) or as
-  it comes; its fourth has nothing to do.  It gives back its registers (``roles.register_budget``) so that the
-  consumers can hold 240 each.
+  stages; its other two, the *writers*, one per consumer, hand each filled dQ buffer to the copy engine, which adds
+  it to DQ_SUM in L2 (``bulk.bulk_reduce_add``), in a fixed order of the key tiles (ORDERED: a counter per query
+  tile and half) or as it comes.  It gives back its registers (``roles.register_budget``) so that the consumers can
+  hold 240 each.
 
 So no consumer ever issues a copy's address arithmetic or waits for an add's turn: a consumer waits only when the
 data it needs is not there yet.  The hand-overs, each on its own barrier::
 
-    producer (warps 0-1)                       consumers (warpgroups 1, 2)                   writer (warp 2)
+    producer (warps 0-1)                       consumers (warpgroups 1, 2)                   writer c (warp 2 + c)
     wait EMPTY[s]                              wait FULL[s]
     Q_i, dO_i, lse, D -> stage s               S^T, dP^T, P^T, dV += P^T dO_i, dS^T
     (cp.async, waited for, fenced)             dS^T -> shared (two buffers)  .. CONSUMERS (256) ..
@@ -32,10 +32,22 @@ read that buffer) are done.  Each fence and barrier is at its hand-over: the pro
 fenced for the tensor cores (``fence_proxy_async``) before its arrival; a consumer fences its dS^T and dQ stores
 before the barriers that publish them to the tensor cores and the copy engine.
 
-Ordered (deterministic): as the one-warpgroup "ordered" mode, a key tile's turn at query tile i's half is its place
-in the grid's dispatch order (ascending; causal grids from the diagonal down, dispatched shortest first), so a
-writer only waits for blocks dispatched before its own, which are running or done.  The writer waits for its turn
-while the consumers go on with the next step: they stop only if the buffer is still full when they need it again.
+Ordered (deterministic): a counter per query tile and half says whose turn it is; a writer waits for its turn while
+its consumer goes on with the next step (it stops only if the buffer is still full when it needs it again), and
+passes the turn on once its adds are done (a few microseconds: the add's round trip in L2, a fence, the counter).
+
+* Causal: as the one-warpgroup "ordered" mode, the turns go from the diagonal down, the grid dispatching the
+  shortest key tiles first; key tile j + 1 reaches query tile i two steps before key tile j, so the turns follow
+  the work.
+* Dense: were every key tile to walk the query tiles from 0, key tile j would reach query tile i when key tile
+  j - 1 does, and wait for it: each block a hand-over behind the one before, a lag that grows along the head's key
+  tiles in every wave ("bulk-ordered" took 1.5-1.9x "bulk-atomic"'s time so, H100, 2026-12-07).  So key tile j
+  starts at query tile -r j (mod the query tiles; ``dq_sums.rotated_start``, r = ``rotation_stride``): it reaches
+  query tile i r steps after key tile j - 1, which has passed its turn by then, and the turns follow the order in
+  which the tiles reach i (``rotated_turn``).  Key tile 0 then waits for the last key tile of its head, dispatched
+  after it: the host asks for this only where a head's key tiles fit the GPU's multiprocessors at once (one block
+  each), so that those it waits for are running or will be (``rotates``; the simulator, which runs blocks one
+  after another, never).
 
 Scope: d <= 64 and d = 128 (``dq_sums.splits_dq_columns``), dense or causal (either alignment), grouped heads, packed
 sequences (VARLEN), strides as the other kernels'; no block mask or mods (``backward.dq_mode_for`` sends those to
@@ -54,7 +66,8 @@ from .backward_steps import (WARPGROUP, backward_kernel, step_copier, steps, tra
 from .bulk import (BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, bulk_commit, bulk_reduce_add,
                    bulk_wait_done, bulk_wait_read, fence_barrier_init)
 from .common import A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor, tile_bytes
-from .dq_sums import DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, splits_dq_columns
+from .dq_sums import (DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, rotated_start, rotated_turn, rotation_stride,
+                      splits_dq_columns)
 from .roles import named_arrive, named_sync, register_budget
 from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
 
@@ -62,7 +75,7 @@ CONSUMER_GROUPS = 2                          # consumer warpgroups, each on 64 k
 KEY_ROWS = CONSUMER_GROUPS * BLOCK_N         # keys of a block's tile
 THREADS = (1 + CONSUMER_GROUPS) * WARPGROUP  # the producer warpgroup, then the consumers
 COPIERS = 64                                 # the producer's first two warps copy the streamed tiles
-WRITER_WARP = 2                              # the producer's third warp hands dQ's halves to the copy engine
+WRITER_WARP = 2                              # the producer's warps 2 and 3 hand dQ's halves to the copy engine
 STAGES = 2                                   # of Q_i, dO_i, lse and D (and of dS^T)
 #: Registers a thread after the budgets: 128 x 24 + 256 x 240 = 64512 of the multiprocessor's 65536, what the launch
 #: bounds of 384 threads (168 a thread) reserve for the block.
@@ -71,9 +84,23 @@ PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 #: writer warp), and emptied (DQ_EMPTY_BARRIER + c).
 CONSUMERS_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 4
 CONSUMER_THREADS, DQ_BUFFER_THREADS = CONSUMER_GROUPS * WARPGROUP, WARPGROUP + 32
+assert WRITER_WARP + CONSUMER_GROUPS == WARPGROUP // 32   # a writer warp per consumer, after the copiers
 
 give_registers = register_budget("dec", PRODUCER_REGISTERS)
 take_registers = register_budget("inc", CONSUMER_REGISTERS)
+
+
+@inlined_device_function
+def next_step(h, q_tile, first_q_tile, start_q_tile, own_q_tiles):
+    """(query head, query tile) of a block's step after query tile q_tile of head h: each head of the group in turn,
+    its query tiles from start_q_tile up to own_q_tiles - 1, then from first_q_tile up to start_q_tile - 1 (counted,
+    where a division by the tiles a head has would cost each role a 64-bit division a step)."""
+    q_tile += 1
+    if q_tile == own_q_tiles:
+        q_tile = first_q_tile
+    if q_tile == start_q_tile:
+        h += 1
+    return h, q_tile
 
 
 def shared_bytes(head_dim):
@@ -101,21 +128,12 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
     DS_WORDS = DS_TILE_BYTES // 4
 
     @inlined_device_function
-    def next_step(h, q_tile, first_q_tile, own_q_tiles):
-        """(query head, query tile) of the step after query tile q_tile of head h: every query tile from first_q_tile
-        to own_q_tiles - 1 of each head of the group in turn (counted, where a division by the tiles a head has would
-        cost each role a 64-bit division a step)."""
-        if q_tile + 1 < own_q_tiles:
-            return h, q_tile + 1
-        return h + 1, first_q_tile
-
-    @inlined_device_function
     def produce(smem, q_at, scalars_at, barriers_at, Q, dO, LSE, D, b, h_kv, group, kv_heads, q_sb, q_sh, q_sn,
-                do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile, own_q_tiles, steps,
-                tid):
+                do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile, start_q_tile,
+                own_q_tiles, steps, tid):
         """The copier warps: each step's tiles into stage step % 2 once its consumers are done with it, waited for
         and fenced (the tensor cores read them), then announced on FULL[s] (an arrival of each of the 64 threads)."""
-        h, q_tile = h_kv * group, first_q_tile
+        h, q_tile = h_kv * group, start_q_tile
         for step in range(steps):
             stage = step & 1
             barrier_wait(smem, barriers_at + (STAGES + stage) * 2, ((step >> 1) & 1) ^ 1)   # EMPTY[s]
@@ -127,47 +145,50 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             copy_async_wait_all()
             fence_proxy_async()
             barrier_arrive(smem, barriers_at + stage * 2, 1)   # FULL[s]
-            h, q_tile = next_step(h, q_tile, first_q_tile, own_q_tiles)
+            h, q_tile = next_step(h, q_tile, first_q_tile, start_q_tile, own_q_tiles)
 
     @inlined_device_function
-    def write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles, causal_offset,
-                 first_q_tile, own_q_tiles, steps, lane):
-        """The writer warp: each step, each consumer's dQ half, once its buffer is full, added to DQ_SUM by one bulk
-        reduction (lane 0; when ORDERED in its turn, and its adds done before the turn passes on); the buffer handed
-        back once the engine has read it (no hand-back after the last step: its consumers never wait again)."""
+    def write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles, own_q_tiles,
+                 causal_offset, first_q_tile, start_q_tile, rotation, steps, c, lane):
+        """Writer warp c: each step, consumer c's dQ half, once its buffer is full, added to DQ_SUM by one bulk
+        reduction (lane 0; when ORDERED in its turn); the buffer handed back once the engine has read it (not after
+        the last step: the consumer never waits again); when ORDERED, the turn passed on once the adds are done and
+        visible.  A warp per half, so that the two halves' turns and adds (microseconds each, in L2) overlap."""
         if steps > 0:
-            for c in range(CONSUMER_GROUPS):   # the buffers start empty
-                named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
-        h, q_tile = h_kv * group, first_q_tile
+            named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)   # the buffer starts empty
+        h, q_tile = h_kv * group, start_q_tile
         for step in range(steps):
             slab = (b * kv_heads * group + h) * q_tiles + q_tile
-            turn = contributors(q_tile, own_k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL else tile
-            for c in range(CONSUMER_GROUPS):
-                named_sync(DQ_FULL_BARRIER + c, DQ_BUFFER_THREADS)
-                if lane == 0:
-                    if ORDERED:
-                        while cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 0) != turn:
-                            pass
-                        cuda.threadfence()
-                    bulk_reduce_add(DQ_SUM, slab * BLOCK_N * HEAD_DIM + c * HALF_WORDS, smem, dq_at + c * HALF_WORDS,
-                                    HALF_WORDS * 4)
-                    bulk_commit()
-                    bulk_wait_read()
-                    if ORDERED:   # the adds done and visible before the next in the order starts its own
-                        bulk_wait_done()
-                        cuda.threadfence()
-                        cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 1)
-                sync_warp()
-                if step + 1 < steps:
-                    named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
-            h, q_tile = next_step(h, q_tile, first_q_tile, own_q_tiles)
+            named_sync(DQ_FULL_BARRIER + c, DQ_BUFFER_THREADS)
+            if lane == 0:
+                if ORDERED:
+                    turn = (contributors(q_tile, own_k_tiles, causal_offset, KEY_ROWS) - 1 - tile if CAUSAL
+                            else rotated_turn(q_tile, tile, rotation, own_k_tiles, own_q_tiles))
+                    while cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 0) != turn:
+                        pass
+                    cuda.threadfence()
+                bulk_reduce_add(DQ_SUM, slab * BLOCK_N * HEAD_DIM + c * HALF_WORDS, smem, dq_at + c * HALF_WORDS,
+                                HALF_WORDS * 4)
+                bulk_commit()
+                bulk_wait_read()
+            sync_warp()
+            if step + 1 < steps:
+                named_arrive(DQ_EMPTY_BARRIER + c, DQ_BUFFER_THREADS)
+            if ORDERED and lane == 0:   # the adds done and visible before the next in the order starts its own
+                bulk_wait_done()
+                cuda.threadfence()
+                cuda.atomic.add(TURNS, slab * CONSUMER_GROUPS + c, 1)
+            h, q_tile = next_step(h, q_tile, first_q_tile, start_q_tile, own_q_tiles)
         if lane == 0:
-            bulk_wait_done()   # the last reductions' adds, before the block ends
+            bulk_wait_done()   # the last reduction's adds, before the block ends
 
     def kernel(Q, K, V, dO, LSE, D, dK, dV, DQ_SUM, TURNS, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb,
                do_sh, do_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn, kv_heads, group, n_q, n_k, k_tiles, q_tiles,
-               causal_offset, scale, scale_log2, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh):
-        # Operands as the one-warpgroup dK/dV kernel's (``backward.make_wgmma_dkdv``).
+               causal_offset, scale, scale_log2, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
+               rotates):
+        # Operands as the one-warpgroup dK/dV kernel's (``backward.make_wgmma_dkdv``); rotates: 1 where every block of
+        # a (batch, key/value head) can be resident at once, so that dense ORDERED key tiles may start apart
+        # (``rotated_start``: a block may then wait for one dispatched after it).
         rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
         # Causal: rank 0 is key tile 0 (longest first), or when the adds are ordered from the diagonal down, the last
         # key tile (shortest first: every block it waits for started before it).
@@ -185,6 +206,8 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
         first_q_tile = max(0, tile_k0 - causal_offset) // BLOCK_N if CAUSAL else 0
         per_head = max(0, own_q_tiles - first_q_tile)
         steps = group * per_head
+        rotation = 0 if CAUSAL or not ORDERED else rotation_stride(own_q_tiles, own_k_tiles) * rotates
+        start_q_tile = rotated_start(tile, rotation, first_q_tile, own_q_tiles)
 
         smem = cuda.shared.array(0, uint32)
         base = shared_address(smem)
@@ -208,10 +231,11 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             if tid < COPIERS:
                 produce(smem, q_at, scalars_at, barriers_at, Q, dO, LSE, D, b, h_kv, group, kv_heads, q_sb, q_sh,
                         q_sn, do_sb, do_sh, do_sn, first_query, lse_rows, lse_sb, lse_sh, n_q, first_q_tile,
-                        own_q_tiles, steps, tid)
-            elif tid // 32 == WRITER_WARP:
+                        start_q_tile, own_q_tiles, steps, tid)
+            else:
                 write_dq(smem, dq_at, DQ_SUM, TURNS, b, h_kv, group, kv_heads, q_tiles, tile, own_k_tiles,
-                         causal_offset, first_q_tile, own_q_tiles, steps, tid % 32)
+                         own_q_tiles, causal_offset, first_q_tile, start_q_tile, rotation, steps,
+                         tid // 32 - WRITER_WARP, tid % 32)
             return
 
         take_registers()
@@ -248,11 +272,11 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
             fence_proxy_async()
             named_sync(CONSUMERS_BARRIER, CONSUMER_THREADS)   # both consumers' K_j, V_j there: dQ's halves read both
         c_log2 = float32(scale_log2)
-        h, q_tile = h_kv * group, first_q_tile
+        h, q_tile = h_kv * group, start_q_tile
         for step in range(steps):
             stage = step & 1
             q0 = q_tile * BLOCK_N
-            h, q_tile = next_step(h, q_tile, first_q_tile, own_q_tiles)   # (the next step's)
+            h, q_tile = next_step(h, q_tile, first_q_tile, start_q_tile, own_q_tiles)   # (the next step's)
             offset = stage * 8 * TILE_WORDS   # bytes of a stage: Q_i, then dO_i
             scalars = scalars_at + stage * 2 * BLOCK_N
             barrier_wait(smem, barriers_at + stage * 2, (step >> 1) & 1)   # FULL[s]: Q_i, dO_i, lse, D landed
