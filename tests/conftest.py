@@ -132,10 +132,11 @@ def hopper_lookalike(monkeypatch):
     from numba_flash.kernels.hopper import common
     from numba_flash.kernels.hopper import forward as hopper
 
-    device = SimpleNamespace(compute_capability=(9, 0))
+    device = SimpleNamespace(compute_capability=(9, 0), multiprocessors=132)
     for module in (hopper_backward, hopper, common):
         monkeypatch.setattr(module, "in_simulator", lambda: False)
-    monkeypatch.setattr(common, "device_limits", lambda: device)
+    for module in (hopper_backward, common):
+        monkeypatch.setattr(module, "device_limits", lambda: device)
     for module in (hopper, hopper_backward):
         monkeypatch.setattr(module, "enable_sm90a", lambda: None)
     return device

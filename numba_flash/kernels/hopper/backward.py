@@ -102,10 +102,11 @@ takes "separate" (``dq_mode``), or where ``NUMBA_FLASH_WGMMA_DQ`` forces a bulk 
 copied, 2026-12-06, H100) lost to "separate" (1.04-1.7x its time unordered, 1.3-2.4x ordered:
 ``experiments/tuning/results/backward_bulk_dq_h100.md``); the kernel with roles replaced it, and "bulk-atomic" now
 takes 0.74-0.88x the time of "separate" dense and at d = 128 causal over long sequences (H100, 2026-12-07,
-``experiments/tuning/results/backward_dq_modes_h100.md``), so ``deterministic=False`` takes it there.  Determinism
-costs those calls 1.14-1.36x the backward's time; "bulk-ordered" stays slower than "separate" (each query tile's
-adds pass from key tile to key tile, a few microseconds a hand-over, and the chain restarts with each wave of
-blocks).
+``experiments/tuning/results/backward_dq_modes_h100.md``), so ``deterministic=False`` takes it there.
+"bulk-ordered" first lost to "separate" too (1.11-1.86x its time: each query tile's adds passed from key tile to key
+tile, every block a hand-over behind the one before); with a writer warp per half and dense key tiles that start
+apart along the query tiles (``specialized_dkdv.py``'s docstring) it takes 0.79-0.81x the time of "separate" dense
+at d = 128, and is the deterministic default there (same GPU, same day).
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
 
@@ -830,11 +831,13 @@ BULK_CAUSAL_KEY_TILES = 16
 
 def dq_mode(call, deterministic):
     """The ``DQ_MODES`` entry a call runs in.  By default the fastest way measured that ``deterministic`` allows
-    (H100, 2026-12-07, bfloat16, nine shapes, d = 64 and 128, dense and causal, GQA, every way in one process:
+    (H100, 2026-12-07, bfloat16, nine shapes, d = 64 and 128, dense and causal, GQA, the ways in one process:
     ``experiments/tuning/results/backward_dq_modes_h100.md``):
 
-    * deterministic: "separate", the fastest of the three deterministic ways everywhere ("bulk-ordered" took
-      1.11-1.86x its time, "ordered" 1.76-3.18x: a key tile's turn waits for every earlier key tile's add to land);
+    * deterministic: "bulk-ordered" dense at d = 128 where its key tiles start apart (``rotates``: 0.79-0.81x the
+      time of "separate"), else "separate" (dense at d = 64 "bulk-ordered" took 1.13x its time, causal 1.47-1.51x:
+      the turns go from the diagonal down, so the grid must dispatch the shortest key tiles first, and the longest
+      start last; "ordered" 1.76-3.18x);
     * ``deterministic=False``: "bulk-atomic" where it beat "separate" (0.74-0.88x its time dense, 0.84-0.88x causal at
       d = 128 over 32-64 key tiles of 128), else "separate" (causal at d <= 64, 1.04-1.15x; causal over 8 key tiles
       at d = 128, 1.03x), and outside the bulk kernel's scope (``dq_mode_for``): "atomic", the other unordered
@@ -845,11 +848,22 @@ def dq_mode(call, deterministic):
     if DQ_MODE is None:
         key_tiles = cdiv(call.longest_k, specialized_dkdv.KEY_ROWS)
         bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
-        fast = "bulk-atomic" if not deterministic and bulk_pays else "separate"
+        if deterministic:
+            fast = "bulk-ordered" if not call.causal and call.head_dim > 64 and rotates(call) else "separate"
+        else:
+            fast = "bulk-atomic" if bulk_pays else "separate"
         return "separate" if dq_mode_for(call, fast) != fast else fast
     if DQ_MODE not in DQ_MODES:
         raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES}, not {DQ_MODE!r}")
     return dq_mode_for(call, "separate" if DQ_MODE in UNORDERED_MODES and deterministic else DQ_MODE)
+
+
+def rotates(call):
+    """Whether the bulk-ordered kernel's dense key tiles may start apart along the query tiles
+    (``specialized_dkdv.py``'s docstring): where every block of a head (one per key tile of 128) can be resident at
+    once, so that a block may wait for one dispatched after it; never in the simulator, which runs the blocks one
+    after another."""
+    return not in_simulator() and cdiv(call.longest_k, specialized_dkdv.KEY_ROWS) <= device_limits().multiprocessors
 
 
 def dq_mode_for(call, mode):
@@ -913,8 +927,7 @@ def backward_launches(call, o_strides, do_strides, do_aligned, dq_mode="separate
                          dv_sh=dkv_s.head, dv_sn=dkv_s.row, kv_heads=call.kv_heads, k_tiles=k_tiles, q_tiles=q_tiles,
                          **block_mask_arguments(call, MASK_TILES, "dkdv"), row_offsets=rows_lists["tile_offsets"],
                          row_entries=rows_lists["tile_entries"],
-                         # (bulk-ordered, dense: whether a head's key tiles, a block each, fit the GPU at once)
-                         rotates=int(not in_simulator() and k_tiles <= device_limits().multiprocessors))
+                         rotates=int(rotates(call)))
     dkdv_extents = dict(extents, dK=words(kv_shape, dkv_s), dV=words(kv_shape, dkv_s), DQ_SUM=sum_words, TURNS=turns)
     has_mask = has_tile_lists(call)   # a block mask's, or a mask_mod's classified tiles
     compiled_mods = mod_steps(*call.mods, backward=True) if call.mods else None
