@@ -105,7 +105,7 @@ takes 0.74-0.88x the time of "separate" dense and at d = 128 causal over long se
 ``experiments/tuning/results/backward_dq_modes_h100.md``), so ``deterministic=False`` takes it there.
 "bulk-ordered" first lost to "separate" too (1.11-1.86x its time: each query tile's adds passed from key tile to key
 tile, every block a hand-over behind the one before); with a writer warp per half and dense key tiles that start
-apart along the query tiles (``specialized_dkdv.py``'s docstring) it takes 0.79-0.81x the time of "separate" dense
+apart along the query tiles (``specialized_dkdv.py``'s docstring) it takes 0.78-0.93x the time of "separate" dense
 at d = 128, and is the deterministic default there (same GPU, same day).
 
 Departures from FlashAttention-3's backward, each a step still to take (and to measure):
@@ -834,10 +834,10 @@ def dq_mode(call, deterministic):
     (H100, 2026-12-07, bfloat16, nine shapes, d = 64 and 128, dense and causal, GQA, the ways in one process:
     ``experiments/tuning/results/backward_dq_modes_h100.md``):
 
-    * deterministic: "bulk-ordered" dense at d = 128 where its key tiles start apart (``rotates``: 0.79-0.81x the
-      time of "separate"), else "separate" (dense at d = 64 "bulk-ordered" took 1.13x its time, causal 1.47-1.51x:
-      the turns go from the diagonal down, so the grid must dispatch the shortest key tiles first, and the longest
-      start last; "ordered" 1.76-3.18x);
+    * deterministic: "bulk-ordered" dense at d = 128 (0.78-0.93x the time of "separate" over 16-160 key tiles of 128,
+      rotated or not (``rotates``); 1.00x over 8), else "separate" (dense at d = 64 "bulk-ordered" took 1.12-1.15x
+      its time, causal 1.10-1.50x: the turns go from the diagonal down, so the grid dispatches the shortest key
+      tiles first and the longest start last; "ordered" 1.76-3.18x);
     * ``deterministic=False``: "bulk-atomic" where it beat "separate" (0.74-0.88x its time dense, 0.84-0.88x causal at
       d = 128 over 32-64 key tiles of 128), else "separate" (causal at d <= 64, 1.04-1.15x; causal over 8 key tiles
       at d = 128, 1.03x), and outside the bulk kernel's scope (``dq_mode_for``): "atomic", the other unordered
@@ -849,7 +849,7 @@ def dq_mode(call, deterministic):
         key_tiles = cdiv(call.longest_k, specialized_dkdv.KEY_ROWS)
         bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
         if deterministic:
-            fast = "bulk-ordered" if not call.causal and call.head_dim > 64 and rotates(call) else "separate"
+            fast = "bulk-ordered" if not call.causal and call.head_dim > 64 else "separate"
         else:
             fast = "bulk-atomic" if bulk_pays else "separate"
         return "separate" if dq_mode_for(call, fast) != fast else fast
