@@ -571,3 +571,25 @@ def test_a_call_the_library_tiles_runs_at_the_plans_tile(heads, kv_heads, n_q):
     assert key_warps == (4 if tile[0] <= 16 else 1)
     if not device_limits().simulated:
         assert made.call.block_sizes == tile and made.key_warps == key_warps
+
+
+def test_calls_on_one_stream_reuse_their_scratch_and_keep_their_own_results():
+    # A plan keeps one set of split buffers (partial rows, their lse, the arrival counts) and one lse for calls that do
+    # not return it, per stream: a call's results must not change when the next call on the stream reuses them.
+    rng = np.random.default_rng(8)
+    q1, q2 = (rng.standard_normal((2, 4, 1, 32)).astype(np.float16) for _ in range(2))
+    k_cache, v_cache = (rng.standard_normal((2, 2, 90, 32)).astype(np.float16) for _ in range(2))
+    seqlens = np.array([90, 41], np.int32)
+    options = dict(num_splits=3, block_sizes=(16, 16))
+    first = numba_flash.attention_with_kv_cache(q1, k_cache, v_cache, seqlens, **options)
+    second, second_lse = numba_flash.attention_with_kv_cache(q2, k_cache, v_cache, seqlens, return_lse=True,
+                                                             **options)
+    np.testing.assert_array_equal(first, numba_flash.attention_with_kv_cache(q1, k_cache, v_cache, seqlens,
+                                                                             **options))
+    plans = [p for p in numba_flash.api._PLANS.values() if isinstance(p, numba_flash.api._CachePlan)
+             and p.user_shape == q1.shape and p.splits > 1]
+    assert plans and all(len(p.scratches) == 1 for p in plans)
+    for b, length in enumerate(seqlens):
+        k, v = (np.repeat(x[b, :, :length], 2, axis=0) for x in (k_cache, v_cache))
+        ref_out, ref_lse = reference.attention(q2[b], k, v, causal=alignment(True))
+        assert_close_to_reference(second[b], second_lse[b], ref_out, ref_lse, q2[b], k, v, 0.25, q2.dtype)

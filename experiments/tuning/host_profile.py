@@ -11,13 +11,17 @@ Python call), microseconds per call of the pieces a forward is made of, each
 in a loop of its own: the plan lookup, a result from torch's allocator,
 torch's current stream, one kernel launch, and the whole call; and a
 training step's pieces: autograd's own floor (an identity Function),
-torch's flash step and ours, with and without accumulation into .grad.  Needs a GPU
-and torch; prints only.
+torch's flash step and ours, with and without accumulation into .grad.
+``decode``: the same for decoding calls (``attention_with_kv_cache``,
+bfloat16, one new query, lengths on the GPU) at ``DECODE_SHAPES``, beside
+the host time of torch SDPA's cuDNN and flash backends.  Needs a GPU and
+torch; prints only.
 
-    PYTHONPATH=$PWD python3 experiments/tuning/host_profile.py
+    PYTHONPATH=$PWD python3 experiments/tuning/host_profile.py [decode]
 """
 import cProfile
 import pstats
+import sys
 import time
 
 import torch
@@ -28,9 +32,68 @@ import numba_flash.torch as nft
 
 SHAPE = (1, 1, 128, 64)
 CALLS = 2000
+#: (B, H_q, H_kv, N, d) of decoding calls: MQA with splits, GQA with splits, GQA without.
+DECODE_SHAPES = [(4, 32, 1, 8192, 128), (1, 32, 8, 2048, 128), (16, 32, 8, 8192, 128)]
+
+
+def profiled(name, call, rows=15):
+    """``call`` CALLS times under cProfile (after a warm-up): the functions with the most time of their own."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(CALLS):
+        call()
+    profile.disable()
+    torch.cuda.synchronize()
+    print(f"==== {name}: {CALLS} calls", flush=True)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
+
+
+def decode():
+    """Decoding calls' host time: where it goes (cProfile), then its pieces and torch's calls, no profiler."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from numba_flash import api
+    from numba_flash.runtime import arrays
+
+    for batch, heads, kv_heads, n, d in DECODE_SHAPES:
+        q = torch.randn(batch, heads, 1, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        seqlens = torch.full((batch,), n, device="cuda", dtype=torch.int32)
+        shape = (batch, heads, kv_heads, n, d)
+        ours = lambda: numba_flash.attention_with_kv_cache(q, k, v, seqlens)   # noqa: E731
+        profiled(f"decoding {shape}", ours, rows=12)
+        options = (True, None, None, 0, 0, 0, None, None, None)
+        plan = api._plan(api._CachePlan, (q, k, v), options)
+        stream = arrays.current_torch_stream(q.device.index)
+        rows = {
+            "plan lookup (signatures and key)": lambda: api._plan(api._CachePlan, (q, k, v), options),
+            "lengths' check (check_device_cache_seqlens)": lambda: api.check_device_cache_seqlens(
+                arrays.describe("cache_seqlens", seqlens), plan.call, plan.device),
+            "torch's current stream": lambda: plan.stream((q, k, v)),
+            "torch.empty (the result)": lambda: plan.empty(plan.user_shape, plan.call.dtype, stream),
+            "the scratch (per stream)": lambda: plan.scratch(stream),
+            "the whole call (attention_with_kv_cache)": ours,
+        }
+        print(f"==== pieces of decoding {shape} ({plan.plan}), {CALLS} calls each, no profiler", flush=True)
+        for name, call in rows.items():
+            print(f"{per_call_us(call):8.2f} us  {name}", flush=True)
+        for backend, name in ((SDPBackend.CUDNN_ATTENTION, "torch cuDNN"), (SDPBackend.FLASH_ATTENTION, "torch flash")):
+            with sdpa_kernel(backend):
+                try:
+                    print(f"{per_call_us(lambda: sdpa(q, k, v, enable_gqa=heads != kv_heads)):8.2f} us  {name}",
+                          flush=True)
+                except RuntimeError as error:
+                    print(f"     n/a  {name}: {str(error).splitlines()[0][:80]}", flush=True)
 
 
 def main():
+    if sys.argv[1:] == ["decode"]:
+        decode()
+        return
     q, k, v, grad = (torch.randn(SHAPE, device="cuda", dtype=torch.float16) for _ in range(4))
     trained = tuple(x.clone().requires_grad_() for x in (q, k, v))
     views = tuple(cuda.as_cuda_array(x) for x in (q, k, v))
