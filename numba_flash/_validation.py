@@ -124,7 +124,7 @@ class AttentionCall:
 
     @property
     def batch(self):
-        return int(np.prod(self.batch_shape, dtype=np.int64))
+        return int(math.prod(self.batch_shape))   # (not np.prod: microseconds a call, which decoding pays)
 
     @property
     def longest_q(self):

@@ -214,7 +214,7 @@ class Launch:
     def _lay_out(self):
         from cuda.bindings import driver as cuda_driver
 
-        from .arrays import device_pointer
+        from .arrays import TORCH_TENSOR, device_pointer
 
         compiled = self.kernel.compiled
         self._handle = compiled._codelibrary.get_cufunc().handle
@@ -257,6 +257,7 @@ class Launch:
         self._pointers = (ctypes.c_void_p * len(values))(*(base + 8 * i for i in range(len(values))))
         self._params = ctypes.addressof(self._pointers)
         self._device_pointer = device_pointer
+        self._torch_tensor = TORCH_TENSOR
         self._lock = threading.Lock()
 
     def _encode(self, param, value):
@@ -273,8 +274,9 @@ class Launch:
         with self._lock:  # one parameter buffer per launch: one call at a time fills it
             slots, doubles = self._slots, self._doubles
             for (slot, kind), value in zip(self._call_slots, values):
-                if kind == "pointer":
-                    slots[slot] = self._device_pointer(value)
+                if kind == "pointer":   # a torch tensor's without a call of device_pointer (~1 us a pointer)
+                    slots[slot] = (value.data_ptr() if type(value) is self._torch_tensor
+                                   else self._device_pointer(value))
                 elif kind == "int":
                     slots[slot] = value & _UINT64
                 else:
