@@ -221,12 +221,12 @@ class Launch:
         if self.shared_bytes > _STATIC_SHARED_LIMIT:
             _opt_in_shared_memory(compiled, self.shared_bytes)
         library = libcuda()
-        shape = (self.grid, 1, 1, self.block, 1, 1, self.shared_bytes)
+        geometry = (self.grid, 1, 1, self.block, 1, 1, self.shared_bytes)
         if library is not None:  # launch(stream, params, extra) -> CUresult as an int
-            self._launch = functools.partial(library.cuLaunchKernel, int(self._handle), *shape)
+            self._launch = functools.partial(library.cuLaunchKernel, int(self._handle), *geometry)
         else:
             binding, handle = cuda_driver.cuLaunchKernel, self._handle
-            self._launch = lambda stream, params, extra: int(binding(handle, *shape, stream, params, 0)[0])
+            self._launch = lambda stream, params, extra: int(binding(handle, *geometry, stream, params, 0)[0])
         values, self._call_slots, self._keep = [], [], []
         for param in self.kernel.params:
             if param in self.kernel.arrays:
