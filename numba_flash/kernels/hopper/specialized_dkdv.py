@@ -41,7 +41,7 @@ passes the turn on once its adds are done (a few microseconds: the add's round t
   the work.
 * Dense: were every key tile to walk the query tiles from 0, key tile j would reach query tile i when key tile
   j - 1 does, and wait for it: each block a hand-over behind the one before, a lag that grows along the head's key
-  tiles in every wave ("bulk-ordered" took 1.5-1.9x "bulk-atomic"'s time so, H100, 2026-12-07).  So key tile j
+  tiles in every wave ("bulk-ordered" took 1.46-1.89x "bulk-atomic"'s time so, H100, 2026-12-07).  So key tile j
   starts at query tile -r j (mod the query tiles; ``dq_sums.rotated_start``, r = ``rotation_stride``): it reaches
   query tile i r steps after key tile j - 1, which has passed its turn by then, and the turns follow the order in
   which the tiles reach i (``rotated_turn``).  Key tile 0 then waits for the last key tile of its head, dispatched
@@ -81,7 +81,7 @@ STAGES = 2                                   # of Q_i, dO_i, lse and D (and of d
 #: bounds of 384 threads (168 a thread) reserve for the block.
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 #: Named barriers: both consumer warpgroups; dQ buffer c filled (DQ_FULL_BARRIER + c: its consumer warpgroup and the
-#: writer warp), and emptied (DQ_EMPTY_BARRIER + c).
+#: writer warp c), and emptied (DQ_EMPTY_BARRIER + c).
 CONSUMERS_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 4
 CONSUMER_THREADS, DQ_BUFFER_THREADS = CONSUMER_GROUPS * WARPGROUP, WARPGROUP + 32
 assert WRITER_WARP + CONSUMER_GROUPS == WARPGROUP // 32   # a writer warp per consumer, after the copiers
