@@ -846,11 +846,11 @@ def dq_mode(call, deterministic):
     ``DQ_MODE`` set: that mode (within determinism's bounds), or its one-warpgroup twin outside the bulk kernel's
     scope."""
     if DQ_MODE is None:
-        key_tiles = cdiv(call.longest_k, specialized_dkdv.KEY_ROWS)
-        bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
         if deterministic:
             fast = "bulk-ordered" if not call.causal and call.head_dim > 64 else "separate"
         else:
+            key_tiles = cdiv(call.longest_k, specialized_dkdv.KEY_ROWS)
+            bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
             fast = "bulk-atomic" if bulk_pays else "separate"
         return "separate" if dq_mode_for(call, fast) != fast else fast
     if DQ_MODE not in DQ_MODES:
