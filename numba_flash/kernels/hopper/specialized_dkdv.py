@@ -66,8 +66,8 @@ from .backward_steps import (WARPGROUP, backward_kernel, step_copier, steps, tra
 from .bulk import (BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, bulk_commit, bulk_reduce_add,
                    bulk_wait_done, bulk_wait_read, fence_barrier_init)
 from .common import A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor, tile_bytes
-from .dq_sums import (DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, rotated_start, rotated_turn, rotation_stride,
-                      splits_dq_columns)
+from .dq_sums import (DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, rotated_start, rotated_turn,
+                      rotation_stride, splits_dq_columns)
 from .roles import named_arrive, named_sync, register_budget
 from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
 
