@@ -860,10 +860,13 @@ def dq_mode(call, deterministic):
 
 def rotates(call):
     """Whether the bulk-ordered kernel's dense key tiles may start apart along the query tiles
-    (``specialized_dkdv.py``'s docstring): where every block of a head (one per key tile of 128) can be resident at
-    once, so that a block may wait for one dispatched after it; never in the simulator, which runs the blocks one
-    after another."""
-    return not in_simulator() and cdiv(call.longest_k, specialized_dkdv.KEY_ROWS) <= device_limits().multiprocessors
+    (``specialized_dkdv.py``'s docstring): where every block of a head (one per key tile of 128, one block a
+    multiprocessor) fits in half the multiprocessors, so that a block may wait for one dispatched after it: those
+    blocks are resident at once even while other streams' kernels hold up to half the GPU (a process that MPS or a
+    green context limits to fewer multiprocessors than the device has should set ``NUMBA_FLASH_WGMMA_DQ=separate``);
+    never in the simulator, which runs the blocks one after another."""
+    key_tiles = cdiv(call.longest_k, specialized_dkdv.KEY_ROWS)
+    return not in_simulator() and key_tiles <= device_limits().multiprocessors // 2
 
 
 def dq_mode_for(call, mode):

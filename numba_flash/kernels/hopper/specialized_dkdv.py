@@ -45,9 +45,9 @@ passes the turn on once its adds are done (a few microseconds: the add's round t
   starts at query tile -r j (mod the query tiles; ``dq_sums.rotated_start``, r = ``rotation_stride``): it reaches
   query tile i r steps after key tile j - 1, which has passed its turn by then, and the turns follow the order in
   which the tiles reach i (``rotated_turn``).  Key tile 0 then waits for the last key tile of its head, dispatched
-  after it: the host asks for this only where a head's key tiles fit the GPU's multiprocessors at once (one block
-  each), so that those it waits for are running or will be (``rotates``; the simulator, which runs blocks one
-  after another, never).
+  after it: the host asks for this only where a head's key tiles (one block each) fit in half the GPU's
+  multiprocessors, so that those it waits for are running or will be, with a margin for other streams' kernels
+  (``rotates``; the simulator, which runs blocks one after another, never).
 
 Scope: d <= 64 and d = 128 (``dq_sums.splits_dq_columns``), dense or causal (either alignment), grouped heads, packed
 sequences (VARLEN), strides as the other kernels'; no block mask or mods (``backward.dq_mode_for`` sends those to
@@ -187,8 +187,8 @@ def make_specialized_dkdv(HEAD_DIM, ELEMENT, CAUSAL, ORDERED, VARLEN=False):
                causal_offset, scale, scale_log2, q_bounds, q_step, k_bounds, k_step, bottom_right, lse_sb, lse_sh,
                rotates):
         # Operands as the one-warpgroup dK/dV kernel's (``backward.make_wgmma_dkdv``); rotates: 1 where every block of
-        # a (batch, key/value head) can be resident at once, so that dense ORDERED key tiles may start apart
-        # (``rotated_start``: a block may then wait for one dispatched after it).
+        # a (batch, key/value head) can be resident at once (``backward.rotates``), so that dense ORDERED key tiles may
+        # start apart (``rotated_start``: a block may then wait for one dispatched after it).
         rank, h_kv, b, _ = tile_coordinates(cuda.blockIdx.x, k_tiles, kv_heads, CAUSAL)
         # Causal: rank 0 is key tile 0 (longest first), or when the adds are ordered from the diagonal down, the last
         # key tile (shortest first: every block it waits for started before it).
