@@ -106,17 +106,7 @@ def main():
         "backward alone (api.attention_backward)": lambda: numba_flash.attention_backward(q, k, v, out, lse, grad),
     }
     for name, call in calls.items():
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(CALLS):
-            call()
-        profile.disable()
-        torch.cuda.synchronize()
-        print(f"==== {name}: {CALLS} calls", flush=True)
-        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+        profiled(name, call)
     pieces(q, k, v)
     step_pieces(q, k, v, grad)
 
