@@ -4,7 +4,7 @@ cannot serve one step from the last).  With ``--baseline DIR`` (another copy of 
 commit's) the same rows of that copy are timed in the same process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/decode_key_warps.py [--case B,H_q,H_kv,N ...] [--quick] [--baseline DIR]
-                                                            [--out FILE]
+                                                            [--configs 'default;16,32,3,2,1'] [--out FILE]
 
 Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.  ``--quick``: QUICK_CONFIGS on the first case, the
 defaults alone on the others.  Results: results/decode_key_warps_h200.md.
@@ -30,10 +30,25 @@ QUICK_CONFIGS = [(None, 0, 0, 0), ((16, 32), 3, 4, 1), ((16, 32), 2, 4, 1), ((16
                  ((16, 64), 3, 2, 1)]
 
 
+def parse_configs(text):
+    """``--configs``: 'default' (the library's choice) or B_r,B_c,kv_stages,key_warps,splits, ';'-separated."""
+    configs = []
+    for item in text.split(";"):
+        if item.strip() == "default":
+            configs.append(CONFIGS[0])
+        else:
+            rows, keys, stages, warps, splits = map(int, item.split(","))
+            configs.append(((rows, keys), stages, warps, splits))
+    return configs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", help="B,H_q,H_kv,N (d = 128), one or more")
     parser.add_argument("--quick", action="store_true", help="QUICK_CONFIGS, then the defaults of further cases")
+    parser.add_argument("--configs", default=None, type=parse_configs,
+                        help="the configs of every case instead: 'default' or B_r,B_c,kv_stages,key_warps,splits, "
+                             "separated by ';'")
     parser.add_argument("--baseline", default=None, help="another copy of the package, timed beside this one")
     parser.add_argument("--out", default=None, help="markdown file for the table")
     parser.add_argument("--repeats", type=int, default=50)
@@ -41,7 +56,7 @@ def main():
     baseline = load_baseline(args.baseline) if args.baseline else None
     tables = []
     for index, case in enumerate(args.case or ["16,32,8,8192"]):
-        configs = (QUICK_CONFIGS if index == 0 else CONFIGS[:1]) if args.quick else CONFIGS
+        configs = args.configs or ((QUICK_CONFIGS if index == 0 else CONFIGS[:1]) if args.quick else CONFIGS)
         tables.append(run_case(tuple(map(int, case.split(","))), configs, baseline, args.repeats))
     text = "\n\n".join(tables)
     print(text)
