@@ -502,19 +502,23 @@ def test_the_relative_bias_table_gets_the_float64_gradient(data, dtype):
 def test_the_mma_sync_dq_kernel_sums_the_table_for_any_tiles(tiles, dtype, reach, causal):
     """The mma.sync dQ kernel's table sums (``kernels/fast/bias_table.py``) at tiles of B_r query rows and B_c keys
     either way round: more diagonals (B_r + B_c - 1) than threads (2 B_r) at (16, 32) and (32, 64), ragged lengths of
-    several tiles, grouped heads, a reach of 0 (every distance in the two edge bins at once) and one past every
-    distance; the sums over batch entries and query tiles against float64 autograd within
-    ``table_gradient_tolerance``, the kernel's dQ, dK, dV those of the same call without the table."""
+    several tiles, grouped heads, a reach of 0 (every distance in the two edge bins at once), of 3 (some clamped) and
+    one past every distance (70; in the simulator 40, its distances -35 .. 39); the sums over batch entries and query
+    tiles against float64 autograd within ``table_gradient_tolerance``, the kernel's dQ, dK, dV those of the same call
+    without the table.  O and lse come from the float64 reference (the backward is tested on its own)."""
     torch = pytest.importorskip("torch")
     from tolerances import table_gradient_tolerance
 
     rng = np.random.default_rng(5)
-    batch, heads, kv_heads, n_q, n_k, d = 2, 2, 1, 45, 70, 16
+    # The simulator's tiles (16 and 32 each way) over two or three ragged tiles each way: shorter lengths do.
+    n_q, n_k = (36, 40) if numba_flash.in_simulator() else (45, 70)
+    batch, heads, kv_heads, d = 2, 2, 1, 16
     q, do = (rng.standard_normal((batch, heads, n_q, d)).astype(dtype) for _ in "qo")
     k, v = (rng.standard_normal((batch, kv_heads, n_k, d)).astype(dtype) for _ in "kv")
     table = rng.standard_normal((heads, 2 * reach + 1)).astype(np.float32)
     bias = mods.relative_position_bias(table)
-    out, lse = numba_flash.attention(q, k, v, causal=causal, score_mod=bias, return_lse=True)
+    out, lse = ref.attention(q, k, v, causal=causal, score_mod=bias)
+    out, lse = out.astype(dtype), lse.astype(np.float32)
     options = dict(causal=causal, scale=None, block_mask=None, algorithm="flash2", deterministic=True,
                    score_mod=bias, block_sizes=tiles)
     *grads, sums = api._attention_backward_and_table_sums(q, k, v, out, lse, do, **options)
