@@ -129,23 +129,28 @@ def test_dram_experiment_runs_quick_and_reports_the_model(tmp_path):
 def test_backward_tile_confirmation_runs_quick_and_marks_the_defaults(tmp_path):
     from numba_flash.tiling import flash2_tuned_block_sizes, precision_of
 
-    load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--out", str(tmp_path)])
+    # --quick runs the first two cases chosen: float16's here, one causal, one not (the first two of all are
+    # float32's), so that the dtype filter is tested too.
+    load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--dtypes", "float16", "--out",
+                                     str(tmp_path)])
     with open(tmp_path / "tune_flash2_backward_confirm_quick.csv") as f:
         rows = list(csv.DictReader(f))
     cases = {(r["dtype"], r["shape"], r["causal"]) for r in rows}
     assert len(cases) == 2 and all(float(r["median_ms"]) >= float(r["min_ms"]) > 0 for r in rows)
+    assert {r["dtype"] for r in rows} == {"float16"} and {r["causal"] for r in rows} == {"True", "False"}
     for dtype, shape, causal in cases:
         d = int(shape.strip("()").split(",")[3])
         marked = [(int(r["block_m"]), int(r["block_n"])) for r in rows
                   if (r["dtype"], r["shape"], r["causal"]) == (dtype, shape, causal) and r["default"] == "yes"]
         assert marked == [flash2_tuned_block_sizes(d, precision_of(dtype), backward=True, causal=causal == "True")]
     assert (tmp_path / "tune_flash2_backward_confirm_quick.md").read_text().startswith("# flash2 backward")
-    # The causal float16 cases alone (the re-tune of the pipelined backward's causal tiles).
-    load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--dtypes", "float16", "--causal-only",
+    # The causal cases alone (as for the re-tune of the pipelined backward's causal tiles): float32 has one, so
+    # one case (a filter that let the non-causal case or float16's through would add rows).
+    load_script("tune_flash2").main(["--backward", "--confirm", "--quick", "--dtypes", "float32", "--causal-only",
                                      "--out", str(tmp_path)])
     with open(tmp_path / "tune_flash2_backward_confirm_quick.csv") as f:
         rows = list(csv.DictReader(f))
-    assert rows and all(r["dtype"] == "float16" and r["causal"] == "True" for r in rows)
+    assert rows and all(r["dtype"] == "float32" and r["causal"] == "True" for r in rows)
 
 
 NCU_CSV = '''==PROF== Connected to process 1
