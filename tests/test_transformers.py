@@ -86,7 +86,9 @@ def test_padded_batches_match_sdpa_where_there_are_tokens(name):
     assert float((got - want)[real].abs().max()) <= MODEL_GRADIENT_RTOL * float(want[real].abs().max())
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# Llama's greedy generation with generate's default (dynamic) cache, unpadded, is the "dynamic-unpadded" case of
+# test_greedy_generation_with_each_cache_gives_sdpas_tokens (the same model and prompts, one new token fewer).
+@pytest.mark.parametrize("name", sorted(set(MODELS) - {"llama"}))
 def test_greedy_generation_gives_sdpas_tokens(name):
     # Decoding attends each new token to the cache: one query against every cached key (bottom-right causal).
     reference, ours = pair(name)
