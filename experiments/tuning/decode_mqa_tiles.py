@@ -21,17 +21,22 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 import numba_flash
 from numba_flash.tools.timing import time_ms
 
-#: (B, H_q, H_kv, N, d): multi-query shapes of issue 47's grid, and one of d = 64.
+#: (B, H_q, H_kv, N, d): multi-query shapes of issue 47's grid, and single long sequences at d = 64 (the grid's
+#: lowest multi-query points on 2026-12-07: (1, 32, 1, 32768, 64) 0.73x the fastest torch backend).
 CASES = [(4, 32, 1, 8192, 128), (4, 32, 1, 16384, 128), (1, 32, 1, 32768, 128), (16, 32, 1, 8192, 128),
-         (1, 32, 1, 8192, 128), (4, 32, 1, 8192, 64), (64, 32, 1, 2048, 128)]
+         (1, 32, 1, 8192, 128), (4, 32, 1, 8192, 64), (64, 32, 1, 2048, 128), (1, 32, 1, 32768, 64),
+         (1, 32, 1, 131072, 64)]
 #: The plan's choice (16-row tiles with four key warps since 2026-12-07), and forced tiles / key warps / splits
-#: (``attention_with_kv_cache``'s arguments): the splits around the plan's, whose blocks do not fill the GPU at B = 1
-#: ((1, 32, 1, 32768, 128): 2 tiles x 16 splits, 31.4 us against cuDNN's 15.6 on an H100).
+#: (``attention_with_kv_cache``'s arguments).  At one long sequence the plan's 32 blocks are issue-bound, one warp per
+#: scheduler (ncu, H100, 2026-12-07, ``results/decode_key_warps_h100.md``), and 33 or 66 splits of the 16-row tiles
+#: were no faster (the last block's merge grows with them; ``results/decode_mqa_tiles_h100.md``): so eight key warps
+#: of (16, 16) tiles, twice the warps on the same blocks (three buffers of eight warps' tiles fit at d = 128 with
+#: 16-key tiles only).
 VARIANTS = {"plan": {}, "32-row tile, 2 warps": dict(block_sizes=(32, 32), key_warps=1),
             "16 rows, 4 key warps, 8 splits": dict(block_sizes=(16, 32), key_warps=4, num_splits=8),
             "16 rows, 4 key warps, 33 splits": dict(block_sizes=(16, 32), key_warps=4, num_splits=33),
-            "16 rows, 4 key warps, 66 splits": dict(block_sizes=(16, 32), key_warps=4, num_splits=66),
-            "32-row tile, 33 splits": dict(block_sizes=(32, 32), key_warps=1, num_splits=33)}
+            "16x16 tiles, 8 key warps": dict(block_sizes=(16, 16), key_warps=8),
+            "16x16 tiles, 8 key warps, 8 splits": dict(block_sizes=(16, 16), key_warps=8, num_splits=8)}
 
 
 def microseconds(run):
