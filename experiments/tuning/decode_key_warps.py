@@ -7,7 +7,8 @@ commit's) the same rows of that copy are timed in the same process.
                                                             [--configs 'default;16,32,3,2,1'] [--out FILE]
 
 Default case: issue 16's (16, 32, 8, 8192), d = 128, float16.  ``--quick``: QUICK_CONFIGS on the first case, the
-defaults alone on the others.  Results: results/decode_key_warps_h200.md.
+defaults alone on the others.  Results: results/decode_key_warps_h200.md (H200), results/decode_key_warps_h100.md
+(H100, the short caches with many blocks, 2026-12-07).
 """
 import argparse
 import itertools
