@@ -14,11 +14,11 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._checks import positive_int_pair
-from .decode_plan import packs
+from .decode_plan import fitting_key_warps, packs
 from .runtime.arrays import Operand, Strides, c_strides, is_c_contiguous, view_strides
 from .runtime.device import device_limits
 from .sparsity.block_mask import BlockMask
-from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP,
+from .tiling import (DECODE_KV_STAGES, FLASH2_MAX_HEAD_DIM, PRECISION, ROWS_PER_WARP,
                      decode_default_block_sizes, page_key_tile,
                      flash1_backward_block_sizes, flash1_backward_shared_bytes, flash1_shared_bytes, flash2_backward_shared_bytes,
                      flash2_default_block_sizes, flash2_forward_smem, flash2_threads, k_step, line1_block_sizes,
@@ -646,8 +646,9 @@ def check_decode_layout(call, kv_stages, key_warps):
                              f"is {limit}")
         if key_warps:
             return stages, warps
-    fitting = [w for w in range(1, DECODE_KEY_WARPS + 1) if needed(w) <= limit] if streams and one_warp else [1]
-    return stages, fitting[-1] if fitting else 1
+    if streams and one_warp:
+        return stages, fitting_key_warps(call.block_sizes, call.head_dim, 2, stages, limit)
+    return stages, 1
 
 
 def check_new_keys(k_new, v_new):

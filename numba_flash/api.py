@@ -721,11 +721,13 @@ class _CachePlan(_Plan):
     @classmethod
     def at_planned_tile(cls, call, num_splits, kv_stages, key_warps):
         """(call, (K/V buffers, key warps)) at the tile that ``decode_plan`` picks for a call the library tiles, with
-        the layout ``check_decode_layout`` gives it there (the library's key warps for that tile where the user left
-        them at 0); None where the user's kv_stages / key_warps fit only the library's narrower tile."""
-        planned = replace(call, block_sizes=cls._decode_plan(call, None, num_splits, kv_stages, key_warps).block_sizes)
+        the key warps the plan gives it there where the user left them at 0 (eight for tiles that share their K/V),
+        checked by ``check_decode_layout``; None where the user's kv_stages / key_warps fit only the library's narrower
+        tile."""
+        plan = cls._decode_plan(call, None, num_splits, kv_stages, key_warps)
+        planned = replace(call, block_sizes=plan.block_sizes)
         try:
-            return planned, check_decode_layout(planned, kv_stages, key_warps)
+            return planned, check_decode_layout(planned, kv_stages, key_warps or plan.key_warps)
         except ValueError:
             return None
 

@@ -22,9 +22,20 @@ The decisions, in order
    (the later reads mostly from L2).  That beat one tile of all R rows in 16-row warps without key warps at
    every multi-query shape timed (H100, 2026-12-07, (B, 32, 1, N, d), one query: 1.55-2.51x less GPU time, e.g.
    (4, 32, 1, 8192, 128) 20.1 us against 46.3; ``experiments/tuning/results/decode_mqa_tiles_h100.md``): a
-   block of two warps keeps too few bytes in flight.  d = 256, float32 and unaligned rows:
-   ``tiling.decode_block_sizes`` (one block of ceil(R / 16) * 16 rows, at most 128, in 16-row warps; float32
-   and unaligned tiles wait in registers).
+   block of two warps keeps too few bytes in flight.  Those tiles do R / 16 times the arithmetic per K/V byte, and
+   their blocks wait on their own instructions: they take eight key warps of 16-key tiles instead of four of 32
+   (``tiling.DECODE_SHARED_KV_KEY_WARPS``: the same keys in flight, twice the warps to issue) where a
+   multiprocessor holds as many of those blocks (``shared_kv_layout``).  At d = 128 it does (one block of either
+   fills the shared memory).  At nine multi-query shapes with one new query (six at d = 128, three at 64) eight warps
+   took 1.00-1.24x less GPU time, none more.  At d = 64 the eight
+   warps' registers halve the blocks held, and with four new queries whole calls took up to 1.5x longer
+   ((64, 32, 1, 8192, 64): 283 us against 184; (16, 32, 1, 32768, 64), one wave of blocks either way: 273 against
+   195), though with one query up to 1.2x less (H100, 2026-12-07, ``experiments/tuning/results/
+   decode_grid_bfloat16_d64_q*_eight_key_warps_h100.md`` against the files without "eight_key_warps"): four warps
+   stay there, a rule from measurements that the occupancy explains only in part.  The model below
+   does not rank the warps (it counts bytes in flight and multiply-adds, not issue slots).  d = 256, float32 and
+   unaligned rows: ``tiling.decode_block_sizes`` (one block of ceil(R / 16) * 16 rows, at most 128, in 16-row warps;
+   float32 and unaligned tiles wait in registers).
    A paged cache takes the widest B_c that divides its page.
 3. **The splits**, from an estimate of the call's time (``estimate``), the S in 1 .. ``MOST_SPLITS`` that
    minimises
@@ -64,8 +75,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional, Tuple
 
-from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, DECODE_STREAMED_KEYS, ROWS_PER_WARP, cdiv, decode_block_sizes,
-                     flash2_forward_smem, padded_head_dim, page_key_tile)
+from .tiling import (DECODE_KEY_WARPS, DECODE_KV_STAGES, DECODE_SHARED_KV_KEY_WARPS, DECODE_SHARED_KV_KEYS,
+                     DECODE_STREAMED_KEYS, ROWS_PER_WARP, cdiv, decode_block_sizes, flash2_forward_smem,
+                     padded_head_dim, page_key_tile)
 
 #: Multiprocessors of the H200 (and H100 SXM).
 MULTIPROCESSORS = 132
@@ -157,12 +169,13 @@ def default_tile(rows, head_dim, dtype_bytes, streamed, page_size=None):
     return block_m, block_n, ROWS_PER_WARP
 
 
-def fitting_key_warps(block_sizes, head_dim, dtype_bytes, stages, shared_bytes=SHARED_BYTES_PER_BLOCK):
-    """The most key warps (at most ``DECODE_KEY_WARPS``) whose buffers fit ``shared_bytes``, for a tile of one warp's
-    rows; 1 if none but one fits."""
+def fitting_key_warps(block_sizes, head_dim, dtype_bytes, stages, shared_bytes=SHARED_BYTES_PER_BLOCK,
+                      most=DECODE_KEY_WARPS):
+    """The most key warps (at most ``most``) whose buffers fit ``shared_bytes``, for a 16-bit tile of one warp's rows
+    that streams ``stages`` buffers; 1 if none but one fits."""
     precision = _precision(dtype_bytes)
     d_pad = padded_head_dim(head_dim, precision)
-    for warps in range(DECODE_KEY_WARPS, 1, -1):
+    for warps in range(most, 1, -1):
         if flash2_forward_smem(*block_sizes, d_pad, precision, stages=stages, key_warps=warps).bytes <= shared_bytes:
             return warps
     return 1
@@ -174,6 +187,19 @@ def resident_blocks(shared_bytes, threads):
     by_threads = THREADS_PER_MULTIPROCESSOR // threads
     by_registers = REGISTERS_PER_MULTIPROCESSOR // (threads * (REGISTERS_PER_THREAD + 1))
     return max(1, min(by_shared, by_threads, by_registers, 32))
+
+
+def shared_kv_layout(tile, warps, head_dim, dtype_bytes, stages, shared_bytes, page_size=None):
+    """(B_c, key warps) of the library's tiles where several of them read their group's K/V (the module docstring,
+    2): ``DECODE_SHARED_KV_KEY_WARPS`` warps of ``DECODE_SHARED_KV_KEYS``-key tiles where they fit and a multiprocessor
+    holds as many of their blocks as of ``warps`` warps of ``tile``; else ``tile``'s keys and ``warps``."""
+    keys = DECODE_SHARED_KV_KEYS if page_size is None else page_key_tile(DECODE_SHARED_KV_KEYS, page_size, "f16")
+    narrow = (tile[0], keys)
+    more = fitting_key_warps(narrow, head_dim, dtype_bytes, stages, shared_bytes, most=DECODE_SHARED_KV_KEY_WARPS)
+    if more > warps and (_block(narrow, head_dim, dtype_bytes, ROWS_PER_WARP, more, stages)[2]
+                         >= _block(tile, head_dim, dtype_bytes, ROWS_PER_WARP, warps, stages)[2]):
+        return keys, more
+    return tile[1], warps
 
 
 @lru_cache(maxsize=256)
@@ -241,9 +267,13 @@ def decode_plan(batch, q_heads, kv_heads, n_q, n_k_max, head_dim, dtype_bytes, *
     one_warp = tile_rows <= ROWS_PER_WARP
     if key_warps:
         warps = key_warps
+    elif streamed and one_warp:
+        warps = fitting_key_warps((tile_rows, tile_keys), head_dim, dtype_bytes, stages, shared_bytes)
+        if block_sizes is None and rows > tile_rows:   # several of the library's tiles read the group's K/V
+            tile_keys, warps = shared_kv_layout((tile_rows, tile_keys), warps, head_dim, dtype_bytes, stages,
+                                                shared_bytes, page_size)
     else:
-        warps = fitting_key_warps((tile_rows, tile_keys), head_dim, dtype_bytes, stages, shared_bytes) \
-            if streamed and one_warp else 1
+        warps = 1
     tiles = batch * heads * cdiv(rows, tile_rows)
     key_tiles = cdiv(n_k_max, tile_keys)
     most = max(1, cdiv(key_tiles, warps))          # every warp of every split has a key tile
@@ -263,4 +293,5 @@ def decode_plan(batch, q_heads, kv_heads, n_q, n_k_max, head_dim, dtype_bytes, *
                       tuple(t * 1e6 for t in times))
 
 
-__all__ = ["DecodePlan", "decode_plan", "default_tile", "estimate", "fitting_key_warps", "packs", "resident_blocks"]
+__all__ = ["DecodePlan", "decode_plan", "default_tile", "estimate", "fitting_key_warps", "packs", "resident_blocks",
+           "shared_kv_layout"]

@@ -421,6 +421,17 @@ def decode_block_sizes(n_q, head_dim, precision):
 #: 0.1277 against 0.1291 at 4 splits, (1, 32, 8, 1, 2048) 0.0120 against 0.0121 at 16).  ptxas: 255 registers at d =
 #: 128.
 DECODE_STREAMED_KEYS = 32
+#: The key tile and key warps where a group's rows take several 16-row tiles that all read its K/V (MQA's 32 packed
+#: query heads; eight heads of four new queries each) and the library picks the tiles (``decode_plan.default_tile``).
+#: Those blocks do more arithmetic per byte: at (1, 32, 1, 32768, 128) ncu found four key warps issue-bound, one warp
+#: per scheduler 3.86 cycles between instructions (H100, 2026-12-07, experiments/tuning/results/
+#: decode_key_warps_h100.md).  Eight warps of 16-key tiles keep as many keys in flight per round as four of 32 (the
+#: same buffers, 192 KB at d = 128) with twice the warps to issue: GPU time 1.00-1.24x less than four warps of 32 keys
+#: at all nine multi-query shapes of experiments/tuning/decode_mqa_tiles.py, slower at none (H100, 2026-12-07,
+#: experiments/tuning/results/decode_mqa_tiles_h100.md).  Only where a multiprocessor holds as many such blocks
+#: (``decode_plan.shared_kv_layout``: not at d = 64, where their registers halve the blocks held).
+DECODE_SHARED_KV_KEYS = 16
+DECODE_SHARED_KV_KEY_WARPS = 8
 
 
 def page_key_tile(keys, page_size, precision):

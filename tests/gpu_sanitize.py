@@ -32,12 +32,13 @@ variants above too), decode (a KV cache with appends, entries of
 different lengths, one query per head with the keys split between blocks, then
 three causal ones; decode_stages4: the same with four K/V buffers; decode_key_warps4 / 3: with warps of
 a block taking turns along the keys; decode_swizzled: four key warps at d = 128, whose K/V rows are swizzled;
-decode_paged: a paged cache, with its block table; decode_mqa, decode_many_splits, decode_paged_gqa: decode_plan's
-packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mods: mods_score a
-softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose tiles come
-as lists classified on the GPU; gqa_mods_mask the same with grouped heads, bottom-right causal; mods_mask_tile_mask
-the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the kernel's tiles; select
-them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"; on the wgmma kernels also
+decode_paged: a paged cache, with its block table; decode_mqa, decode_many_splits, decode_paged_gqa,
+decode_paged_mqa: decode_plan's packed query groups and many splits), mods (score_mod / mask_mod, numba_flash.mods:
+mods_score a softcap composed with ALiBi; mods_mask a relative-position bias with a sliding window OR a prefix, whose
+tiles come as lists classified on the GPU; gqa_mods_mask the same with grouped heads, bottom-right causal;
+mods_mask_tile_mask the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the
+kernel's tiles; select them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"; on the wgmma
+kernels also
 mods_mask_overlap and gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and
 gqa_mods_mask_unordered, the backward's other ways of summing dQ), mods on packed sequences and caches (varlen_mods:
 the packed runs with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every tile tested,
@@ -110,13 +111,15 @@ RUNS = [
     # d = 128 (a round of tiles spans pages).
     ("forward", "flash2", np.float16, None, "decode_paged"),
     ("forward", "flash2", BF16, (16, 16), "decode_paged_key_warps4"),
-    # The layouts of decode_plan.py, library's tiles: multi-query attention (32 query heads on one K/V head: one
-    # tile of 32 packed rows, two warps, splits; then 3 causal queries each, 96 rows in one tile of 32-row warps,
-    # each row its own diagonal); more splits than the merge loads at once (20, key warps of one warp); a paged
-    # cache under grouped heads of 8 (8 and 24 packed rows).
+    # The layouts of decode_plan.py, library's tiles: multi-query attention (32 query heads on one K/V head: two
+    # 16-row tiles of 32 packed rows sharing the K/V, eight key warps of 16-key tiles, splits; then 3 causal queries
+    # each, 96 rows in six such tiles, each row its own diagonal); more splits than the merge loads at once (20, key
+    # warps of one warp); a paged cache under grouped heads of 8 (8 and 24 packed rows).
     ("forward", "flash2", np.float16, None, "decode_mqa"),
     ("forward", "flash2", BF16, (16, 16), "decode_many_splits"),
     ("forward", "flash2", np.float16, None, "decode_paged_gqa"),
+    # Multi-query attention at d = 128 in a paged cache: the shared-K/V tiles' eight key warps reading pages.
+    ("forward", "flash2", BF16, None, "decode_paged_mqa"),
     ("backward", "flash2", np.float16, (32, 32), "gqa"),
     ("backward", "flash2", np.float32, (32, 16), "strided"),
     ("backward", "flash2", np.float32, (32, 32), "nan"),
@@ -336,9 +339,9 @@ def main(selected=()):
             print(f"{run_name(run)} blocks={blocks} lengths={DECODE_LENGTHS}", flush=True)
             key_warps = int(variant[-1]) if "key_warps" in variant else 4 if variant == "decode_swizzled" else 0
             stages = {"decode_stages4": 4, "decode_key_warps3": 3, "decode_swizzled": 3}.get(variant, 0)
-            wide = variant in ("decode_swizzled", "decode_paged_key_warps4", "decode_mqa")
+            wide = variant in ("decode_swizzled", "decode_paged_key_warps4", "decode_mqa", "decode_paged_mqa")
             layout = dict(key_warps=key_warps)
-            layout.update({"decode_mqa": dict(heads=32, kv_heads=1),
+            layout.update({"decode_mqa": dict(heads=32, kv_heads=1), "decode_paged_mqa": dict(heads=32, kv_heads=1),
                            "decode_many_splits": dict(num_splits=20, key_warps=1, rows=640),
                            "decode_paged_gqa": dict(heads=32, kv_heads=4)}.get(variant, {}))
             worst = max(worst, decode(dtype, blocks, rng, kv_stages=stages, d=128 if wide else 40,

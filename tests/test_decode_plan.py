@@ -19,11 +19,15 @@ def blocks(p, batch, heads):
 
 def test_mqa_packs_the_group_as_rows_and_splits_to_fill_the_gpu():
     # (4, 32, 1, 16384, 128), 0.20x cuDNN on 2026-12-04's main: the 32 query heads of the one K/V head are the rows of
-    # two 16-row tiles (each K/V tile read twice, not 32 times), each tile's warp with four key warps (one tile of
-    # 32 rows in two warps took 2.5x the GPU time on an H100, 2026-12-07), and the keys split between enough blocks
-    # that the GPU streams them.
+    # two 16-row tiles (each K/V tile read twice, not 32 times; one tile of 32 rows in two warps took 2.5x the GPU
+    # time on an H100, 2026-12-07), each tile's warp with eight key warps of 16 keys (the tiles that share the K/V
+    # wait on their own instructions with four of 32), and the keys split between enough blocks that the GPU streams
+    # them.
     p = plan(4, 32, 1, 1, 16384, 128)
-    assert p.packed and p.rows == 32 and p.block_sizes[0] == 16 and p.key_warps == 4
+    assert p.packed and p.rows == 32 and p.block_sizes == (16, 16) and p.key_warps == 8
+    # At d = 64 eight warps' registers would halve the blocks a multiprocessor holds: four warps of 32 keys stay.
+    narrow = plan(4, 32, 1, 1, 16384, 64)
+    assert narrow.block_sizes == (16, 32) and narrow.key_warps == 4
     assert p.splits >= 8 and blocks(p, 4, 1) >= 64
     assert p.estimate_us <= min(p.times_us) * (1 + TIE) and p.estimate_us < p.times_us[0] / 2
 
@@ -62,7 +66,7 @@ def test_speculative_decoding_packs_query_groups_when_q_allows_it():
     assert not plan(16, 32, 32, 4, 8192, 128).packed
     assert packs(32, 8, 1, packable=False)   # one query per head: the heads are the rows, whatever the strides
     big = plan(4, 32, 1, 4, 16384, 128)        # MQA, 128 rows: eight 16-row tiles with key warps
-    assert big.block_sizes == (16, 32) and big.key_warps == 4 and blocks(big, 4, 1) == 8 * 4 * big.splits
+    assert big.block_sizes == (16, 16) and big.key_warps == 8 and blocks(big, 4, 1) == 8 * 4 * big.splits
     wide = plan(4, 32, 1, 1, 8192, 256)         # d = 256: one tile of the group's 32 rows in two 16-row warps
     assert wide.block_sizes[0] == 32 and wide.warp_rows == 16 and wide.warps == 2
 
@@ -70,6 +74,8 @@ def test_speculative_decoding_packs_query_groups_when_q_allows_it():
 def test_user_choices_are_kept():
     p = plan(1, 32, 8, 1, 8192, 128, num_splits=3, key_warps=1, block_sizes=(16, 16), kv_stages=4)
     assert (p.splits, p.key_warps, p.block_sizes, p.kv_stages) == (3, 1, (16, 16), 4)
+    # The user's tile keeps the usual key warps, even where the library's own tiles would share the group's K/V.
+    assert plan(4, 32, 1, 1, 16384, 128, block_sizes=(16, 16)).key_warps == 4
     # More splits than leave each warp a key tile are capped: 100 keys, tiles of 32, four key warps: one split.
     assert plan(1, 32, 8, 1, 100, 128, num_splits=8).splits == 1
     assert plan(1, 32, 8, 1, 100, 128).splits == 1

@@ -140,8 +140,10 @@ def test_deeper_kv_pipelines_decode_as_two_buffers_do(dtype, stages):
 
 
 @pytest.mark.parametrize("key_warps, splits, stages, dtype",
-                         [(2, 2, 0, SIXTEEN_BIT[0]), (3, 1, 3, SIXTEEN_BIT[-1]), (4, 0, 2, SIXTEEN_BIT[0])],
-                         ids=["2 warps, 2 splits", "3 warps, 3 buffers", "4 warps, default splits"])
+                         [(2, 2, 0, SIXTEEN_BIT[0]), (3, 1, 3, SIXTEEN_BIT[-1]), (4, 0, 2, SIXTEEN_BIT[0]),
+                          (8, 0, 0, SIXTEEN_BIT[-1])],
+                         ids=["2 warps, 2 splits", "3 warps, 3 buffers", "4 warps, default splits",
+                              "8 warps (tiles that share their K/V), default splits"])
 def test_warps_taking_turns_along_the_keys_decode_as_one_warp_does(dtype, key_warps, splits, stages):
     # Warps of one block share the query rows and take turns along the 300 keys (tiles of 16), merging in
     # shared memory; with two splits the blocks' results are merged again.  Entries of different lengths: the
@@ -562,23 +564,23 @@ def test_queries_whose_heads_are_not_n_q_rows_apart_keep_a_tile_per_head():
     np.testing.assert_allclose(lse.copy_to_host(), want_lse, atol=1e-4)
 
 
-@pytest.mark.parametrize("heads, kv_heads, n_q", [(32, 1, 1), (32, 8, 4), (8, 8, 1)])
-def test_a_call_the_library_tiles_runs_at_the_plans_tile(heads, kv_heads, n_q):
-    # The plan's tile (MQA's 32 packed rows: 16-row tiles with four key warps, 2.3-2.5x less GPU time than one
-    # 32-row tile on an H100, 2026-12-07) is the one the call takes, with the key warps that fit it, not only where
-    # they equal the narrow tile's.  On a GPU the plan of the call itself shows it; the simulator keeps its narrow
-    # tiles, so there the step that picks the tile is asked directly.
+@pytest.mark.parametrize("heads, kv_heads, n_q, d", [(32, 1, 1, 64), (32, 1, 1, 128), (32, 8, 4, 64), (8, 8, 1, 64)])
+def test_a_call_the_library_tiles_runs_at_the_plans_tile(heads, kv_heads, n_q, d):
+    # The plan's tile (MQA's 32 packed rows: 16-row tiles, 2.3-2.5x less GPU time than one 32-row tile on an H100,
+    # 2026-12-07; at d = 128 of 16 keys with eight key warps) is the one the call takes, with the plan's key warps,
+    # not only where they equal the narrow tile's.  On a GPU the plan of the call itself shows it; the simulator
+    # keeps its narrow tiles, so there the step that picks the tile is asked directly.
     rng = np.random.default_rng(5)
-    q = rng.standard_normal((2, heads, n_q, 64)).astype(np.float16)
-    k_cache, v_cache = (rng.standard_normal((2, kv_heads, 4096, 64)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((2, heads, n_q, d)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((2, kv_heads, 4096, d)).astype(np.float16) for _ in range(2))
     # causal, scale, block_sizes, num_splits, kv_stages, key_warps, table, score_mod, mask_mod
     made = numba_flash.api._CachePlan((q, k_cache, v_cache), (True, None, None, 0, 0, 0, None, None, None))
     rows = made.call.q_shape[2]
-    tile = decode_plan(2, heads, kv_heads, n_q, 4096, 64, 2, multiprocessors=device_limits().multiprocessors,
+    tile = decode_plan(2, heads, kv_heads, n_q, 4096, d, 2, multiprocessors=device_limits().multiprocessors,
                        shared_bytes=device_limits().shared_bytes_per_block_optin).block_sizes
     planned, (stages, key_warps) = numba_flash.api._CachePlan.at_planned_tile(made.call, 0, 0, 0)
     assert planned.block_sizes == tile and (tile[0] < rows) == (rows > 16)
-    assert key_warps == (4 if tile[0] <= 16 else 1)
+    assert key_warps == (1 if tile[0] > 16 else 8 if rows > 16 and d == 128 else 4)
     if not device_limits().simulated:
         assert made.call.block_sizes == tile and made.key_warps == key_warps
 
