@@ -27,13 +27,13 @@ The decisions, in order
    (``tiling.DECODE_SHARED_KV_KEY_WARPS``: the same keys in flight, twice the warps to issue) where a
    multiprocessor holds as many of those blocks (``shared_kv_layout``).  At d = 128 it does (one block of either
    fills the shared memory).  At nine multi-query shapes with one new query (six at d = 128, three at 64) eight warps
-   took 1.00-1.24x less GPU time, none more.  At d = 64 the eight
-   warps' registers halve the blocks held, and with four new queries whole calls took up to 1.5x longer
-   ((64, 32, 1, 8192, 64): 283 us against 184; (16, 32, 1, 32768, 64), one wave of blocks either way: 273 against
-   195), though with one query up to 1.2x less (H100, 2026-12-07, ``experiments/tuning/results/
-   decode_grid_bfloat16_d64_q*_eight_key_warps_h100.md`` against the files without "eight_key_warps"): four warps
-   stay there, a rule from measurements that the occupancy explains only in part.  The model below
-   does not rank the warps (it counts bytes in flight and multiply-adds, not issue slots).  d = 256, float32 and
+   took 1.00-1.24x less GPU time, none more.  At d = 64 the eight warps' registers halve the blocks held, and with
+   four new queries whole calls took up to 1.5x longer ((64, 32, 1, 8192, 64): 283 us against 184;
+   (16, 32, 1, 32768, 64), one wave of blocks either way: 273 against 195), though with one query up to 1.2x less
+   (H100, 2026-12-07, ``experiments/tuning/results/decode_grid_bfloat16_d64_q*_eight_key_warps_h100.md`` against
+   the files without "eight_key_warps"): four warps stay there, a rule from measurements that the occupancy
+   explains only in part.  The model below does not rank the warps (it counts bytes in flight and multiply-adds,
+   not issue slots).  d = 256, float32 and
    unaligned rows: ``tiling.decode_block_sizes`` (one block of ceil(R / 16) * 16 rows, at most 128, in 16-row warps;
    float32 and unaligned tiles wait in registers).
    A paged cache takes the widest B_c that divides its page.
@@ -193,7 +193,9 @@ def shared_kv_layout(tile, warps, head_dim, dtype_bytes, stages, shared_bytes, p
     """(B_c, key warps) of the library's tiles where several of them read their group's K/V (the module docstring,
     2): ``DECODE_SHARED_KV_KEY_WARPS`` warps of ``DECODE_SHARED_KV_KEYS``-key tiles where they fit and a multiprocessor
     holds as many of their blocks as of ``warps`` warps of ``tile``; else ``tile``'s keys and ``warps``."""
-    keys = DECODE_SHARED_KV_KEYS if page_size is None else page_key_tile(DECODE_SHARED_KV_KEYS, page_size, "f16")
+    keys = DECODE_SHARED_KV_KEYS
+    if page_size is not None:
+        keys = page_key_tile(keys, page_size, _precision(dtype_bytes))
     narrow = (tile[0], keys)
     more = fitting_key_warps(narrow, head_dim, dtype_bytes, stages, shared_bytes, most=DECODE_SHARED_KV_KEY_WARPS)
     if more > warps and (_block(narrow, head_dim, dtype_bytes, ROWS_PER_WARP, more, stages)[2]
