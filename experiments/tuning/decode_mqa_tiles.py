@@ -5,8 +5,8 @@ rows into one tile of two warps, each K/V tile read once, over few blocks (``doc
 45.9 us of GPU time against cuDNN's 15.6 on an H100).  The alternative, which the plan now takes after this script's
 run (``results/decode_mqa_tiles_h100.md``): two tiles of 16 rows each, which reads each K/V tile twice, the second
 time mostly from L2, with key warps (eight of 16-key tiles at d = 128 since a later run of the same day).  For each
-(B, H_q, H_kv, N, d), bfloat16, one new query per sequence, caches full, lengths on the GPU: the whole call (CUDA events around an idle stream) and the
-GPU work alone (``device_only``), in microseconds, for the plan's choice and the forced variants in ``VARIANTS``,
+(B, H_q, H_kv, N, d), bfloat16, one new query per sequence, caches full, lengths on the GPU: the whole call (CUDA
+events around an idle stream) and the GPU work alone (``device_only``), in microseconds, for the plan's choice and the forced variants in ``VARIANTS``,
 their largest difference from the plan's output, and torch SDPA's cuDNN and flash backends (``enable_gqa``); one
 process.
 
