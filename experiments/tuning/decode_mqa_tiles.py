@@ -6,9 +6,9 @@ rows into one tile of two warps, each K/V tile read once, over few blocks (``doc
 run (``results/decode_mqa_tiles_h100.md``): two tiles of 16 rows each, which reads each K/V tile twice, the second
 time mostly from L2, with key warps (eight of 16-key tiles at d = 128 since a later run of the same day).  For each
 (B, H_q, H_kv, N, d), bfloat16, one new query per sequence, caches full, lengths on the GPU: the whole call (CUDA
-events around an idle stream) and the GPU work alone (``device_only``), in microseconds, for the plan's choice and the forced variants in ``VARIANTS``,
-their largest difference from the plan's output, and torch SDPA's cuDNN and flash backends (``enable_gqa``); one
-process.
+events around an idle stream) and the GPU work alone (``device_only``), in microseconds, for the plan's choice and
+the forced variants in ``VARIANTS``, their largest difference from the plan's output, and torch SDPA's cuDNN and
+flash backends (``enable_gqa``); one process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/decode_mqa_tiles.py
 
