@@ -38,8 +38,7 @@ mods_score a softcap composed with ALiBi; mods_mask a relative-position bias wit
 tiles come as lists classified on the GPU; gqa_mods_mask the same with grouped heads, bottom-right causal;
 mods_mask_tile_mask the same mask classified ahead by numba_flash.tile_mask in 16 x 16 blocks and coarsened to the
 kernel's tiles; select them with the word "mods_score,mods_mask,gqa_mods_mask,mods_mask_tile_mask"; on the wgmma
-kernels also
-mods_mask_overlap and gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and
+kernels also mods_mask_overlap and gqa_mods_mask_warpgroups2, the forward's other loops, and mods_mask_ordered and
 gqa_mods_mask_unordered, the backward's other ways of summing dQ), mods on packed sequences and caches (varlen_mods:
 the packed runs with a softcap composed with ALiBi and a sliding window OR a prefix, per sequence, every tile tested,
 no dropout; decode_mods, decode_paged_mods: the decode runs with the same mods at each query's position in its entry,
