@@ -334,18 +334,19 @@ def wgmma_dq(mode):
 
 
 @contextlib.contextmanager
-def wgmma_loop(overlap=False, warpgroups=1):
+def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks"):
     """The wgmma forward with its products overlapping the softmax or not, in blocks of one warpgroup or two
     (``OVERLAP_PRODUCTS`` and ``WARPGROUPS``, which ``NUMBA_FLASH_WGMMA_OVERLAP`` and
-    ``NUMBA_FLASH_WGMMA_WARPGROUPS`` set for a process), plans rebuilt before and after."""
+    ``NUMBA_FLASH_WGMMA_WARPGROUPS`` set for a process), or on the warp-specialised kernel (``kernel="specialized"``,
+    ``NUMBA_FLASH_WGMMA_FORWARD``), plans rebuilt before and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    saved = hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS
-    hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS = overlap, str(warpgroups)
+    saved = hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS, hopper.FORWARD_KERNEL
+    hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS, hopper.FORWARD_KERNEL = overlap, str(warpgroups), kernel
     api._PLANS.clear()
     try:
         yield
     finally:
-        hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS = saved
+        hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS, hopper.FORWARD_KERNEL = saved
         api._PLANS.clear()

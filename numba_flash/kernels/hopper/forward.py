@@ -22,9 +22,9 @@ d: S in d / 16 k-steps, O += P V as m64n{d}k16, and the stores write d columns.
 The head-dim-dependent choices, each in one place: the layout's width (``common.layout_dim``); the copier's
 column groups (``common.tile_copier``: two of 128 columns at d > 128 in one warpgroup); the K/V stages
 (``uses_ring``); warpgroups per block (``DEFAULT_WARPGROUPS``: two at d > 128); O's slices
-(``value_slices``: above d = 128, columns 0..127 and 128..d-1, two accumulators and two products per k-step);
-the register cap (``blocks_per_multiprocessor``).  The key tile stays 64 keys and the swizzle 128 bytes at every
-d.  (FlashAttention-3 takes 80-key tiles at d = 256; here a tile is the copier's and the descriptors' 64 rows,
+(``forward_steps.value_slices``: above d = 128, columns 0..127 and 128..d-1, two accumulators and two products per
+k-step); the register cap (``blocks_per_multiprocessor``).  The key tile stays 64 keys and the swizzle 128 bytes at
+every d.  (FlashAttention-3 takes 80-key tiles at d = 256; here a tile is the copier's and the descriptors' 64 rows,
 and at 64 keys the block's shared memory, 193 KB with two warpgroups, already leaves room for no second block.)
 
 One thread block is one warpgroup (128 threads) and owns 64 query rows, or two warpgroups that own
@@ -115,7 +115,6 @@ Barriers and fences, each where it sits:
 * ``wgmma_fence`` before the products of S (the zeroed accumulator) and of O (the rescaled
   accumulator and P's registers, written by ordinary instructions just before).
 """
-import math
 import os
 from functools import lru_cache
 
@@ -127,16 +126,16 @@ from ...runtime.launch import Kernel, Launch, inlined_device_function, unrolled,
 from ...sparsity.tile_lists import listed_tile, reads_layout
 from ...tiling import cdiv
 from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_div, has_tile_lists, lane_flags,
-                           lse_slabs, nan_cleaner, pair_has_nan, partly_masked_tiles, row_lse, sequence_arguments,
+                           lse_slabs, nan_cleaner, pair_has_nan, partly_masked_tiles, sequence_arguments,
                            sequence_arrays, sequence_bounds, sequence_mode, tile_coordinates, warp_lane, word_extent)
-from ..fast.fragments import sixteen_bit_ops
 from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
-from ..fast.primitives import (copy_async_commit, copy_async_wait, copy_async_wait_all, exp2, load_vec4,
-                               shfl_xor, store_word)
-from .common import (BLOCK_N, first_atom_words, k_major_descriptor, k_step_bytes, layout_dim, mn_major_descriptor,
-                     mn_step_bytes, out_of_scope, query_tile, tile_bytes, tile_copier)
+from ..fast.primitives import copy_async_commit, copy_async_wait, copy_async_wait_all, load_vec4
+from .common import (BLOCK_N, first_atom_words, k_major_descriptor, layout_dim, mn_major_descriptor, out_of_scope,
+                     query_tile, tile_bytes, tile_copier)
+from . import specialized_forward as specialized
+from .forward_steps import P_WORDS, S_REGISTERS, row_and_key, tile_steps
 from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, staged_offset_device,
-                    swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait)
+                    swizzle_128_device, wgmma_wait)
 
 WARPGROUP = 128          # threads of a warpgroup
 BLOCK_M = 64             # query rows per warpgroup: wgmma's M
@@ -159,16 +158,6 @@ def uses_ring(head_dim, overlap):
 def kv_buffers(head_dim, overlap):
     """K/V tile buffers: three in the ring, else four."""
     return 3 if uses_ring(head_dim, overlap) else 4
-
-
-def value_slices(head_dim):
-    """The column widths of O's slices: O = alpha O + P V is one accumulator of m64n{d} up to d = 128 (d / 2
-    registers a thread), and above that two, columns 0..127 and 128..d-1, each its own local array and its own
-    products (m64n128k16 and m64n{d - 128}k16; the second's V descriptor two 64-column tiles on).  wgmma's N goes to
-    256, but the loops over a 128-register array are more than LLVM unrolls (its trip-count limit): the array then
-    stays in local memory (a 528-byte stack frame at d = 256, each product's accumulator loaded and stored around it:
-    ptxas 13.0, sm_90a, 2026-12-06), where two arrays of 64 are held in registers as at d = 128."""
-    return (head_dim,) if head_dim <= 128 else (128, head_dim - 128)
 
 
 def shared_bytes(head_dim, warpgroups=1, overlap=False):
@@ -249,25 +238,14 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
     READS_LAYOUT = HAS_MASK and reads_layout(PARTLY_MASKED)   # ... against the block layout
     ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
-    _, pack = sixteen_bit_ops(ELEMENT)
-    S_REGISTERS = BLOCK_N // 2
-    # O in slices of up to 128 columns (``value_slices``; the layout's pad columns left out): LOW_REGISTERS of columns
-    # 0..127 (or 0..D-1), HIGH_REGISTERS of columns 128..D-1 (none at D <= 128), the latter's V 128 columns on.
-    SLICES = value_slices(D)
-    LOW_REGISTERS, HIGH_REGISTERS = SLICES[0] // 2, (SLICES[1] // 2 if len(SLICES) > 1 else 0)
-    HIGH_ARRAY = max(HIGH_REGISTERS, 1)       # (a one-register placeholder where there is no second slice)
-    HIGH_V_BYTES = tile_bytes(SLICES[0])      # where V's column 128 starts: two 64-column tiles on
-    P_WORDS = S_REGISTERS // 2                # P as 16-bit pairs
+    (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, issue_scores, mask_outside, online_softmax, poison_allowed,
+     rescale_and_pack, issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
     ROW_CHUNKS = D // 8                       # 16-byte chunks of a row of V that hold values (the rest are zeros)
     TILE_BYTES = tile_bytes(D)                # on the layout of layout_dim(D) columns
     TILE_WORDS = TILE_BYTES // 4
-    K_STEPS = cdiv(D, 16)                     # S's k-steps: the pad columns past them are not read
     cleaned = nan_cleaner(ELEMENT)
     has_nan = pair_has_nan(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
-    scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
-    weights_by_values = wgmma_rs(SLICES[0], ELEMENT, True)   # O += P V: P in registers, V MN-major
-    weights_by_high_values = wgmma_rs(SLICES[-1], ELEMENT, True)   # (used only with a second slice)
     wait_all_products = wgmma_wait(0)
     RING = uses_ring(D, OVERLAP)
     BUFFERS = kv_buffers(D, OVERLAP)
@@ -327,11 +305,6 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         fence_proxy_async()   # the cleaned rows, before the tensor cores read V_j
         cuda.syncthreads()    # V_j clean and its flags written, before any warp reads either
         return flags_of_lane(smem, flags_at, t)
-
-    @inlined_device_function
-    def row_and_key(i, q0, k0, warp, g, t):
-        """The query row and key of this lane's score register i (the accumulator layout of wgmma.py)."""
-        return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
 
     # ---- which query tile a block takes, and which key tiles it visits in what order ----
     @inlined_device_function
@@ -420,16 +393,6 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         """A buffer-0 tile's descriptor moved to K/V buffer ``buffer``."""
         return advanced_device(desc, buffer * TILE_BYTES)
 
-    @inlined_device_function
-    def issue_scores(s, q_desc, k_desc):
-        """S = Q_i K_j^T into ``s`` (zeroed first), committed as one group; nothing waits for it."""
-        for i in range(S_REGISTERS):
-            s[i] = float32(0)
-        wgmma_fence()   # the zeroed accumulator, before the products write it
-        for step in range(K_STEPS):
-            scores_by_keys(s, advanced_device(q_desc, k_step_bytes(step)), advanced_device(k_desc, k_step_bytes(step)))
-        wgmma_commit()
-
     def score_entry(i):
         """(SCORE_MOD) ``entry(s, hidden, q0, k0, warp, g, t, mod_args)``: score register i to score_mod(scale S)
         log2(e), or to -inf where bit i of ``hidden`` is set.  One function per register, written out by ``unrolled``:
@@ -456,71 +419,27 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         if SCORE_MOD:
             modded_scores(s, hidden, q0, k0, n_q, n_k, warp, g, t, mod_args)
             return
-        for i in range(S_REGISTERS):
-            row, key = row_and_key(i, q0, k0, warp, g, t)
-            if ELEMENT_TEST:
+        if ELEMENT_TEST:
+            for i in range(S_REGISTERS):
                 if (hidden >> uint32(i)) & uint32(1):
                     s[i] = float32(NEG_INF)
-            elif key >= n_k or (CAUSAL and key > row + causal_offset):
-                s[i] = float32(NEG_INF)
-
-    @inlined_device_function
-    def online_softmax(s, m_i, l_i, alpha, c_log2):
-        """Scores in log2 units, the scale inside the exponent's FMA: m, P = exp2(c S - m) in ``s``, l, and
-        alpha, the rescale of O, per row."""
-        for r in range(2):
-            m_tile = float32(NEG_INF)
-            for i in range(S_REGISTERS):
-                if (i % 4) // 2 == r:
-                    m_tile = max(m_tile, s[i])
-            m_tile = max(m_tile, shfl_xor(m_tile, 1))   # the four lanes of a row
-            m_tile = max(m_tile, shfl_xor(m_tile, 2))
-            m_new = max(m_i[r], m_tile * c_log2)
-            shift = m_new if m_new != float32(NEG_INF) else float32(0)   # no key yet: exp2(-inf) = 0
-            alpha[r] = exp2(m_i[r] - shift)
-            row_sum = float32(0)
-            for i in range(S_REGISTERS):
-                if (i % 4) // 2 == r:
-                    p = exp2(cuda.fma(s[i], c_log2, -shift))
-                    s[i] = p
-                    row_sum += p
-            l_i[r] = alpha[r] * l_i[r] + row_sum
-            m_i[r] = m_new
+        else:
+            mask_outside(s, q0, k0, n_k, causal_offset, warp, g, t)
 
     @inlined_device_function
     def poison(s, v_nan, q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args):
         """NaN where this lane's key is allowed and its value row held a NaN (``clean_values``' flags)."""
         hidden = (hidden_entries(q0, k0, n_q, n_k, causal_offset, warp, g, t, partly, layout, mod_args) if ENTRY_TEST
                   else 0)
-        for i in range(S_REGISTERS):
-            row, key = row_and_key(i, q0, k0, warp, g, t)
-            flagged = (v_nan >> uint64(2 * (i // 4) + i % 2)) & uint64(1)
-            if ENTRY_TEST:
-                if flagged and not (hidden >> uint32(i)) & uint32(1):
-                    s[i] = float32(math.nan)
-            elif flagged and key <= row + causal_offset:
-                s[i] = float32(math.nan)
+        poison_allowed(s, v_nan, hidden, q0, k0, causal_offset, warp, g, t, ENTRY_TEST)
 
     @inlined_device_function
     def issue_values(acc, alpha, s, p_words, v_desc):
         """O = alpha O, then O += P V_j committed as one group; nothing waits for it.  P is packed whole
         before the first product: a register the products still read is not rewritten while they are in
-        flight.  Pair x of k-step ``step``: the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8),
-        i.e. S's 8-key blocks 2 step and 2 step + 1."""
-        low, high = acc   # O's slices (``value_slices``)
-        for i in range(LOW_REGISTERS):
-            low[i] *= alpha[(i % 4) // 2]
-        for i in range(HIGH_REGISTERS):
-            high[i] *= alpha[(i % 4) // 2]
-        for x in range(P_WORDS):
-            p_words[x] = pack(s[2 * x], s[2 * x + 1])
-        wgmma_fence()   # the rescaled accumulator and P's registers, before the products read them
-        for step in range(BLOCK_N // 16):
-            p = (p_words[4 * step], p_words[4 * step + 1], p_words[4 * step + 2], p_words[4 * step + 3])
-            weights_by_values(low, p, advanced_device(v_desc, mn_step_bytes(step)))
-            if HIGH_REGISTERS > 0:   # columns 128..D-1: V's third and fourth 64-column tiles
-                weights_by_high_values(high, p, advanced_device(v_desc, HIGH_V_BYTES + mn_step_bytes(step)))
-        wgmma_commit()
+        flight."""
+        rescale_and_pack(acc, alpha, s, p_words)
+        issue_weighted_values(acc, p_words, v_desc)
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
                n_q, n_k, q_tiles, causal_offset, scale_log2, tile_offsets, tile_entries, tile_order, M, mask_rows,
@@ -673,23 +592,8 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
 
         # ---- O / l and lse, once ----
         lse_first = lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh)   # this head's lse row 0
-        for r in range(2):
-            l_row = l_i[r]
-            l_row += shfl_xor(l_row, 1)
-            l_row += shfl_xor(l_row, 2)
-            row = q0 + 16 * warp + g + 8 * r
-            inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
-            if row < n_q:
-                o_row = b * o_sb + h * o_sh + (first_query + row) * o_sn   # its element 0
-                for block in range(LOW_REGISTERS // 4):   # O's slices (``value_slices``), 8 columns a block
-                    i = 4 * block + 2 * r
-                    store_word(O, (o_row + 8 * block + 2 * t) // 2, pack(acc[0][i] * inv_l, acc[0][i + 1] * inv_l))
-                for block in range(HIGH_REGISTERS // 4):
-                    i = 4 * block + 2 * r
-                    store_word(O, (o_row + SLICES[0] + 8 * block + 2 * t) // 2,
-                               pack(acc[1][i] * inv_l, acc[1][i + 1] * inv_l))
-                if t == 0:
-                    LSE[lse_first + row] = row_lse(m_i[r], l_row)
+        store_output(O, LSE, acc, m_i, l_i, q0, n_q, b * o_sb + h * o_sh + first_query * o_sn, o_sn, lse_first, warp,
+                     g, t)
 
     return Kernel(kernel, f"wgmma_forward_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "") + ("_overlap" if OVERLAP else "")
                   + ("" if WARPGROUPS == 1 else f"_warpgroups{WARPGROUPS}")
@@ -761,6 +665,11 @@ AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 #: Off by default: 1.04-1.34x the plain loop's time on the H200
 #: (experiments/tuning/results/bench_wgmma_overlap_h200.md).
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
+#: ``NUMBA_FLASH_WGMMA_FORWARD``: "blocks" (the default) runs ``make_wgmma_forward``'s kernel, "specialized" the
+#: warp-specialised one (``specialized_forward.py``: a producer warpgroup, two consumers taking turns) for the calls in
+#: its scope, the others on "blocks".  Not the default until a GPU measures it faster.
+FORWARD_KERNELS = ("blocks", "specialized")
+FORWARD_KERNEL = os.environ.get("NUMBA_FLASH_WGMMA_FORWARD", "blocks")
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=1`` or ``2`` runs blocks of that many warpgroups sharing each K/V tile
 #: (``make_wgmma_forward``, WARPGROUPS) at every head dim; unset, each head dim takes its ``DEFAULT_WARPGROUPS``.
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS")
@@ -815,10 +724,14 @@ def chosen_for(call, block_sizes, kernel="forward"):
 
 
 def forward_launch(call):
-    """The wgmma forward for a validated call in its scope, as a ``Launch`` taking q, k, v, o, lse per call."""
+    """The wgmma forward for a validated call in its scope, as a ``Launch`` taking q, k, v, o, lse per call: on the
+    warp-specialised kernel where ``NUMBA_FLASH_WGMMA_FORWARD=specialized`` asks for it and the call is in its scope
+    (``specialized_forward.specialized_scope``), else on ``make_wgmma_forward``'s."""
     reason = out_of_scope(call, "forward")
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
+    if FORWARD_KERNEL not in FORWARD_KERNELS:
+        raise ValueError(f"NUMBA_FLASH_WGMMA_FORWARD must be one of {FORWARD_KERNELS}, not {FORWARD_KERNEL!r}")
     asked = WARPGROUPS if WARPGROUPS is not None else DEFAULT_WARPGROUPS[layout_dim(call.head_dim)]
     warpgroups = int(asked) if str(asked).isdigit() else None
     if warpgroups not in WARPGROUP_COUNTS:
@@ -827,9 +740,15 @@ def forward_launch(call):
         enable_sm90a()
     # A block mask's lists are of the block's query tiles (64 rows a warpgroup) and of BLOCK_N keys.
     tiles = (BLOCK_M * warpgroups, BLOCK_N)
-    kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
-                                has_tile_lists(call), partly_masked_tiles(call, tiles, "forward"),
-                                sequence_mode(call), mod_steps(*call.mods) if call.mods else None)
+    if FORWARD_KERNEL == "specialized" and specialized.specialized_scope(call) is None:
+        tiles = (specialized.ROWS, BLOCK_N)
+        kernel = specialized.make_specialized_forward(call.head_dim, call.precision, call.causal, sequence_mode(call))
+        threads, shared = specialized.THREADS, specialized.shared_bytes(call.head_dim)
+    else:
+        kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
+                                    has_tile_lists(call), partly_masked_tiles(call, tiles, "forward"),
+                                    sequence_mode(call), mod_steps(*call.mods) if call.mods else None)
+        threads, shared = WARPGROUP * warpgroups, shared_bytes(call.head_dim, warpgroups, OVERLAP_PRODUCTS)
     words = word_extent(call)
     (qs, ks, vs), os_ = call.strides, call.result_strides("q")
     q_shape, kv_shape = call.kernel_shapes
@@ -843,6 +762,5 @@ def forward_launch(call):
     bounds, bounds_extents = sequence_arrays(call)   # (packed sequences: cu_seqlens_q and _k, per call)
     extents = dict(Q=words(q_shape, qs), K=words(kv_shape, ks), V=words(kv_shape, vs), O=words(q_shape, os_),
                    LSE=lse_slabs(call) * call.n_q, **bounds_extents)
-    return Launch(kernel, q_tiles * call.batch_heads, WARPGROUP * warpgroups,
-                  shared_bytes(call.head_dim, warpgroups, OVERLAP_PRODUCTS),
-                  fixed, ("Q", "K", "V", "O", "LSE") + bounds, extents)
+    return Launch(kernel, q_tiles * call.batch_heads, threads, shared, fixed, ("Q", "K", "V", "O", "LSE") + bounds,
+                  extents)

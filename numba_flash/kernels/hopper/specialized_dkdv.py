@@ -68,7 +68,7 @@ from .bulk import (BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, bu
 from .common import A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor, tile_bytes
 from .dq_sums import (DS_TILE_BYTES, bulk_dq_steps, contributors, dq_steps, rotated_start, rotated_turn,
                       rotation_stride, splits_dq_columns)
-from .roles import named_arrive, named_sync, register_budget
+from .roles import named_arrive, named_sync, role_budgets
 from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
 
 CONSUMER_GROUPS = 2                          # consumer warpgroups, each on 64 keys of the block's tile
@@ -77,18 +77,13 @@ THREADS = (1 + CONSUMER_GROUPS) * WARPGROUP  # the producer warpgroup, then the 
 COPIERS = 64                                 # the producer's first two warps copy the streamed tiles
 WRITER_WARP = 2                              # the producer's warps 2 and 3 hand dQ's halves to the copy engine
 STAGES = 2                                   # of Q_i, dO_i, lse and D (and of dS^T)
-#: Registers a thread after the budgets: 128 x 24 + 256 x 240 = 64512 of the multiprocessor's 65536, what the launch
-#: bounds of 384 threads (168 a thread) reserve for the block.
-PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 #: Named barriers: both consumer warpgroups; dQ buffer c filled (DQ_FULL_BARRIER + c: its consumer warpgroup and the
 #: writer warp c), and emptied (DQ_EMPTY_BARRIER + c).
 CONSUMERS_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 4
+#: Registers a thread: the producer and writers 24, the consumers 240 (the bulk modes' consumer loop without a spill).
+give_registers, take_registers, _ = role_budgets(24)
 CONSUMER_THREADS, DQ_BUFFER_THREADS = CONSUMER_GROUPS * WARPGROUP, WARPGROUP + 32
 assert WRITER_WARP + CONSUMER_GROUPS == WARPGROUP // 32   # a writer warp per consumer, after the copiers
-
-give_registers = register_budget("dec", PRODUCER_REGISTERS)
-take_registers = register_budget("inc", CONSUMER_REGISTERS)
-
 
 @inlined_device_function
 def next_step(h, q_tile, first_q_tile, start_q_tile, own_q_tiles):
