@@ -21,7 +21,7 @@ empty row of blocks; sparse_whole: its blocks are the kernel's tiles, so no
 element test; the wgmma forward's are 64 x 64, which leave its blocks of two
 warpgroups, 128 rows, partly covered tiles), dropout, both, gqa (two query
 heads per key/value head, bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
-(its blocks of two warpgroups), strided
+(its blocks of two warpgroups), specialized (the warp-specialised wgmma forward), strided
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), ordered / separate (the
 wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``),
 bulk_ordered / bulk_unordered (its dK/dV kernel of two warpgroups adding dQ by bulk reductions), nan (NaN in a value
@@ -146,6 +146,12 @@ RUNS = [
     ("forward", "wgmma", BF16, None, "gqa_overlap_warpgroups2"),
     # Block masks: 16 x 16 blocks (partly covered tiles, tested element by element), and blocks of whole tiles
     # (the element test compiled out), in either loop and warpgroup count.
+    # The warp-specialised forward (NUMBA_FLASH_WGMMA_FORWARD=specialized: producer and consumers on mbarriers and
+    # named barriers), NaN in V on the diagonal cleaned by its producer.
+    ("forward", "wgmma", np.float16, None, "specialized"),
+    ("forward", "wgmma", BF16, None, "gqa_specialized"),
+    ("forward", "wgmma", np.float16, None, "nan_specialized"),
+    ("forward", "wgmma", BF16, None, "gqa_varlen_specialized"),
     ("forward", "wgmma", np.float16, None, "sparse"),
     ("forward", "wgmma", BF16, None, "sparse_whole"),
     ("forward", "wgmma", BF16, None, "gqa_sparse_overlap"),
@@ -253,7 +259,7 @@ def inputs(variant, dtype, blocks, case, rng):
     kv_heads = heads // 2 if "gqa" in variant else heads
     q = rng.standard_normal((batch, heads, n_q, d))
     k, v = (rng.standard_normal((batch, kv_heads, n_k, d)) for _ in range(2))
-    if variant == "nan":
+    if "nan" in variant.split("_"):
         v[0, 0, n_k // 2, 1] = np.nan
         q[0, -1, 3, 0] = np.nan
     host = [x.astype(dtype) for x in (q, k, v)]
@@ -357,11 +363,12 @@ def main(selected=()):
             print(f"{run_name(run)} blocks={blocks} case={case}", flush=True)
             # NaN runs: the rows that never see a NaN equal the reference without it; the others are NaN.
             ref, _ = reference_of(variant).attention(*(np.nan_to_num(x) for x in (q64, k64, v64)), **ref_kwargs)
-            if variant == "nan":
+            if "nan" in variant.split("_"):
                 ref = nan_rows(ref, q64, v64, ref_kwargs["causal"])
             if direction == "forward":
                 with (forward_warp_rows(32 if "warp32" in variant else 16),
-                      wgmma_loop("overlap" in variant, 2 if "warpgroups2" in variant else 1)):
+                      wgmma_loop("overlap" in variant, 2 if "warpgroups2" in variant else 1,
+                                 "specialized" if "specialized" in variant else "blocks")):
                     out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype))
                 continue
@@ -380,7 +387,7 @@ def main(selected=()):
                 with named_dq(variant) as deterministic:
                     grads = numba_flash.attention_backward(q, k, v, o, lse, do, algorithm=algorithm,
                                                            block_sizes=blocks, deterministic=deterministic, **kwargs)
-            if variant == "nan":
+            if "nan" in variant.split("_"):
                 for label, got in zip(("dq", "dk", "dv"), grads):
                     print(f"  {label}: NaN rows {int(torch.isnan(got).any(-1).sum())}", flush=True)
                 continue
@@ -453,8 +460,9 @@ def packed(direction, algorithm, variant, dtype, blocks, d, rng):
     options = dict(causal=True, dropout_p=dropout_p, seed=7, **(sanitized_mods(heads) if modded else {}))
     cu = (torch.as_tensor(cu_q, device="cuda"), torch.as_tensor(cu_k, device="cuda"))
     # The backward starts from flash2's forward (the wgmma forward is the forward runs' subject).
-    o, lse = numba_flash.attention_varlen(q, k, v, *cu, return_lse=True, block_sizes=blocks,
-                                          algorithm=algorithm if direction == "forward" else "flash2", **options)
+    with wgmma_loop(kernel="specialized") if "specialized" in variant else contextlib.nullcontext():
+        o, lse = numba_flash.attention_varlen(q, k, v, *cu, return_lse=True, block_sizes=blocks,
+                                              algorithm=algorithm if direction == "forward" else "flash2", **options)
     do_host = rng.standard_normal(host[0].shape).astype(dtype)
     if modded:
         ref, want = modded_varlen_reference(host, do_host, cu_q, cu_k, options)

@@ -1,0 +1,110 @@
+"""The wgmma forward's two kernels side by side on a Hopper GPU, against torch's flash and cuDNN backends.
+
+"blocks" is ``kernels/hopper/forward.py``'s (blocks of one warpgroup that copy their own tiles and meet at block
+barriers), "specialized" ``kernels/hopper/specialized_forward.py``'s (a producer warpgroup, two consumers taking
+turns on the tensor cores), switched in one process as ``NUMBA_FLASH_WGMMA_FORWARD`` would switch them.  For each
+shape, dense and causal: the forward alone as GPU time (``time_ms(device_only=True)``: the launches queued behind a
+wait, as in a training loop) for both kernels and both torch backends, then forward + backward through autograd
+(``numba_flash.torch.attention``, the backward the library's) with each kernel and each backend as whole calls; the
+specialised kernel's largest difference from "blocks"' O over the largest |O| (``diff``), and the TFLOP/s of its
+forward.  Ratios are to cuDNN measured in the same process.
+
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_forward_kernels.py [--dtypes bfloat16,float16] [--quick]
+
+Writes ``results/wgmma_forward_kernels_<card>.md``.
+"""
+import argparse
+import os
+import re
+
+import numba_flash
+import numba_flash.torch as numba_flash_torch
+from numba_flash.tools.report import markdown_header, markdown_table, timer_note
+from numba_flash.tools.timing import time_ms
+
+REPEATS = 10
+#: (B, H_q, H_kv, N, d): issue 45's rows, then other head dims, batch sizes, groups and ragged lengths.
+SHAPES = [(4, 16, 16, 4096, 64), (2, 16, 16, 8192, 128), (4, 32, 8, 4096, 128), (4, 16, 16, 3000, 64),
+          (2, 16, 16, 4096, 96), (16, 16, 16, 1024, 128), (1, 32, 4, 16384, 128), (8, 12, 12, 2000, 80)]
+KERNELS = ("blocks", "specialized")
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def use(kernel):
+    """The wgmma forward's kernel for the while (``NUMBA_FLASH_WGMMA_FORWARD``), the plans laid out before forgotten."""
+    from numba_flash import api
+    from numba_flash.kernels.hopper import forward as hopper
+
+    hopper.FORWARD_KERNEL = kernel
+    api._PLANS.clear()
+
+
+def case(torch, batch, heads, kv_heads, n, d, dtype, causal):
+    """One row: GPU times of the forward alone and whole fwd+bwd times, in milliseconds, and the ratios."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q, grad_out = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in "qo")
+    k, v = (torch.randn(batch, kv_heads, n, d, device="cuda", dtype=dtype) for _ in "kv")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    forward_alone = lambda run: time_ms(run, repeats=REPEATS, warmup=2, device_only=True)   # noqa: E731
+    whole = lambda run: time_ms(run, repeats=REPEATS, warmup=2)   # noqa: E731
+    row = dict(B=batch, H_q=heads, H_kv=kv_heads, N=n, d=d, dtype=str(dtype)[6:], causal=bool(causal))
+    outputs = {}
+    for kernel in KERNELS:
+        use(kernel)
+        outputs[kernel] = numba_flash.attention(q, k, v, causal=causal)
+        row[f"{kernel} fwd"] = forward_alone(lambda: numba_flash.attention(q, k, v, causal=causal))
+        row[f"{kernel} fwd+bwd"] = whole(lambda: torch.autograd.grad(
+            numba_flash_torch.attention(*leaves, causal=causal), leaves, grad_out))
+    use("blocks")
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        def forward(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(*leaves, is_causal=bool(causal), enable_gqa=heads != kv_heads)
+        row[f"{name} fwd"] = forward_alone(forward)
+        row[f"{name} fwd+bwd"] = whole(lambda: torch.autograd.grad(forward(), leaves, grad_out))
+    blocks, specialized = (outputs[x].float() for x in KERNELS)
+    row["diff"] = float((specialized - blocks).abs().max() / blocks.abs().max())
+    flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
+    row["specialized TFLOP/s"] = flops / (row["specialized fwd"] * 1e-3) / 1e12
+    for kernel in KERNELS:
+        row[f"{kernel} fwd / cuDNN"] = row["cuDNN fwd"] / row[f"{kernel} fwd"]
+        row[f"{kernel} fwd+bwd / cuDNN"] = row["cuDNN fwd+bwd"] / row[f"{kernel} fwd+bwd"]
+    row["specialized fwd+bwd / flash"] = row["flash fwd+bwd"] / row["specialized fwd+bwd"]
+    print(" ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                   for key, value in row.items()), flush=True)
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--quick", action="store_true", help="issue 45's first two rows, bfloat16")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    if numba_flash.in_simulator():
+        print("needs a Hopper GPU")
+        return 2
+    import torch
+
+    shapes, dtypes = (SHAPES[:2], ["bfloat16"]) if args.quick else (SHAPES, args.dtypes.split(","))
+    rows = [case(torch, *shape, getattr(torch, dtype), causal)
+            for dtype in dtypes for shape in shapes for causal in (False, True)]
+    device_name = numba_flash.device_limits().name
+    card = re.search(r"[A-Z]\d{3}", device_name)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"wgmma_forward_kernels_{card.group(0).lower() if card else 'gpu'}.md")
+    command = "python3 experiments/tuning/wgmma_forward_kernels.py" + (" --quick" if args.quick else
+                                                                       f" --dtypes {args.dtypes}")
+    with open(path, "w") as f:
+        f.write(markdown_header("The wgmma forward's two kernels", command, device_name, timer=timer_note(REPEATS)))
+        f.write("\nfwd: GPU time of the forward alone (ms); fwd+bwd: whole calls through autograd (ms); ratios: "
+                "cuDNN's (or flash's) time over ours, >= 1.0 where ours is faster.\n\n")
+        f.write(markdown_table(rows, lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
