@@ -9,7 +9,7 @@ wait, as in a training loop) for both kernels and both torch backends, then forw
 specialised kernel's largest difference from "blocks"' O over the largest |O| (``diff``), and the TFLOP/s of its
 forward.  Ratios are to cuDNN measured in the same process.
 
-    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_forward_kernels.py [--dtypes bfloat16,float16] [--quick]
+    PYTHONPATH=$PWD python3 experiments/tuning/wgmma_forward_kernels.py [--dtypes bfloat16,float16] [--issue-rows]
 
 Writes ``results/wgmma_forward_kernels_<card>.md``.
 """
@@ -80,7 +80,7 @@ def case(torch, batch, heads, kv_heads, n, d, dtype, causal):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float16")
-    parser.add_argument("--quick", action="store_true", help="issue 45's first four rows, bfloat16")
+    parser.add_argument("--issue-rows", action="store_true", help="issue 45's first four rows, bfloat16 only")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     if numba_flash.in_simulator():
@@ -88,14 +88,14 @@ def main(argv=None):
         return 2
     import torch
 
-    shapes, dtypes = (SHAPES[:4], ["bfloat16"]) if args.quick else (SHAPES, args.dtypes.split(","))
+    shapes, dtypes = (SHAPES[:4], ["bfloat16"]) if args.issue_rows else (SHAPES, args.dtypes.split(","))
     rows = [case(torch, *shape, getattr(torch, dtype), causal)
             for dtype in dtypes for shape in shapes for causal in (False, True)]
     device_name = numba_flash.device_limits().name
     card = re.search(r"[A-Z]\d{3}", device_name)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"wgmma_forward_kernels_{card.group(0).lower() if card else 'gpu'}.md")
-    command = "python3 experiments/tuning/wgmma_forward_kernels.py" + (" --quick" if args.quick else
+    command = "python3 experiments/tuning/wgmma_forward_kernels.py" + (" --issue-rows" if args.issue_rows else
                                                                        f" --dtypes {args.dtypes}")
     with open(path, "w") as f:
         f.write(markdown_header("The wgmma forward's two kernels", command, device_name, timer=timer_note(REPEATS)))
