@@ -334,19 +334,23 @@ def wgmma_dq(mode):
 
 
 @contextlib.contextmanager
-def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks"):
+def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks", consumers=2):
     """The wgmma forward with its products overlapping the softmax or not, in blocks of one warpgroup or two
     (``OVERLAP_PRODUCTS`` and ``WARPGROUPS``, which ``NUMBA_FLASH_WGMMA_OVERLAP`` and
     ``NUMBA_FLASH_WGMMA_WARPGROUPS`` set for a process), or on the warp-specialised kernel (``kernel="specialized"``,
-    ``NUMBA_FLASH_WGMMA_FORWARD``), plans rebuilt before and after."""
+    ``NUMBA_FLASH_WGMMA_FORWARD``) with ``consumers`` consumer warpgroups (``NUMBA_FLASH_WGMMA_CONSUMERS``), plans
+    rebuilt before and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    saved = hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS, hopper.FORWARD_KERNEL
-    hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS, hopper.FORWARD_KERNEL = overlap, str(warpgroups), kernel
+    names = ("OVERLAP_PRODUCTS", "WARPGROUPS", "FORWARD_KERNEL", "CONSUMERS")
+    saved = [getattr(hopper, name) for name in names]
+    for name, value in zip(names, (overlap, str(warpgroups), kernel, str(consumers))):
+        setattr(hopper, name, value)
     api._PLANS.clear()
     try:
         yield
     finally:
-        hopper.OVERLAP_PRODUCTS, hopper.WARPGROUPS, hopper.FORWARD_KERNEL = saved
+        for name, value in zip(names, saved):
+            setattr(hopper, name, value)
         api._PLANS.clear()

@@ -63,8 +63,8 @@ def test_every_wgmma_forward_fits_a_hopper_block_and_splits_o_in_slices_wgmma_ca
                 assert shared_bytes(d, warpgroups, overlap) <= 227 * 1024, (d, warpgroups, overlap)
         slices = value_slices(d)
         assert sum(slices) == d and all(0 < x <= 128 and x % 8 == 0 for x in slices), slices
-    for d in HEAD_DIMS:   # the warp-specialised forward's three stages
-        assert specialized_shared_bytes(d) <= 227 * 1024, d
+    for d in HEAD_DIMS:   # the warp-specialised forward's three stages, two or three consumers' Q tiles
+        assert specialized_shared_bytes(d, 3) <= 227 * 1024, d
     assert value_slices(256) == (128, 128) and value_slices(96) == (96,)
 
 
@@ -174,7 +174,8 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
     row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py); both loops,
     products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP), in blocks of
-    one warpgroup or two (WARPGROUPS), and the warp-specialised kernel (``specialized_forward.py``, up to d = 128);
+    one warpgroup or two (WARPGROUPS), and the warp-specialised kernel (``specialized_forward.py``, up to d = 128,
+    two or three consumers);
     head dims on the 64-, 128- and 256-column layouts (O in two slices above 128)."""
     import ml_dtypes
 
@@ -200,6 +201,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     overlap = data.draw(st.booleans())
     warpgroups = data.draw(st.sampled_from(WARPGROUP_COUNTS))
     kernel = data.draw(st.sampled_from(["blocks", "specialized"] if d in HEAD_DIMS else ["blocks"]))
+    consumers = data.draw(st.sampled_from([2, 3]))   # (the warp-specialised kernel's)
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -213,12 +215,12 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
         x[data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, x.shape[1] - 1)),
           data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, d - 1))] = np.nan
     if where == "hopper":
-        with wgmma_loop(overlap, warpgroups, kernel):
+        with wgmma_loop(overlap, warpgroups, kernel, consumers):
             out, lse = numba_flash.attention(*(to_gpu(host[x], token_major) for x in "qkv"), causal=causal,
                                              algorithm="wgmma", return_lse=True)
         out, lse = to_host(out), to_host(lse)
     else:
-        with wgmma_loop(overlap, warpgroups, kernel):
+        with wgmma_loop(overlap, warpgroups, kernel, consumers):
             out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
                                              return_lse=True)
     allowed = causal_mask(causal, n_q, n_k)
@@ -431,6 +433,11 @@ def test_the_warp_specialised_forward_runs_the_calls_in_its_scope_when_asked(mon
     assert forward(64, "bottom_right") == "wgmma_forward_specialized_d64_f16_causal"
     assert forward(256) == "wgmma_forward_d256_f16_warpgroups2"
     assert forward(block_mask=numba_flash.BlockMask(np.ones((2, 2), bool), (64, 64))).endswith("_sparse_whole_tiles")
+    monkeypatch.setattr(hopper, "CONSUMERS", "3")
+    assert forward(64) == "wgmma_forward_specialized_d64_f16_consumers3"
+    monkeypatch.setattr(hopper, "CONSUMERS", "4")
+    with pytest.raises(ValueError, match="NUMBA_FLASH_WGMMA_CONSUMERS"):
+        forward()
     monkeypatch.setattr(hopper, "FORWARD_KERNEL", "pingpong")
     with pytest.raises(ValueError, match="NUMBA_FLASH_WGMMA_FORWARD"):
         forward()
@@ -511,7 +518,7 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
         kernel(deterministic=None)
 
 
-def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4, n_q=70):
+def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4, n_q=70, consumers=2):
     """Four key tiles (every buffer refilled at least once; or ``key_tiles``), the diagonal crossing two of them,
     grouped heads, 70 query rows (with two warpgroups: the second's rows 64-69 and 58 rows past N_q; or ``n_q``),
     against float64."""
@@ -527,7 +534,7 @@ def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with wgmma_loop(overlap, warpgroups, kernel):
+    with wgmma_loop(overlap, warpgroups, kernel, consumers):
         out, lse = numba_flash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
     q, k, v, out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (q, k, v, out, lse))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -556,25 +563,26 @@ def test_the_wgmma_forward_at_d96_reads_the_128_column_layout(causal, overlap, w
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("d, causal, n_q", [(96, "bottom_right", 70), (32, True, 130)])
-def test_the_warp_specialised_forward_runs_every_stage_and_both_consumers(d, causal, n_q):
+@pytest.mark.parametrize("d, causal, n_q, consumers", [(96, "bottom_right", 70, 2), (32, True, 130, 2),
+                                                       (64, True, 130, 3)])
+def test_the_warp_specialised_forward_runs_every_stage_and_every_consumer(d, causal, n_q, consumers):
     """``specialized_forward.py`` over five key tiles (its three stages, the first two refilled: the producer waits
-    for the consumers' release), the diagonal crossing two; the second consumer's rows partly (n_q = 70) or wholly
-    (the second block of n_q = 130) past N_q, still taking its turns; d = 96 on the 128-column layout.  (Dense calls:
-    the property test above draws them.)"""
-    _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=5, n_q=n_q)
+    for the consumers' release), the diagonal crossing two; the last consumer's rows partly (n_q = 70; with three,
+    rows 128-129 of 192) or wholly (the second block of n_q = 130) past N_q, still taking its turns; d = 96 on the
+    128-column layout.  (Dense calls: the property test above draws them.)"""
+    _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=5, n_q=n_q, consumers=consumers)
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
 @pytest.mark.parametrize("d, overlap, kernel", [(64, False, "blocks"), (64, True, "blocks"), (96, False, "blocks"),
-                                                (64, False, "specialized"), (96, False, "specialized")])
+                                                (64, False, "specialized3"), (96, False, "specialized")])
 def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_it(d, overlap, kernel):
     """A NaN in value row 40 (at d = 96 in the second 64-column tile, whose pad columns must not hide it from
     the NaN pass), inside the first key tile, which the diagonal of the first 64 query rows crosses:
     the tile is cleaned only when the barrier that lands it has found the NaN (``land_tiles``; in the warp-specialised
     kernel, the producer's pass), and rows 0-39, which may not see key 40, stay finite while rows 40-69 (the
-    specialised kernel's second consumer: 64-69) become NaN.  Without the NaN pass, or with the question answered
-    wrong, the tensor cores' 0 * NaN would reach rows 0-39 too."""
+    specialised kernel's second consumer: 64-69; "specialized3": its kernel of three consumers) become NaN.  Without
+    the NaN pass, or with the question answered wrong, the tensor cores' 0 * NaN would reach rows 0-39 too."""
     import numba_flash
 
     rng = np.random.default_rng(5)
@@ -583,7 +591,7 @@ def test_a_nan_value_row_on_the_causal_diagonal_reaches_exactly_the_rows_after_i
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with wgmma_loop(overlap, 1, kernel):
+    with wgmma_loop(overlap, 1, kernel.rstrip("3"), 3 if kernel.endswith("3") else 2):
         out = numba_flash.attention(q, k, v, causal=True, algorithm="wgmma")
     out = out.cpu().numpy() if hasattr(out, "cpu") else np.asarray(out)
     nan_rows = np.isnan(out.astype(np.float32)).any(-1)[0, 0]

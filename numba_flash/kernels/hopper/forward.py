@@ -670,6 +670,9 @@ OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: its scope, the others on "blocks".  Not the default until a GPU measures it faster.
 FORWARD_KERNELS = ("blocks", "specialized")
 FORWARD_KERNEL = os.environ.get("NUMBA_FLASH_WGMMA_FORWARD", "blocks")
+#: ``NUMBA_FLASH_WGMMA_CONSUMERS``: the warp-specialised kernel's consumer warpgroups, 2 (128-row blocks, the default)
+#: or 3 (192 rows: FlashAttention-3's choice at d <= 96).
+CONSUMERS = os.environ.get("NUMBA_FLASH_WGMMA_CONSUMERS", "2")
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=1`` or ``2`` runs blocks of that many warpgroups sharing each K/V tile
 #: (``make_wgmma_forward``, WARPGROUPS) at every head dim; unset, each head dim takes its ``DEFAULT_WARPGROUPS``.
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS")
@@ -741,9 +744,14 @@ def forward_launch(call):
     # A block mask's lists are of the block's query tiles (64 rows a warpgroup) and of BLOCK_N keys.
     tiles = (BLOCK_M * warpgroups, BLOCK_N)
     if FORWARD_KERNEL == "specialized" and specialized.specialized_scope(call) is None:
-        tiles = (specialized.ROWS, BLOCK_N)
-        kernel = specialized.make_specialized_forward(call.head_dim, call.precision, call.causal, sequence_mode(call))
-        threads, shared = specialized.THREADS, specialized.shared_bytes(call.head_dim)
+        consumers = int(CONSUMERS) if CONSUMERS.isdigit() else None
+        if consumers not in specialized.CONSUMER_COUNTS:
+            raise ValueError(f"NUMBA_FLASH_WGMMA_CONSUMERS must be one of {specialized.CONSUMER_COUNTS}, "
+                             f"not {CONSUMERS!r}")
+        tiles = (specialized.rows(consumers), BLOCK_N)
+        kernel = specialized.make_specialized_forward(call.head_dim, call.precision, call.causal, sequence_mode(call),
+                                                      consumers)
+        threads, shared = specialized.threads(consumers), specialized.shared_bytes(call.head_dim, consumers)
     else:
         kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
                                     has_tile_lists(call), partly_masked_tiles(call, tiles, "forward"),

@@ -104,18 +104,17 @@ else:
         return ptx_statement("")
 
 
-#: Registers a block of a producer warpgroup and two consumer warpgroups may hold: launched at 384 threads, ptxas
-#: allocates at most 168 a thread, 64512 in all.
-ROLE_BLOCK_REGISTERS = 384 * 168
-
-
 @lru_cache(maxsize=None)
-def role_budgets(PRODUCER_REGISTERS):
-    """(give_registers, take_registers, CONSUMER_REGISTERS) for a block of a producer warpgroup and two consumer
-    warpgroups: the producer gives back down to PRODUCER_REGISTERS a thread, the consumers take what that frees,
-    CONSUMER_REGISTERS (a multiple of 8; 24 -> 240, 40 -> 232)."""
-    consumer = (ROLE_BLOCK_REGISTERS - 128 * PRODUCER_REGISTERS) // 256 // 8 * 8
+def role_budgets(PRODUCER_REGISTERS, CONSUMER_GROUPS=2):
+    """(give_registers, take_registers, CONSUMER_REGISTERS) for a block of a producer warpgroup and CONSUMER_GROUPS
+    consumer warpgroups launched with launch bounds of that many threads (ptxas then allocates at most the
+    multiprocessor's 65536 registers over them, rounded down to 8 a thread: 168 for 384 threads, 128 for 512): the
+    producer gives back down to PRODUCER_REGISTERS a thread, the consumers take what that frees, CONSUMER_REGISTERS (a
+    multiple of 8; two consumers: 24 -> 240, 56 -> 224; three: 56 -> 152)."""
+    threads = 128 * (1 + CONSUMER_GROUPS)
+    pool = threads * (65536 // threads // 8 * 8)
+    consumer = (pool - 128 * PRODUCER_REGISTERS) // (128 * CONSUMER_GROUPS) // 8 * 8
     return register_budget("dec", PRODUCER_REGISTERS), register_budget("inc", consumer), consumer
 
 
-__all__ = ["NAMED_BARRIERS", "ROLE_BLOCK_REGISTERS", "named_arrive", "named_sync", "register_budget", "role_budgets"]
+__all__ = ["NAMED_BARRIERS", "named_arrive", "named_sync", "register_budget", "role_budgets"]

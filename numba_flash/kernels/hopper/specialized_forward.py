@@ -1,40 +1,42 @@
-"""The forward with warps that have roles: a producer warpgroup and two consumer warpgroups that take turns on the
-tensor cores (FlashAttention-3's "ping-pong"), as far as Numba reaches.
+"""The forward with warps that have roles: a producer warpgroup and two or three consumer warpgroups that take turns on
+the tensor cores (FlashAttention-3's "ping-pong"), as far as Numba reaches.
 
 ``forward.py``'s blocks are one warpgroup of 64 query rows that copies its own tiles, so every thread spends issue
 slots on copies and every tile ends in a block barrier; three blocks a multiprocessor overlap each other's softmax
 and products only as the scheduler happens to interleave them, and each reads every K/V tile for 64 rows (the L2
 read rate, not the tensor cores, was its limit: 70% of L2's throughput against 56% of the tensor pipe, ncu, H200,
-``experiments/tuning/results/ncu_wgmma_ring_d128_h200.txt``).  Here a block of three warpgroups (384 threads) owns
-128 query rows of one head:
+``experiments/tuning/results/ncu_wgmma_ring_d128_h200.txt``).  Here a block of a producer and C = 2 or 3 consumer
+warpgroups (384 or 512 threads, ``CONSUMER_COUNTS``) owns 64 C query rows of one head:
 
 * the *producer* (warpgroup 0) copies K_j and V_j (cp.async, 64-key tiles on the 128-byte swizzle) into stage
-  j % STAGES once both consumers are done with the tile that was there, waits for them, and announces them on the
-  stage's FULL mbarrier; it gives back its registers (``roles.give_registers``) so that each consumer holds 240;
+  j % STAGES once every consumer is done with the tile that was there, waits for them, and announces them on the
+  stage's FULL mbarrier; it gives back registers (``roles.role_budgets``: 56 left to it) so that each consumer holds
+  224 (C = 2) or 152 (C = 3);
 * *consumer* c (warpgroup 1 + c) owns query rows 64 c .. 64 c + 63 of the block (its Q tile, its O, m and l) and
-  runs the loop below.  The two share every K/V tile, so a tile read from L2 serves 128 rows.
+  runs the loop below.  They share every K/V tile, so a tile read from L2 serves 64 C rows.
 
 A consumer's loop, one round per key tile (``consume``)::
 
     wait FULL[j]                                        (K_j, V_j landed)
     wait for its turn  ........ TURN[c]
     issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}    (wgmma, both in flight)
-    pass the turn  ............ TURN[1 - c]
+    pass the turn  ............ TURN[(c + 1) % C]
     wait for S_j; mask; softmax -> P_j, alpha_j         (while O += P_{j-1} V_{j-1} runs)
     wait for P_{j-1} V_{j-1}; release stage j - 1       (EMPTY)
     O = alpha_j O; P_j packed                           (then one more round for P_{n-1} V_{n-1})
 
-The turn (two named barriers of 256 threads, ``roles.py``) orders the two consumers' products: consumer c issues its
-round's products only after the other has issued its own, so each one's softmax runs while the other's products
+The turn (C named barriers of 256 threads, ``roles.py``) orders the consumers' products: consumer c issues its
+round's products only after consumer c - 1 has issued its own, so each one's softmax runs while the others' products
 keep the tensor cores busy (FlashAttention-3's warp-scheduler barriers; its paper: 570 -> 620-660 TFLOP/s at
-d = 128).  Inside a consumer, S_j's product overlaps nothing, but P_{j-1} V_{j-1} overlaps the softmax of S_j (its
+d = 128; it takes C = 2 at d = 128 and C = 3, 192-row blocks, at d <= 96, whose products are shorter against the
+same softmax).  Inside a consumer, S_j's product overlaps nothing, but P_{j-1} V_{j-1} overlaps the softmax of S_j (its
 "intra-warpgroup overlap"), which costs a second set of P registers' lifetime, not a second S array.
 
 NaN in V (a tile the causal diagonal crosses): the tensor cores make 0 x NaN = NaN, so a NaN value row would reach
 rows that the mask hides it from.  ``forward.py`` cleans such a tile in a pass after a block barrier; here the
 producer does it before it announces the tile: each of its threads tests the chunks it copied (visible to it once
 it has waited for them), sets them to 0 and flags their rows in the stage's flag words (an atomic OR: 16 threads
-share a row at d = 128), and the consumers make the allowed weights of flagged keys NaN (``forward_poison``),
+share a row at d = 128), and the consumers make the allowed weights of flagged keys NaN (``forward_steps.poison``),
 as the other kernels do.  Only tiles the diagonal crosses pay for it (one named barrier of the producer's 128
 threads, ordering the flags' zeroing before the ORs).
 
@@ -43,14 +45,15 @@ Barriers and fences: the mbarriers are initialised by one thread each, made visi
 and fenced for the async proxy (``fence_proxy_async``; the tensor cores read through it) before its FULL arrival;
 a consumer's Q tile likewise, before a named barrier of its own warpgroup.  A consumer arrives on EMPTY[s] (each of
 its threads) only after the products that read stage s are complete (``wgmma_wait``), so the producer's refill
-cannot overwrite a tile the tensor cores still read.  The turns are balanced: consumer 1 opens consumer 0's first
-turn, each passes the turn after each round, and consumer 1 does not pass it after its last, so every phase of
-both barriers gets its 256 threads and none is left pending at the end.
+cannot overwrite a tile the tensor cores still read.  The turns are balanced: the last consumer opens consumer 0's
+first turn, each passes the turn after each round, and the last consumer does not pass it after its last, so every
+phase of every turn barrier gets its 256 threads and none is left pending at the end.
 
 Scope (``specialized_scope``): float16 and bfloat16, head dims up to 128 (``common.HEAD_DIMS``), dense or causal
 (either alignment), grouped heads, strides as the other kernels', packed sequences; no block mask, mods or
 dropout (those run on ``forward.py``).  sm_90a (wgmma, setmaxnreg).  ``NUMBA_FLASH_WGMMA_FORWARD=specialized``
-selects it (``forward.forward_launch``) until a GPU measures it faster than ``forward.py``'s.
+selects it (``forward.forward_launch``; ``NUMBA_FLASH_WGMMA_CONSUMERS=3`` its blocks of three consumers) until a GPU
+measures it faster than ``forward.py``'s.
 """
 from functools import lru_cache
 
@@ -68,21 +71,26 @@ from .roles import named_arrive, named_sync, role_budgets
 from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_wait
 
 WARPGROUP = 128
-CONSUMER_GROUPS = 2
-THREADS = (1 + CONSUMER_GROUPS) * WARPGROUP   # the producer warpgroup, then the consumers
-ROWS = CONSUMER_GROUPS * BLOCK_N              # query rows of a block: 64 a consumer
-CONSUMER_THREADS = CONSUMER_GROUPS * WARPGROUP
+#: Consumer warpgroups a block may have: two (128 query rows, FlashAttention-3's choice at d = 128) or three (192
+#: rows: its choice at d <= 96, where a tile's products are shorter against the same softmax).
+CONSUMER_COUNTS = (2, 3)
 #: K/V stages: the producer announces tile j - 1 after it has issued tile j, so the consumers work on one stage
 #: while two are on their way.  3 x (K, V) + two Q tiles: 128 KB of shared memory at d = 128, 64 KB at d = 64.
 STAGES = 3
-#: Named barriers: TURN_BARRIER + c, consumer c's turn to issue its products (its 128 threads sync, the other's
-#: 128 arrive); Q_BARRIER + c, consumer c's Q tile landed (its own threads); PRODUCER_BARRIER, the producer's
-#: threads (a NaN pass's flags zeroed before they are ORed).
-TURN_BARRIER, Q_BARRIER, PRODUCER_BARRIER = 1, 3, 5
-TURN_THREADS = 2 * WARPGROUP
-#: Registers a thread: the producer 56 (at 24 its copies' addresses spilled 96 bytes at d = 128, at 40 32), the
-#: consumers 224 (ptxas 13.0, sm_90a, 2026-12-07: no spills at d = 64, 96 and 128).
-give_registers, take_registers, CONSUMER_REGISTERS = role_budgets(56)
+#: Registers a thread given back by the producer (at 24 its copies' addresses spilled 96 bytes at d = 128, at 40 32;
+#: at 56 none): the consumers then hold 224 each with two of them, 152 with three (``roles.role_budgets``; ptxas
+#: 13.0, sm_90a, 2026-12-07: no spills at d = 64, 96 and 128).
+PRODUCER_REGISTERS = 56
+
+
+def threads(consumers):
+    """A block's threads: the producer warpgroup, then the consumers."""
+    return (1 + consumers) * WARPGROUP
+
+
+def rows(consumers):
+    """A block's query rows: 64 a consumer."""
+    return consumers * BLOCK_N
 
 
 def specialized_scope(call):
@@ -94,18 +102,28 @@ def specialized_scope(call):
     return None
 
 
-def shared_bytes(head_dim):
-    """Both consumers' Q tiles, STAGES of K and V, each stage's NaN flags (a word a key), the 2 STAGES mbarriers,
+def shared_bytes(head_dim, consumers=2):
+    """The consumers' Q tiles, STAGES of K and V, each stage's NaN flags (a word a key), the 2 STAGES mbarriers,
     and slack to start the tiles on a 1024-byte boundary."""
-    return ((CONSUMER_GROUPS + 2 * STAGES) * tile_bytes(head_dim) + STAGES * BLOCK_N * 4
-            + 2 * STAGES * BARRIER_BYTES + 1024)
+    return ((consumers + 2 * STAGES) * tile_bytes(head_dim) + STAGES * BLOCK_N * 4 + 2 * STAGES * BARRIER_BYTES
+            + 1024)
 
 
 @lru_cache(maxsize=None)
-def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False):
-    """The kernel of the module docstring for head dim D (``common.HEAD_DIMS``), ELEMENT "f16" or "bf16".  Its
-    parameters are ``forward.make_wgmma_forward``'s without the block mask's and the mods'."""
-    assert D in HEAD_DIMS, D
+def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
+    """The kernel of the module docstring for head dim D (``common.HEAD_DIMS``), ELEMENT "f16" or "bf16", and
+    CONSUMERS consumer warpgroups (``CONSUMER_COUNTS``).  Its parameters are ``forward.make_wgmma_forward``'s without
+    the block mask's and the mods'."""
+    assert D in HEAD_DIMS and CONSUMERS in CONSUMER_COUNTS, (D, CONSUMERS)
+    THREADS, ROWS = threads(CONSUMERS), rows(CONSUMERS)
+    CONSUMER_THREADS = CONSUMERS * WARPGROUP
+    give_registers, take_registers, _ = role_budgets(PRODUCER_REGISTERS, CONSUMERS)
+    # Named barriers: TURN_BARRIER + c, consumer c's turn to issue its products (its 128 threads sync, the previous
+    # consumer's 128 arrive); Q_BARRIER + c, consumer c's Q tile landed (its own threads); PRODUCER_BARRIER, the
+    # producer's threads (a NaN pass's flags zeroed before they are ORed).
+    TURN_BARRIER, Q_BARRIER, PRODUCER_BARRIER = 1, 1 + CONSUMERS, 1 + 2 * CONSUMERS
+    TURN_THREADS = 2 * WARPGROUP
+    LAST = CONSUMERS - 1
     sequence, lse_row = sequence_bounds(VARLEN)
     (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, issue_scores, mask_outside, online_softmax, poison, rescale_and_pack,
      issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
@@ -204,11 +222,12 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False):
         serialises every wgmma of the kernel, its warning C7514)."""
         if n_tiles == 0:
             return
-        if c == 1:
+        following = TURN_BARRIER + (c + 1) % CONSUMERS   # the turn goes round the consumers
+        if c == LAST:
             named_arrive(TURN_BARRIER, TURN_THREADS)   # consumer 0 takes the first turn
         stage = begin_round(smem, barriers_at, 0, c)
         issue_scores(s, q_desc, k_desc)
-        named_arrive(TURN_BARRIER + 1 - c, TURN_THREADS)
+        named_arrive(following, TURN_THREADS)
         wait_all_products()
         softmax_of_tile(s, m_i, l_i, alpha, q_c, 0, n_k, causal_offset, c_log2, warp, g, t)
         weights_of_tile(smem, acc, alpha, s, p_words, flags_at, stage, q0, q_c, 0, causal_offset, warp, g, t)
@@ -218,7 +237,7 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False):
             stage = begin_round(smem, barriers_at, j, c)
             issue_scores(s, q_desc, advanced_device(k_desc, stage * STAGE_BYTES))
             issue_weighted_values(acc, p_words, advanced_device(v_desc, previous * STAGE_BYTES))
-            named_arrive(TURN_BARRIER + 1 - c, TURN_THREADS)
+            named_arrive(following, TURN_THREADS)
             wait_all_but_one_product()   # S_j (P_{j-1} V_{j-1} runs on, under the softmax)
             softmax_of_tile(s, m_i, l_i, alpha, q_c, k0, n_k, causal_offset, c_log2, warp, g, t)
             wait_all_products()
@@ -227,8 +246,8 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False):
             previous = stage
         named_sync(TURN_BARRIER + c, TURN_THREADS)
         issue_weighted_values(acc, p_words, advanced_device(v_desc, previous * STAGE_BYTES))
-        if c == 0:   # (consumer 1's last turn passes nothing: no phase is left waiting)
-            named_arrive(TURN_BARRIER + 1, TURN_THREADS)
+        if c != LAST:   # (the last consumer's last turn passes nothing: no phase is left waiting)
+            named_arrive(following, TURN_THREADS)
         wait_all_products()
 
     def kernel(Q, K, V, O, LSE, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, heads, group,
@@ -251,7 +270,7 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False):
         # Consumer c's Q at q_at + c TILE_WORDS; stage s's K at kv_at + s STAGE_WORDS, its V a tile on; then each
         # stage's flags (a word a key), and the mbarriers FULL[0 .. STAGES - 1], EMPTY[0 .. STAGES - 1].
         q_at = pad
-        kv_at = q_at + CONSUMER_GROUPS * TILE_WORDS
+        kv_at = q_at + CONSUMERS * TILE_WORDS
         flags_at = kv_at + STAGES * STAGE_WORDS
         barriers_at = flags_at + STAGES * BLOCK_N
         if tid < STAGES:
@@ -302,10 +321,10 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False):
                            lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh), warp, g, t)
 
     return Kernel(kernel, f"wgmma_forward_specialized_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "")
-                  + ("_varlen" if VARLEN else ""),
+                  + ("_varlen" if VARLEN else "") + ("" if CONSUMERS == 2 else f"_consumers{CONSUMERS}"),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32, q_bounds=np.int32,
                               k_bounds=np.int32),
                   floats=("scale_log2",), launch_bounds=(THREADS, 1))
 
 
-__all__ = ["ROWS", "THREADS", "make_specialized_forward", "shared_bytes", "specialized_scope"]
+__all__ = ["CONSUMER_COUNTS", "make_specialized_forward", "rows", "shared_bytes", "specialized_scope", "threads"]
