@@ -78,7 +78,9 @@ def check(name, py_func, sig, launch_bounds=None, arch="sm_90"):
     out = subprocess.run(["ptxas", f"-arch={arch}", "-v", path, "-o", "/dev/null"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     info = [line.split("info    : ")[-1] for line in out.stderr.splitlines() if "Used" in line or "spill stores" in line]
-    print(name, " | ".join(x.strip() for x in info), flush=True)
+    # ptxas's C7514: some instruction reads a wgmma's accumulator while it may be in flight, so it serialised them all.
+    serialised = " | wgmma SERIALISED (C7514)" if "C7514" in out.stderr else ""
+    print(name, " | ".join(x.strip() for x in info) + serialised, flush=True)
 
 
 def fast(kernel, arch="sm_90"):
@@ -89,15 +91,16 @@ def fast(kernel, arch="sm_90"):
 
 def hopper(head_dims, elements=("f16", "bf16")):
     """The wgmma kernels (``kernels/hopper``, sm_90a) as the API launches them by default (the forward's plain loop
-    in blocks of its head dim's ``DEFAULT_WARPGROUPS``; the backward's dK/dV kernel in every way of summing dQ, its
-    dQ kernel and the convert kernel, at the head dims it takes), dense and causal, without and with packed
-    sequences (VARLEN): the flag must compile out of the kernels without it (compare their ``--ptx`` with a run
-    before a change), and the packed ones' registers and spills are the ones to watch.  Head dims past 128 (the
-    forward's alone, on the 256-column layout, no register cap) also in every other loop, warpgroup count and
-    block mask (float16: bfloat16's kernels differ only in the conversions)."""
+    in blocks of its head dim's ``DEFAULT_WARPGROUPS``, and its warp-specialised kernel; the backward's dK/dV kernel
+    in every way of summing dQ, its dQ kernel and the convert kernel, at the head dims it takes), dense and causal,
+    without and with packed sequences (VARLEN): the flag must compile out of the kernels without it (compare their
+    ``--ptx`` with a run before a change), and the packed ones' registers and spills are the ones to watch.  Head dims
+    past 128 (the forward's alone, on the 256-column layout, no register cap) also in every other loop, warpgroup
+    count and block mask (float16: bfloat16's kernels differ only in the conversions)."""
     from numba_flash.kernels.hopper.backward import make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
     from numba_flash.kernels.hopper.dq_sums import DQ_MODES, UNORDERED_MODES, key_warpgroups, splits_dq_columns
     from numba_flash.kernels.hopper.specialized_dkdv import make_specialized_dkdv
+    from numba_flash.kernels.hopper.specialized_forward import CONSUMER_COUNTS, make_specialized_forward
     from numba_flash.kernels.hopper.common import HEAD_DIMS, layout_dim
     from numba_flash.kernels.hopper.forward import DEFAULT_WARPGROUPS, make_wgmma_forward
 
@@ -107,6 +110,8 @@ def hopper(head_dims, elements=("f16", "bf16")):
                  "sm_90a")
             if d not in HEAD_DIMS:
                 continue
+            for consumers in CONSUMER_COUNTS:   # the warp-specialised forward (NUMBA_FLASH_WGMMA_FORWARD=specialized)
+                fast(make_specialized_forward(d, element, causal, varlen, consumers), "sm_90a")
             for dq_mode in DQ_MODES:
                 if key_warpgroups(dq_mode) == 1:
                     fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")

@@ -79,7 +79,7 @@ CONSUMER_COUNTS = (2, 3)
 STAGES = 3
 #: Registers a thread given back by the producer (at 24 its copies' addresses spilled 96 bytes at d = 128, at 40 32;
 #: at 56 none): the consumers then hold 224 each with two of them, 152 with three (``roles.role_budgets``; ptxas
-#: 13.0, sm_90a, 2026-12-07: no spills at d = 64, 96 and 128).
+#: 13.0, sm_90a, 2026-12-07: no spills at d = 32-128).
 PRODUCER_REGISTERS = 56
 
 
@@ -160,32 +160,44 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
                     cuda.atomic.or_(smem, flags_at + r + i * ROWS_PER_PASS, uint32(1))
 
     @inlined_device_function
+    def issue_tile(smem, at, flags_at, K, V, k_first, v_first, k_sn, v_sn, n_k, k0, q0, causal_offset, tid):
+        """K and V of the key tile at k0 on their way into the stage at word ``at`` (each its own commit group); on a
+        tile the diagonal crosses, the stage's NaN flags (at ``flags_at``) zeroed."""
+        start_tile(smem, at, K, k_first + k0 * k_sn, k_sn, n_k - k0, tid)
+        copy_async_commit()
+        start_tile(smem, at + TILE_WORDS, V, v_first + k0 * v_sn, v_sn, n_k - k0, tid)
+        copy_async_commit()
+        if crossed(k0, q0, causal_offset) and tid < BLOCK_N:
+            smem[flags_at + tid] = uint32(0)
+
+    @inlined_device_function
+    def announce_tile(smem, at, flags_at, full, k0, q0, causal_offset, tid):
+        """The landed tile in the stage at word ``at`` cleaned of NaN where the diagonal crosses it, fenced for the
+        tensor cores, and announced on the stage's FULL mbarrier (at word ``full``)."""
+        if crossed(k0, q0, causal_offset):
+            named_sync(PRODUCER_BARRIER, WARPGROUP)   # every flag of the tile zeroed, before any OR
+            clean_own_chunks(smem, at + TILE_WORDS, flags_at, tid)
+        fence_proxy_async()   # the copies (and cleaned chunks) are ordinary writes; the tensor cores' reads are not
+        barrier_arrive(smem, full, 1)
+
+    @inlined_device_function
     def produce(smem, kv_at, flags_at, barriers_at, K, V, k_first, v_first, k_sn, v_sn, n_k, q0, causal_offset,
                 n_tiles, tid):
-        """Tile j into stage j % STAGES once the consumers released it (EMPTY), and tile j - 1, which has landed by
-        then, cleaned of NaN where the diagonal crosses it and announced (FULL: an arrival of each thread)."""
+        """Tile j into stage j % STAGES once the consumers released it (EMPTY), then tile j - 1, which has landed by
+        then, announced (FULL: an arrival of each thread)."""
         for j in range(n_tiles + 1):
             if j < n_tiles:
                 stage = j % STAGES
                 barrier_wait(smem, barriers_at + 2 * (STAGES + stage), ((j // STAGES) & 1) ^ 1)   # EMPTY[stage]
-                k0 = j * BLOCK_N
-                at = kv_at + stage * STAGE_WORDS
-                start_tile(smem, at, K, k_first + k0 * k_sn, k_sn, n_k - k0, tid)
-                copy_async_commit()
-                start_tile(smem, at + TILE_WORDS, V, v_first + k0 * v_sn, v_sn, n_k - k0, tid)
-                copy_async_commit()
-                if crossed(k0, q0, causal_offset) and tid < BLOCK_N:
-                    smem[flags_at + stage * BLOCK_N + tid] = uint32(0)
+                issue_tile(smem, kv_at + stage * STAGE_WORDS, flags_at + stage * BLOCK_N, K, V, k_first, v_first,
+                           k_sn, v_sn, n_k, j * BLOCK_N, q0, causal_offset, tid)
                 wait_all_but_two_groups()   # tile j - 1 landed (tile j may stay in flight)
             else:
                 copy_async_wait_all()
             if j > 0:
                 stage = (j - 1) % STAGES
-                if crossed((j - 1) * BLOCK_N, q0, causal_offset):
-                    named_sync(PRODUCER_BARRIER, WARPGROUP)   # every flag of the tile zeroed, before any OR
-                    clean_own_chunks(smem, kv_at + stage * STAGE_WORDS + TILE_WORDS, flags_at + stage * BLOCK_N, tid)
-                fence_proxy_async()   # the copies (and cleaned chunks) are ordinary writes; the tensor cores' reads
-                barrier_arrive(smem, barriers_at + 2 * stage, 1)   # FULL[stage]
+                announce_tile(smem, kv_at + stage * STAGE_WORDS, flags_at + stage * BLOCK_N, barriers_at + 2 * stage,
+                              (j - 1) * BLOCK_N, q0, causal_offset, tid)
 
     @inlined_device_function
     def begin_round(smem, barriers_at, j, c):
