@@ -79,7 +79,7 @@ CONSUMER_COUNTS = (2, 3)
 STAGES = 3
 #: Registers a thread given back by the producer (at 24 its copies' addresses spilled 96 bytes at d = 128, at 40 32;
 #: at 56 none): the consumers then hold 224 each with two of them, 152 with three (``roles.role_budgets``; ptxas
-#: 13.0, sm_90a, 2026-12-07: no spills at d = 32-128).
+#: 13.0, sm_90a, 2026-12-07: no spills at d = 32-128, ``experiments/tuning/results/specialized_forward_ptxas_sm90.md``).
 PRODUCER_REGISTERS = 56
 
 
