@@ -70,9 +70,10 @@ S_j, so the tensor cores work while the warpgroup's other units do: half of step
 loop's three or four: ``experiments/tuning/results/bench_wgmma_overlap_h200.md``), so it stays off.  The other half of
 step 3 starts with the blocks of two warpgroups (``WARPGROUPS=2``: on the H200 0.95-1.03x one warpgroup's time at d = 64
 and 1.08-1.15x at d = 128, 2026-12-02 before the issue-slot work below,
-``experiments/tuning/results/bench_wgmma_warpgroups{1,2}_h200.md``; so not the default); making them take turns, one's
-softmax under the other's products, is still to come.  The loop's steps are the same named device functions in every
-variant.
+``experiments/tuning/results/bench_wgmma_warpgroups{1,2}_h200.md``; so not the default).  Warpgroups that take turns,
+one's softmax under the other's products, with a producer warpgroup copying the tiles, are another kernel:
+``specialized_forward.py`` (``NUMBA_FLASH_WGMMA_FORWARD=specialized``).  The loop's steps are the same named device
+functions in every variant, and in that kernel (``forward_steps.py``).
 
 What a key tile costs the issue slots matters as much as the products: at d = 64 a warpgroup's tile is 256
 tensor-core cycles of work, and every warp of it issues the whole loop.  So the descriptors are built once
