@@ -239,7 +239,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     ELEMENT_TEST = HAS_MASK and PARTLY_MASKED   # a listed tile's scores may need the block mask's element test
     READS_LAYOUT = HAS_MASK and reads_layout(PARTLY_MASKED)   # ... against the block layout
     ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
-    (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, issue_scores, mask_outside, online_softmax, poison_allowed,
+    (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, start_rows, issue_scores, mask_outside, online_softmax, poison_allowed,
      rescale_and_pack, issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
     ROW_CHUNKS = D // 8                       # 16-byte chunks of a row of V that hold values (the rest are zeros)
     TILE_BYTES = tile_bytes(D)                # on the layout of layout_dim(D) columns
@@ -488,13 +488,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
         s_next = cuda.local.array(S_REGISTERS if OVERLAP else 1, float32)   # S_{j+1} in flight
         acc = (cuda.local.array(LOW_REGISTERS, float32), cuda.local.array(HIGH_ARRAY, float32))
         p_words = cuda.local.array(P_WORDS, uint32)   # P, packed: wgmma's A operand
-        for r in range(2):
-            m_i[r] = float32(NEG_INF)
-            l_i[r] = float32(0)
-        for i in range(LOW_REGISTERS):
-            acc[0][i] = float32(0)
-        for i in range(HIGH_REGISTERS):
-            acc[1][i] = float32(0)
+        start_rows(m_i, l_i, acc)
 
         for w in range(WARPGROUPS):
             q_w = q0 + w * BLOCK_M

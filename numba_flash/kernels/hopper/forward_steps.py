@@ -44,8 +44,8 @@ def row_and_key(i, q0, k0, warp, g, t):
     return q0 + 16 * warp + g + 8 * ((i % 4) // 2), k0 + 8 * (i // 4) + 2 * t + i % 2
 
 
-TileSteps = namedtuple("TileSteps", "LOW_REGISTERS HIGH_REGISTERS HIGH_ARRAY issue_scores mask_outside online_softmax "
-                                    "poison rescale_and_pack issue_weighted_values store_output")
+TileSteps = namedtuple("TileSteps", "LOW_REGISTERS HIGH_REGISTERS HIGH_ARRAY start_rows issue_scores mask_outside "
+                                    "online_softmax poison rescale_and_pack issue_weighted_values store_output")
 
 
 @lru_cache(maxsize=None)
@@ -61,6 +61,17 @@ def tile_steps(D, ELEMENT, CAUSAL):
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
     weights_by_values = wgmma_rs(SLICES[0], ELEMENT, True)   # O += P V: P in registers, V MN-major
     weights_by_high_values = wgmma_rs(SLICES[-1], ELEMENT, True)   # (used only with a second slice)
+
+    @inlined_device_function
+    def start_rows(m_i, l_i, acc):
+        """This lane's rows before their first key: m = -inf, l = 0, O = 0."""
+        for r in range(2):
+            m_i[r] = float32(NEG_INF)
+            l_i[r] = float32(0)
+        for i in range(LOW_REGISTERS):
+            acc[0][i] = float32(0)
+        for i in range(HIGH_REGISTERS):
+            acc[1][i] = float32(0)
 
     @inlined_device_function
     def issue_scores(s, q_desc, k_desc):
@@ -163,8 +174,8 @@ def tile_steps(D, ELEMENT, CAUSAL):
                 if t == 0:
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
-    return TileSteps(LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, issue_scores, mask_outside, online_softmax, poison,
-                     rescale_and_pack, issue_weighted_values, store_output)
+    return TileSteps(LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, start_rows, issue_scores, mask_outside, online_softmax,
+                     poison, rescale_and_pack, issue_weighted_values, store_output)
 
 
 __all__ = ["P_WORDS", "S_REGISTERS", "TileSteps", "row_and_key", "tile_steps", "value_slices"]

@@ -61,7 +61,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from ...runtime.launch import Kernel, inlined_device_function
-from ..fast.common import NEG_INF, ceil_div, lane_flags, nan_cleaner, pair_has_nan, sequence_bounds, warp_lane
+from ..fast.common import ceil_div, lane_flags, nan_cleaner, pair_has_nan, sequence_bounds, warp_lane
 from ..fast.primitives import copy_async_commit, copy_async_wait, copy_async_wait_all, load_vec4
 from .bulk import BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, fence_barrier_init
 from .common import (BLOCK_N, HEAD_DIMS, first_atom_words, k_major_descriptor, mn_major_descriptor, query_tile,
@@ -125,8 +125,8 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
     TURN_THREADS = 2 * WARPGROUP
     LAST = CONSUMERS - 1
     sequence, lse_row = sequence_bounds(VARLEN)
-    (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, issue_scores, mask_outside, online_softmax, poison, rescale_and_pack,
-     issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
+    (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, start_rows, issue_scores, mask_outside, online_softmax, poison,
+     rescale_and_pack, issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
     own_chunk, start_tile, PASSES, PASS_WORDS, GROUPS, GROUP_WORDS = tile_copier(D, WARPGROUP)
     ROWS_PER_PASS = BLOCK_N // PASSES
     TILE_WORDS = tile_bytes(D) // 4
@@ -320,17 +320,11 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
         s = cuda.local.array(S_REGISTERS, float32)
         acc = (cuda.local.array(LOW_REGISTERS, float32), cuda.local.array(HIGH_ARRAY, float32))
         p_words = cuda.local.array(P_WORDS, uint32)
-        for r in range(2):
-            m_i[r] = float32(NEG_INF)
-            l_i[r] = float32(0)
-        for i in range(LOW_REGISTERS):
-            acc[0][i] = float32(0)
-        for i in range(HIGH_REGISTERS):
-            acc[1][i] = float32(0)
+        start_rows(m_i, l_i, acc)
         consume(smem, acc, m_i, l_i, alpha, s, p_words, q_desc, k_desc, v_desc, flags_at, barriers_at, q0, q_c, n_k,
                 causal_offset, float32(scale_log2), n_tiles, c, warp, g, t)
         store_output(O, LSE, acc, m_i, l_i, q_c, n_q, b * o_sb + h * o_sh + first_query * o_sn, o_sn,
-                           lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh), warp, g, t)
+                     lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh), warp, g, t)
 
     return Kernel(kernel, f"wgmma_forward_specialized_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "")
                   + ("_varlen" if VARLEN else "") + ("" if CONSUMERS == 2 else f"_consumers{CONSUMERS}"),
