@@ -110,8 +110,9 @@ def hopper(head_dims, elements=("f16", "bf16")):
                  "sm_90a")
             if d not in HEAD_DIMS:
                 continue
-            for consumers in CONSUMER_COUNTS:   # the warp-specialised forward (NUMBA_FLASH_WGMMA_FORWARD=specialized)
-                fast(make_specialized_forward(d, element, causal, varlen, consumers), "sm_90a")
+            for consumers, query_in_registers in itertools.product(CONSUMER_COUNTS, (False, True)):
+                # the warp-specialised forward (NUMBA_FLASH_WGMMA_FORWARD=specialized, NUMBA_FLASH_WGMMA_QUERY)
+                fast(make_specialized_forward(d, element, causal, varlen, consumers, query_in_registers), "sm_90a")
             for dq_mode in DQ_MODES:
                 if key_warpgroups(dq_mode) == 1:
                     fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")

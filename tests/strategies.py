@@ -334,18 +334,18 @@ def wgmma_dq(mode):
 
 
 @contextlib.contextmanager
-def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks", consumers=2):
+def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks", consumers=2, query="shared"):
     """The wgmma forward with its products overlapping the softmax or not, in blocks of one warpgroup or two
     (``OVERLAP_PRODUCTS`` and ``WARPGROUPS``, which ``NUMBA_FLASH_WGMMA_OVERLAP`` and
     ``NUMBA_FLASH_WGMMA_WARPGROUPS`` set for a process), or on the warp-specialised kernel (``kernel="specialized"``,
-    ``NUMBA_FLASH_WGMMA_FORWARD``) with ``consumers`` consumer warpgroups (``NUMBA_FLASH_WGMMA_CONSUMERS``), plans
-    rebuilt before and after."""
+    ``NUMBA_FLASH_WGMMA_FORWARD``) with ``consumers`` consumer warpgroups (``NUMBA_FLASH_WGMMA_CONSUMERS``) reading Q
+    from ``query`` ("shared" or "registers", ``NUMBA_FLASH_WGMMA_QUERY``), plans rebuilt before and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    names = ("OVERLAP_PRODUCTS", "WARPGROUPS", "FORWARD_KERNEL", "CONSUMERS")
+    names = ("OVERLAP_PRODUCTS", "WARPGROUPS", "FORWARD_KERNEL", "CONSUMERS", "QUERY_OPERAND")
     saved = [getattr(hopper, name) for name in names]
-    for name, value in zip(names, (overlap, str(warpgroups), kernel, str(consumers))):
+    for name, value in zip(names, (overlap, str(warpgroups), kernel, str(consumers), query)):
         setattr(hopper, name, value)
     api._PLANS.clear()
     try:

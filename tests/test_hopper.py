@@ -175,7 +175,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py); both loops,
     products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP), in blocks of
     one warpgroup or two (WARPGROUPS), and the warp-specialised kernel (``specialized_forward.py``, up to d = 128,
-    two or three consumers);
+    two or three consumers, Q from shared memory or registers);
     head dims on the 64-, 128- and 256-column layouts (O in two slices above 128)."""
     import ml_dtypes
 
@@ -202,6 +202,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     warpgroups = data.draw(st.sampled_from(WARPGROUP_COUNTS))
     kernel = data.draw(st.sampled_from(["blocks", "specialized"] if d in HEAD_DIMS else ["blocks"]))
     consumers = data.draw(st.sampled_from([2, 3]))   # (the warp-specialised kernel's)
+    query = data.draw(st.sampled_from(["shared", "registers"]))   # (its S = Q K^T's A operand)
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -215,12 +216,12 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
         x[data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, x.shape[1] - 1)),
           data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, d - 1))] = np.nan
     if where == "hopper":
-        with wgmma_loop(overlap, warpgroups, kernel, consumers):
+        with wgmma_loop(overlap, warpgroups, kernel, consumers, query):
             out, lse = numba_flash.attention(*(to_gpu(host[x], token_major) for x in "qkv"), causal=causal,
                                              algorithm="wgmma", return_lse=True)
         out, lse = to_host(out), to_host(lse)
     else:
-        with wgmma_loop(overlap, warpgroups, kernel, consumers):
+        with wgmma_loop(overlap, warpgroups, kernel, consumers, query):
             out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
                                              return_lse=True)
     allowed = causal_mask(causal, n_q, n_k)
@@ -435,6 +436,12 @@ def test_the_warp_specialised_forward_runs_the_calls_in_its_scope_when_asked(mon
     assert forward(block_mask=numba_flash.BlockMask(np.ones((2, 2), bool), (64, 64))).endswith("_sparse_whole_tiles")
     monkeypatch.setattr(hopper, "CONSUMERS", "3")
     assert forward(64) == "wgmma_forward_specialized_d64_f16_consumers3"
+    monkeypatch.setattr(hopper, "QUERY_OPERAND", "registers")
+    assert forward(64) == "wgmma_forward_specialized_d64_f16_consumers3_query_in_registers"
+    monkeypatch.setattr(hopper, "QUERY_OPERAND", "texture")
+    with pytest.raises(ValueError, match="NUMBA_FLASH_WGMMA_QUERY"):
+        forward()
+    monkeypatch.setattr(hopper, "QUERY_OPERAND", "shared")
     monkeypatch.setattr(hopper, "CONSUMERS", "4")
     with pytest.raises(ValueError, match="NUMBA_FLASH_WGMMA_CONSUMERS"):
         forward()
@@ -518,7 +525,8 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
         kernel(deterministic=None)
 
 
-def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4, n_q=70, consumers=2):
+def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4, n_q=70, consumers=2,
+                    query="shared"):
     """Four key tiles (every buffer refilled at least once; or ``key_tiles``), the diagonal crossing two of them,
     grouped heads, 70 query rows (with two warpgroups: the second's rows 64-69 and 58 rows past N_q; or ``n_q``),
     against float64."""
@@ -534,7 +542,7 @@ def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with wgmma_loop(overlap, warpgroups, kernel, consumers):
+    with wgmma_loop(overlap, warpgroups, kernel, consumers, query):
         out, lse = numba_flash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
     q, k, v, out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (q, k, v, out, lse))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -563,14 +571,17 @@ def test_the_wgmma_forward_at_d96_reads_the_128_column_layout(causal, overlap, w
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("d, causal, n_q, consumers", [(96, "bottom_right", 70, 2), (32, True, 130, 2),
-                                                       (64, True, 130, 3)])
-def test_the_warp_specialised_forward_runs_every_stage_and_every_consumer(d, causal, n_q, consumers):
+@pytest.mark.parametrize("d, causal, n_q, consumers, query", [(96, "bottom_right", 70, 2, "shared"),
+                                                              (32, True, 130, 2, "shared"),
+                                                              (64, True, 130, 3, "shared"),
+                                                              (96, "bottom_right", 130, 3, "registers")])
+def test_the_warp_specialised_forward_runs_every_stage_and_every_consumer(d, causal, n_q, consumers, query):
     """``specialized_forward.py`` over five key tiles (its three stages, the first two refilled: the producer waits
     for the consumers' release), the diagonal crossing two; the last consumer's rows partly (n_q = 70; with three,
     rows 128-129 of 192) or wholly (the second block of n_q = 130) past N_q, still taking its turns; d = 96 on the
-    128-column layout.  (Dense calls: the property test above draws them.)"""
-    _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=5, n_q=n_q, consumers=consumers)
+    128-column layout; Q from registers (six k-steps of fragments).  (Dense calls: the property test above draws
+    them.)"""
+    _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=5, n_q=n_q, consumers=consumers, query=query)
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")

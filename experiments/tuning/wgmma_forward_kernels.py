@@ -2,12 +2,13 @@
 
 "blocks" is ``kernels/hopper/forward.py``'s (blocks of one warpgroup that copy their own tiles and meet at block
 barriers), "specialized" ``kernels/hopper/specialized_forward.py``'s (a producer warpgroup, two consumers taking
-turns on the tensor cores; "specialized3" with three consumers, 192-row blocks), switched in one process as
-``NUMBA_FLASH_WGMMA_FORWARD`` and ``NUMBA_FLASH_WGMMA_CONSUMERS`` would switch them.  For each
+turns on the tensor cores; "specialized3" with three consumers, 192-row blocks; "R": Q held in registers,
+``NUMBA_FLASH_WGMMA_QUERY=registers``), switched in one process as ``NUMBA_FLASH_WGMMA_FORWARD``,
+``NUMBA_FLASH_WGMMA_CONSUMERS`` and ``NUMBA_FLASH_WGMMA_QUERY`` would switch them.  For each
 shape, dense and causal: the forward alone as GPU time (``time_ms(device_only=True)``: the launches queued behind a
 wait, as in a training loop) for both kernels and both torch backends, then forward + backward through autograd
 (``numba_flash.torch.attention``, the backward the library's) with each kernel and each backend as whole calls; the
-specialised kernels' largest difference from "blocks"' O over the largest |O| (``diff``, ``diff3``), and the
+specialised kernels' largest difference from "blocks"' O over the largest |O| (``<kernel> diff``), and the
 TFLOP/s of the two-consumer kernel's forward.  Ratios are to cuDNN measured in the same process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_forward_kernels.py [--dtypes bfloat16,float16] [--issue-rows]
@@ -27,8 +28,10 @@ REPEATS = 10
 #: (B, H_q, H_kv, N, d): issue 45's rows, then other head dims, batch sizes, groups and ragged lengths.
 SHAPES = [(4, 16, 16, 4096, 64), (2, 16, 16, 8192, 128), (4, 32, 8, 4096, 128), (4, 16, 16, 3000, 64),
           (2, 16, 16, 4096, 96), (16, 16, 16, 1024, 128), (1, 32, 4, 16384, 128), (8, 12, 12, 2000, 80)]
-#: name: (NUMBA_FLASH_WGMMA_FORWARD, NUMBA_FLASH_WGMMA_CONSUMERS)
-KERNELS = {"blocks": ("blocks", "2"), "specialized": ("specialized", "2"), "specialized3": ("specialized", "3")}
+#: name: (NUMBA_FLASH_WGMMA_FORWARD, NUMBA_FLASH_WGMMA_CONSUMERS, NUMBA_FLASH_WGMMA_QUERY)
+KERNELS = {"blocks": ("blocks", "2", "shared"), "specialized": ("specialized", "2", "shared"),
+           "specialized3": ("specialized", "3", "shared"), "specializedR": ("specialized", "2", "registers"),
+           "specialized3R": ("specialized", "3", "registers")}
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
@@ -37,7 +40,7 @@ def use(kernel):
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    hopper.FORWARD_KERNEL, hopper.CONSUMERS = KERNELS[kernel]
+    hopper.FORWARD_KERNEL, hopper.CONSUMERS, hopper.QUERY_OPERAND = KERNELS[kernel]
     api._PLANS.clear()
 
 
@@ -66,9 +69,9 @@ def case(torch, batch, heads, kv_heads, n, d, dtype, causal):
                 return sdpa(*leaves, is_causal=bool(causal), enable_gqa=heads != kv_heads)
         row[f"{name} fwd"] = forward_alone(forward)
         row[f"{name} fwd+bwd"] = whole(lambda: torch.autograd.grad(forward(), leaves, grad_out))
-    blocks, specialized, specialized3 = (outputs[x].float() for x in KERNELS)
-    row["diff"] = float((specialized - blocks).abs().max() / blocks.abs().max())
-    row["diff3"] = float((specialized3 - blocks).abs().max() / blocks.abs().max())
+    blocks = outputs["blocks"].float()
+    for kernel in list(KERNELS)[1:]:
+        row[f"{kernel} diff"] = float((outputs[kernel].float() - blocks).abs().max() / blocks.abs().max())
     flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
     row["specialized TFLOP/s"] = flops / (row["specialized fwd"] * 1e-3) / 1e12
     for kernel in KERNELS:

@@ -240,7 +240,7 @@ def make_wgmma_forward(D, ELEMENT, CAUSAL, OVERLAP=False, WARPGROUPS=1, HAS_MASK
     READS_LAYOUT = HAS_MASK and reads_layout(PARTLY_MASKED)   # ... against the block layout
     ENTRY_TEST = ELEMENT_TEST or SCORE_MOD      # each entry tested (a score_mod decides every score)
     (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, start_rows, issue_scores, mask_outside, online_softmax, poison_allowed,
-     rescale_and_pack, issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
+     rescale_and_pack, issue_weighted_values, store_output, *_) = tile_steps(D, ELEMENT, CAUSAL)
     ROW_CHUNKS = D // 8                       # 16-byte chunks of a row of V that hold values (the rest are zeros)
     TILE_BYTES = tile_bytes(D)                # on the layout of layout_dim(D) columns
     TILE_WORDS = TILE_BYTES // 4
@@ -668,6 +668,10 @@ FORWARD_KERNEL = os.environ.get("NUMBA_FLASH_WGMMA_FORWARD", "blocks")
 #: ``NUMBA_FLASH_WGMMA_CONSUMERS``: the warp-specialised kernel's consumer warpgroups, 2 (128-row blocks, the default)
 #: or 3 (192 rows: FlashAttention-3's choice at d <= 96).
 CONSUMERS = os.environ.get("NUMBA_FLASH_WGMMA_CONSUMERS", "2")
+#: ``NUMBA_FLASH_WGMMA_QUERY``: where the warp-specialised kernel's S = Q K^T reads Q, "shared" (the default) or
+#: "registers" (each consumer's fragments, ``specialized_forward.make_specialized_forward``'s QUERY_IN_REGISTERS).
+QUERY_OPERANDS = ("shared", "registers")
+QUERY_OPERAND = os.environ.get("NUMBA_FLASH_WGMMA_QUERY", "shared")
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=1`` or ``2`` runs blocks of that many warpgroups sharing each K/V tile
 #: (``make_wgmma_forward``, WARPGROUPS) at every head dim; unset, each head dim takes its ``DEFAULT_WARPGROUPS``.
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS")
@@ -743,9 +747,11 @@ def forward_launch(call):
         if consumers not in specialized.CONSUMER_COUNTS:
             raise ValueError(f"NUMBA_FLASH_WGMMA_CONSUMERS must be one of {specialized.CONSUMER_COUNTS}, "
                              f"not {CONSUMERS!r}")
+        if QUERY_OPERAND not in QUERY_OPERANDS:
+            raise ValueError(f"NUMBA_FLASH_WGMMA_QUERY must be one of {QUERY_OPERANDS}, not {QUERY_OPERAND!r}")
         tiles = (specialized.rows(consumers), BLOCK_N)
         kernel = specialized.make_specialized_forward(call.head_dim, call.precision, call.causal, sequence_mode(call),
-                                                      consumers)
+                                                      consumers, QUERY_OPERAND == "registers")
         threads, shared = specialized.threads(consumers), specialized.shared_bytes(call.head_dim, consumers)
     else:
         kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,

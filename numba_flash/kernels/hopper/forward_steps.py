@@ -22,10 +22,16 @@ from ..fast.common import NEG_INF, row_lse
 from ..fast.fragments import sixteen_bit_ops
 from ..fast.primitives import exp2, shfl_xor, store_word
 from .common import BLOCK_N, k_step_bytes, mn_step_bytes, tile_bytes
-from .wgmma import advanced_device, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss
+from .wgmma import (advanced_device, staged_offset_device, swizzle_128_device, wgmma_commit, wgmma_fence, wgmma_rs,
+                    wgmma_ss)
 
 S_REGISTERS = BLOCK_N // 2   # a lane's scores of a 64 x 64 tile
 P_WORDS = S_REGISTERS // 2   # the same as 16-bit pairs: P, the A operand of O += P V
+
+
+def query_words(head_dim):
+    """A lane's 16-bit pairs of its warpgroup's Q tile held as wgmma A fragments (``load_query``): four a k-step."""
+    return 4 * cdiv(head_dim, 16)
 
 
 def value_slices(head_dim):
@@ -45,7 +51,8 @@ def row_and_key(i, q0, k0, warp, g, t):
 
 
 TileSteps = namedtuple("TileSteps", "LOW_REGISTERS HIGH_REGISTERS HIGH_ARRAY start_rows issue_scores mask_outside "
-                                    "online_softmax poison rescale_and_pack issue_weighted_values store_output")
+                                    "online_softmax poison rescale_and_pack issue_weighted_values store_output "
+                                    "load_query issue_scores_from_registers")
 
 
 @lru_cache(maxsize=None)
@@ -59,6 +66,7 @@ def tile_steps(D, ELEMENT, CAUSAL):
     HIGH_V_BYTES = tile_bytes(SLICES[0])      # where V's column 128 starts: two 64-column tiles on
     K_STEPS = cdiv(D, 16)                     # S's k-steps: the pad columns past them are not read
     scores_by_keys = wgmma_ss(BLOCK_N, ELEMENT, False)     # S = Q K^T: both K-major
+    registers_by_keys = wgmma_rs(BLOCK_N, ELEMENT, False)   # the same with Q's fragments in registers
     weights_by_values = wgmma_rs(SLICES[0], ELEMENT, True)   # O += P V: P in registers, V MN-major
     weights_by_high_values = wgmma_rs(SLICES[-1], ELEMENT, True)   # (used only with a second slice)
 
@@ -81,6 +89,27 @@ def tile_steps(D, ELEMENT, CAUSAL):
         wgmma_fence()   # the zeroed accumulator, before the products write it
         for step in range(K_STEPS):
             scores_by_keys(s, advanced_device(q_desc, k_step_bytes(step)), advanced_device(k_desc, k_step_bytes(step)))
+        wgmma_commit()
+
+    @inlined_device_function
+    def load_query(smem, q_at, q_words, warp, g, t):
+        """This lane's A fragments of the warpgroup's Q tile (K-major, 128-byte swizzle, at word ``q_at``): pair x of
+        k-step ``step`` is the A layout's (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8) of rows 16 warp on."""
+        for step in range(K_STEPS):
+            for x in range(4):
+                row, column = 16 * warp + g + 8 * (x % 2), 16 * step + 2 * t + 8 * (x // 2)
+                q_words[4 * step + x] = smem[q_at + swizzle_128_device(staged_offset_device(row, column, BLOCK_N)) // 4]
+
+    @inlined_device_function
+    def issue_scores_from_registers(s, q_words, k_desc):
+        """``issue_scores`` with Q from this warpgroup's registers (``load_query``): the tensor cores then read only
+        K from shared memory."""
+        for i in range(S_REGISTERS):
+            s[i] = float32(0)
+        wgmma_fence()
+        for step in range(K_STEPS):
+            q = (q_words[4 * step], q_words[4 * step + 1], q_words[4 * step + 2], q_words[4 * step + 3])
+            registers_by_keys(s, q, advanced_device(k_desc, k_step_bytes(step)))
         wgmma_commit()
 
     @inlined_device_function
@@ -175,7 +204,8 @@ def tile_steps(D, ELEMENT, CAUSAL):
                     LSE[lse_first + row] = row_lse(m_i[r], l_row)
 
     return TileSteps(LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, start_rows, issue_scores, mask_outside, online_softmax,
-                     poison, rescale_and_pack, issue_weighted_values, store_output)
+                     poison, rescale_and_pack, issue_weighted_values, store_output, load_query,
+                     issue_scores_from_registers)
 
 
-__all__ = ["P_WORDS", "S_REGISTERS", "TileSteps", "row_and_key", "tile_steps", "value_slices"]
+__all__ = ["P_WORDS", "S_REGISTERS", "query_words", "TileSteps", "row_and_key", "tile_steps", "value_slices"]

@@ -66,7 +66,7 @@ from ..fast.primitives import copy_async_commit, copy_async_wait, copy_async_wai
 from .bulk import BARRIER_BYTES, barrier_arrive, barrier_init, barrier_wait, fence_barrier_init
 from .common import (BLOCK_N, HEAD_DIMS, first_atom_words, k_major_descriptor, mn_major_descriptor, query_tile,
                      tile_bytes, tile_copier)
-from .forward_steps import P_WORDS, S_REGISTERS, tile_steps
+from .forward_steps import P_WORDS, S_REGISTERS, query_words, tile_steps
 from .roles import named_arrive, named_sync, role_budgets
 from .wgmma import advanced_device, fence_proxy_async, shared_address, wgmma_wait
 
@@ -110,10 +110,12 @@ def shared_bytes(head_dim, consumers=2):
 
 
 @lru_cache(maxsize=None)
-def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
+def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUERY_IN_REGISTERS=False):
     """The kernel of the module docstring for head dim D (``common.HEAD_DIMS``), ELEMENT "f16" or "bf16", and
     CONSUMERS consumer warpgroups (``CONSUMER_COUNTS``).  Its parameters are ``forward.make_wgmma_forward``'s without
-    the block mask's and the mods'."""
+    the block mask's and the mods'.  QUERY_IN_REGISTERS: each consumer holds its Q tile as wgmma A fragments, so
+    that S = Q K^T reads only K from shared memory (m64n64k16 from shared memory reads 4 KB for 131 kFLOP, about
+    the 128 bytes a cycle shared memory serves at the tensor cores' peak; Q from registers halves that)."""
     assert D in HEAD_DIMS and CONSUMERS in CONSUMER_COUNTS, (D, CONSUMERS)
     THREADS, ROWS = threads(CONSUMERS), rows(CONSUMERS)
     CONSUMER_THREADS = CONSUMERS * WARPGROUP
@@ -126,7 +128,9 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
     LAST = CONSUMERS - 1
     sequence, lse_row = sequence_bounds(VARLEN)
     (LOW_REGISTERS, HIGH_REGISTERS, HIGH_ARRAY, start_rows, issue_scores, mask_outside, online_softmax, poison,
-     rescale_and_pack, issue_weighted_values, store_output) = tile_steps(D, ELEMENT, CAUSAL)
+     rescale_and_pack, issue_weighted_values, store_output, load_query, issue_scores_from_registers
+     ) = tile_steps(D, ELEMENT, CAUSAL)
+    Q_WORDS = query_words(D) if QUERY_IN_REGISTERS else 1
     own_chunk, start_tile, PASSES, PASS_WORDS, GROUPS, GROUP_WORDS = tile_copier(D, WARPGROUP)
     ROWS_PER_PASS = BLOCK_N // PASSES
     TILE_WORDS = tile_bytes(D) // 4
@@ -208,6 +212,14 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
         return stage
 
     @inlined_device_function
+    def scores_of_tile(s, q_desc, q_words, k_desc):
+        """S_j = Q K_j^T issued, Q from shared memory or (QUERY_IN_REGISTERS) from the lane's fragments."""
+        if QUERY_IN_REGISTERS:
+            issue_scores_from_registers(s, q_words, k_desc)
+        else:
+            issue_scores(s, q_desc, k_desc)
+
+    @inlined_device_function
     def softmax_of_tile(s, m_i, l_i, alpha, q_c, k0, n_k, causal_offset, c_log2, warp, g, t):
         """S_j masked where some key is hidden from some row of the consumer's (the causal diagonal, keys past
         N_k), then m, P_j = exp2(c S_j - m), l and alpha."""
@@ -226,8 +238,8 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
         rescale_and_pack(acc, alpha, s, p_words)
 
     @inlined_device_function
-    def consume(smem, acc, m_i, l_i, alpha, s, p_words, q_desc, k_desc, v_desc, flags_at, barriers_at, q0, q_c, n_k,
-                causal_offset, c_log2, n_tiles, c, warp, g, t):
+    def consume(smem, acc, m_i, l_i, alpha, s, p_words, q_desc, q_words, k_desc, v_desc, flags_at, barriers_at, q0,
+                q_c, n_k, causal_offset, c_log2, n_tiles, c, warp, g, t):
         """Consumer c's rounds (the module docstring's loop) over the block's key tiles: S_0 alone, then S_j with
         P_{j-1} V_{j-1}, then P_{n-1} V_{n-1} alone.  Written without a branch on j inside the loop: ptxas keeps
         the products in flight only where it can see that no instruction reads an accumulator they write (else it
@@ -238,7 +250,7 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
         if c == LAST:
             named_arrive(TURN_BARRIER, TURN_THREADS)   # consumer 0 takes the first turn
         stage = begin_round(smem, barriers_at, 0, c)
-        issue_scores(s, q_desc, k_desc)
+        scores_of_tile(s, q_desc, q_words, k_desc)
         named_arrive(following, TURN_THREADS)
         wait_all_products()
         softmax_of_tile(s, m_i, l_i, alpha, q_c, 0, n_k, causal_offset, c_log2, warp, g, t)
@@ -247,7 +259,7 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
         for j in range(1, n_tiles):
             k0 = j * BLOCK_N
             stage = begin_round(smem, barriers_at, j, c)
-            issue_scores(s, q_desc, advanced_device(k_desc, stage * STAGE_BYTES))
+            scores_of_tile(s, q_desc, q_words, advanced_device(k_desc, stage * STAGE_BYTES))
             issue_weighted_values(acc, p_words, advanced_device(v_desc, previous * STAGE_BYTES))
             named_arrive(following, TURN_THREADS)
             wait_all_but_one_product()   # S_j (P_{j-1} V_{j-1} runs on, under the softmax)
@@ -320,14 +332,18 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2):
         s = cuda.local.array(S_REGISTERS, float32)
         acc = (cuda.local.array(LOW_REGISTERS, float32), cuda.local.array(HIGH_ARRAY, float32))
         p_words = cuda.local.array(P_WORDS, uint32)
+        q_words = cuda.local.array(Q_WORDS, uint32)
+        if QUERY_IN_REGISTERS and n_tiles > 0:
+            load_query(smem, q_at + c * TILE_WORDS, q_words, warp, g, t)
         start_rows(m_i, l_i, acc)
-        consume(smem, acc, m_i, l_i, alpha, s, p_words, q_desc, k_desc, v_desc, flags_at, barriers_at, q0, q_c, n_k,
-                causal_offset, float32(scale_log2), n_tiles, c, warp, g, t)
+        consume(smem, acc, m_i, l_i, alpha, s, p_words, q_desc, q_words, k_desc, v_desc, flags_at, barriers_at, q0,
+                q_c, n_k, causal_offset, float32(scale_log2), n_tiles, c, warp, g, t)
         store_output(O, LSE, acc, m_i, l_i, q_c, n_q, b * o_sb + h * o_sh + first_query * o_sn, o_sn,
                      lse_row(bh, b, h, first_query, lse_rows, lse_sb, lse_sh), warp, g, t)
 
     return Kernel(kernel, f"wgmma_forward_specialized_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "")
-                  + ("_varlen" if VARLEN else "") + ("" if CONSUMERS == 2 else f"_consumers{CONSUMERS}"),
+                  + ("_varlen" if VARLEN else "") + ("" if CONSUMERS == 2 else f"_consumers{CONSUMERS}")
+                  + ("_query_in_registers" if QUERY_IN_REGISTERS else ""),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32, q_bounds=np.int32,
                               k_bounds=np.int32),
                   floats=("scale_log2",), launch_bounds=(THREADS, 1))
