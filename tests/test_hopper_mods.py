@@ -185,6 +185,18 @@ def test_a_score_mod_that_drops_the_score_passes_no_gradient_to_q_and_k():
     assert np.all(dq == 0) and np.all(dk == 0)
 
 
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_a_score_mod_reaches_the_tiles_that_need_no_test(causal):
+    """64 query rows against 130 keys: key tile 0 is whole (every entry allowed, inside both sequences: the forward's
+    untested path, ``score_entry``'s WHOLE), tile 2 ragged (and, bottom-right, tile 1 crossed by the diagonal):
+    the score_mod must reach both kinds (ALiBi then a cap of 2, which changes every score)."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 2, 64, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 2, 130, 16)).astype(np.float16) for _ in range(2))
+    score_mod = mods.compose(mods.alibi(mods.alibi_slopes(2)), mods.softcap(2.0))
+    check_forward(q, k, v, causal, None, score_mod, None)
+
+
 def _window_off_by_one(b, h, q_idx, kv_idx, window):
     return q_idx - window[0] <= kv_idx and kv_idx <= q_idx   # one key too many
 
