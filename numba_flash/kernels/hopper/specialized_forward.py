@@ -214,12 +214,6 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUER
             stage, phase = next_stage(stage, phase)
 
     @inlined_device_function
-    def begin_round(smem, barriers_at, stage, phase, c):
-        """The key tile in ``stage`` landed (FULL[stage] in ``phase``), and consumer c's turn on the tensor cores."""
-        barrier_wait(smem, barriers_at + 2 * stage, phase)
-        named_sync(TURN_BARRIER + c, TURN_THREADS)
-
-    @inlined_device_function
     def scores_of_tile(s, q_desc, q_words, k_desc):
         """S_j = Q K_j^T issued, Q from shared memory or (QUERY_IN_REGISTERS) from the lane's fragments."""
         if QUERY_IN_REGISTERS:
@@ -246,39 +240,61 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUER
         rescale_and_pack(acc, alpha, s, p_words)
 
     @inlined_device_function
+    def release(smem, barriers_at, stage):
+        """The consumer done with the tile in ``stage`` (EMPTY[stage]: an arrival of each of its threads)."""
+        barrier_arrive(smem, barriers_at + 2 * (STAGES + stage), 1)
+
+    @inlined_device_function
     def consume(smem, acc, m_i, l_i, alpha, s, p_words, q_desc, q_words, k_desc, v_desc, flags_at, barriers_at, q0,
                 q_c, n_k, causal_offset, c_log2, n_tiles, c, warp, g, t):
         """Consumer c's rounds (the module docstring's loop) over the block's key tiles: S_0 alone, then S_j with
-        P_{j-1} V_{j-1}, then P_{n-1} V_{n-1} alone.  Written without a branch on j inside the loop: ptxas keeps
-        the products in flight only where it can see that no instruction reads an accumulator they write (else it
-        serialises every wgmma of the kernel, its warning C7514)."""
+        P_{j-1} V_{j-1}, then P_{n-1} V_{n-1} alone.
+
+        A round ends with the softmax of S_j, and the wait for P_{j-1} V_{j-1} (with the stage's release and P_j's
+        packing, which must follow it) opens the next round: ptxas schedules within a block of straight-line code
+        as if ``wgmma_wait`` cost nothing, and with the wait after the softmax in one block it put the wait first,
+        so that the softmax ran after the product instead of under it (SASS, ptxas 13.0 sm_90a: all 34 MUFU.EX2 of
+        a round after its WARPGROUP.DEPBAR.LE gsb0, 0x0).  The loop's back edge is a boundary it does not move the
+        wait across.  The release stays ahead of the wait for tile j: the producer announces tile j only after it
+        has issued tile j + 1, into the stage that tile j - 2 frees.
+
+        No branch on j around a product: ptxas keeps the products in flight only where it can see that no
+        instruction reads an accumulator they write (else it serialises every wgmma of the kernel, its warning
+        C7514); hence the first and last rounds written apart."""
         if n_tiles == 0:
             return
         following = TURN_BARRIER + (c + 1) % CONSUMERS   # the turn goes round the consumers
         if c == LAST:
             named_arrive(TURN_BARRIER, TURN_THREADS)   # consumer 0 takes the first turn
         stage, phase = 0, 0
-        begin_round(smem, barriers_at, stage, phase, c)
+        barrier_wait(smem, barriers_at, phase)    # FULL[0]
+        named_sync(TURN_BARRIER + c, TURN_THREADS)
         scores_of_tile(s, q_desc, q_words, k_desc)
         named_arrive(following, TURN_THREADS)
         wait_all_products()
         softmax_of_tile(s, m_i, l_i, alpha, q_c, 0, n_k, causal_offset, c_log2, warp, g, t)
-        weights_of_tile(smem, acc, alpha, s, p_words, flags_at, stage, q0, q_c, 0, causal_offset, warp, g, t)
-        previous = stage
+        before, previous = 0, stage   # the stages of tiles j - 2 and j - 1
         stage, phase = next_stage(stage, phase)
         for j in range(1, n_tiles):
-            k0 = j * BLOCK_N
-            begin_round(smem, barriers_at, stage, phase, c)
+            wait_all_products()   # P_{j-2} V_{j-2}: its stage read, O and P_{j-1}'s registers free
+            if j > 1:
+                release(smem, barriers_at, before)
+            barrier_wait(smem, barriers_at + 2 * stage, phase)   # FULL: tile j landed
+            weights_of_tile(smem, acc, alpha, s, p_words, flags_at, previous, q0, q_c, (j - 1) * BLOCK_N,
+                            causal_offset, warp, g, t)
+            named_sync(TURN_BARRIER + c, TURN_THREADS)
             scores_of_tile(s, q_desc, q_words, advanced_device(k_desc, stage * STAGE_BYTES))
             issue_weighted_values(acc, p_words, advanced_device(v_desc, previous * STAGE_BYTES))
             named_arrive(following, TURN_THREADS)
             wait_all_but_one_product()   # S_j (P_{j-1} V_{j-1} runs on, under the softmax)
-            softmax_of_tile(s, m_i, l_i, alpha, q_c, k0, n_k, causal_offset, c_log2, warp, g, t)
-            wait_all_products()
-            barrier_arrive(smem, barriers_at + 2 * (STAGES + previous), 1)   # EMPTY: stage j - 1 read
-            weights_of_tile(smem, acc, alpha, s, p_words, flags_at, stage, q0, q_c, k0, causal_offset, warp, g, t)
-            previous = stage
+            softmax_of_tile(s, m_i, l_i, alpha, q_c, j * BLOCK_N, n_k, causal_offset, c_log2, warp, g, t)
+            before, previous = previous, stage
             stage, phase = next_stage(stage, phase)
+        wait_all_products()
+        if n_tiles > 1:
+            release(smem, barriers_at, before)
+        weights_of_tile(smem, acc, alpha, s, p_words, flags_at, previous, q0, q_c, (n_tiles - 1) * BLOCK_N,
+                        causal_offset, warp, g, t)
         named_sync(TURN_BARRIER + c, TURN_THREADS)
         issue_weighted_values(acc, p_words, advanced_device(v_desc, previous * STAGE_BYTES))
         if c != LAST:   # (the last consumer's last turn passes nothing: no phase is left waiting)
