@@ -673,7 +673,8 @@ AUTOMATIC = os.environ.get("NUMBA_FLASH_WGMMA", "1") != "0"
 OVERLAP_PRODUCTS = os.environ.get("NUMBA_FLASH_WGMMA_OVERLAP", "0") == "1"
 #: ``NUMBA_FLASH_WGMMA_FORWARD``: "blocks" (the default) runs ``make_wgmma_forward``'s kernel, "specialized" the
 #: warp-specialised one (``specialized_forward.py``: a producer warpgroup, two consumers taking turns) for the calls in
-#: its scope, the others on "blocks".  Not the default until a GPU measures it faster.
+#: its scope, the others on "blocks".  Not the default: 0.71-0.93x the speed of "blocks" at issue 45's rows (H100,
+#: 2026-12-07, ``experiments/tuning/results/wgmma_forward_kernels_h100.md``; its producer's copies pace it).
 FORWARD_KERNELS = ("blocks", "specialized")
 FORWARD_KERNEL = os.environ.get("NUMBA_FLASH_WGMMA_FORWARD", "blocks")
 #: ``NUMBA_FLASH_WGMMA_CONSUMERS``: the warp-specialised kernel's consumer warpgroups, 2 (128-row blocks, the default)
