@@ -574,12 +574,12 @@ def test_the_wgmma_forward_at_d96_reads_the_128_column_layout(causal, overlap, w
 @pytest.mark.parametrize("d, causal, n_q, consumers, query", [(96, "bottom_right", 70, 2, "shared"),
                                                               (32, True, 130, 2, "shared"),
                                                               (64, True, 130, 3, "shared"),
-                                                              (96, "bottom_right", 130, 3, "registers")])
+                                                              (64, True, 70, 2, "registers")])
 def test_the_warp_specialised_forward_runs_every_stage_and_every_consumer(d, causal, n_q, consumers, query):
     """``specialized_forward.py`` over five key tiles (its three stages, the first two refilled: the producer waits
     for the consumers' release), the diagonal crossing two; the last consumer's rows partly (n_q = 70; with three,
     rows 128-129 of 192) or wholly (the second block of n_q = 130) past N_q, still taking its turns; d = 96 on the
-    128-column layout; Q from registers (six k-steps of fragments).  (Dense calls: the property test above draws
+    128-column layout; Q from registers (four k-steps of fragments).  (Dense calls: the property test above draws
     them.)"""
     _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=5, n_q=n_q, consumers=consumers, query=query)
 
