@@ -317,9 +317,9 @@ def check(name, got, want, dtype, nan_rows_only=False):
     got = to_host(got)
     finite = ~np.isnan(want)
     if nan_rows_only:
-        nan_rows = np.isnan(want).any(-1)
-        assert np.array_equal(np.isnan(got).any(-1), nan_rows), f"{name}: NaN rows unlike the reference's"
-        finite = np.broadcast_to(~nan_rows[..., None], want.shape)
+        want_rows = np.isnan(want).any(-1)   # (the rows ``nan_rows`` made NaN)
+        assert np.array_equal(np.isnan(got).any(-1), want_rows), f"{name}: NaN rows unlike the reference's"
+        finite = np.broadcast_to(~want_rows[..., None], want.shape)
     else:
         assert np.array_equal(np.isnan(got), ~finite), f"{name}: NaN where the reference has none, or missing"
     assert np.any(want[finite] != 0), f"{name}: the reference is all zeros, so this case checks nothing"
