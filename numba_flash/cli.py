@@ -81,7 +81,7 @@ EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "bloc
                "decode_bandwidth", "decode_key_warps", "decode_splits", "decode_breakdown", "cp_async_stream",
                "ring_scaling", "wgmma_layouts", "wgmma_probe", "sass_counts", "decode_grid", "generate_bench",
                "wgmma_backward_bench", "wgmma_forward_kernels", "mods_bench", "bias_table_bench",
-               "decode_host_split", "decode_mqa_tiles")
+               "decode_host_split", "decode_mqa_tiles", "simulator_speed")
 #: Those with a --quick mode (a tiny version the simulator can run).
 QUICK_EXPERIMENTS = ("loop_order", "block_sparse", "io_traffic", "dram_traffic", "block_size_choice",
                      "mask_gallery", "train_gpt", "tune_flash2", "decode_bandwidth", "decode_key_warps",

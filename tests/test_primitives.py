@@ -304,3 +304,74 @@ def test_the_packed_nan_test_finds_exactly_the_nan_elements(precision, dtype):
     _pair_nan_kernel(pair_has_nan(precision))[4, 32](words, out)
     halves = words.view(np.uint16).reshape(-1, 2).view(dtype)
     np.testing.assert_array_equal(out.astype(bool), np.isnan(halves.astype(np.float32)).any(axis=1))
+
+
+def test_the_simulators_block_barrier_holds_every_thread_until_the_last_and_breaks_on_abort():
+    """``runtime.simulator.BlockBarrier`` (the simulator's syncthreads, named barriers and warp rooms; plain Python,
+    so it runs anywhere): no thread passes generation r before all have arrived at it and the action has run r + 1
+    times; ``arrive`` counts without waiting; ``leave`` lets the rest go on without the thread that left; ``abort``
+    breaks the threads waiting."""
+    import threading
+
+    from numba_flash.runtime.simulator import BlockBarrier
+
+    parties, rounds = 6, 40
+    actions, seen, errors = [], [], []
+    barrier = BlockBarrier(parties, action=lambda: actions.append(len(actions)))
+
+    def member(index):
+        for r in range(rounds):
+            seen.append((index, r))
+            barrier.wait()
+            if len(actions) != r + 1 or sum(1 for _, x in seen if x == r) != parties:
+                errors.append((index, r, len(actions)))
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(parties)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and len(actions) == rounds
+
+    passed = []
+    named = BlockBarrier(3)
+
+    def waiter():
+        named.wait()
+        passed.append(1)
+
+    waiting = [threading.Thread(target=waiter) for _ in range(2)]
+    for thread in waiting:
+        thread.start()
+    named.arrive()   # the third party, a producer that does not wait
+    for thread in waiting:
+        thread.join(60)
+    assert passed == [1, 1]
+
+    broken = []
+
+    def stuck(at):
+        try:
+            at.wait()
+        except threading.BrokenBarrierError:
+            broken.append(1)
+
+    left = BlockBarrier(3)
+    waiting = [threading.Thread(target=stuck, args=(left,)) for _ in range(2)]
+    for thread in waiting:
+        thread.start()
+    left.leave()     # two parties left: the two waiting go on
+    for thread in waiting:
+        thread.join(60)
+    assert not broken and not any(thread.is_alive() for thread in waiting)
+
+    aborted = BlockBarrier(3)
+    waiting = [threading.Thread(target=stuck, args=(aborted,)) for _ in range(2)]
+    for thread in waiting:
+        thread.start()
+    while len(aborted._gates) < 2:   # both waiting
+        threading.Event().wait(0.01)
+    aborted.abort()
+    for thread in waiting:
+        thread.join(60)
+    assert broken == [1, 1]

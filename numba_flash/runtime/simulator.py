@@ -1,83 +1,175 @@
-"""A faster barrier for Numba's CUDA simulator (used only when it is on).
+"""Faster barriers and device calls for Numba's CUDA simulator (used only when it is on).
 
-The simulator (numba-cuda 0.30) runs each CUDA thread as a Python thread and
-implements ``syncthreads`` by having a manager thread poll every thread in a
-busy loop until all are blocked; with many barriers per kernel the polling
-dominates (seconds for a tiny attention).  ``install`` swaps in a condition-
-variable barrier with the same semantics as the original:
+The simulator (numba-cuda 0.30) runs each CUDA thread as a Python thread.  Three things in it dominate the time of
+our kernels there, and ``install`` replaces them:
 
-* it releases when every *live* thread of the block has arrived (a thread
-  that returned early no longer counts, as in the original);
-* when a thread raises, the barrier, the warp rooms of
-  ``numba_flash.kernels.primitives`` and the named barriers of
-  ``kernels/hopper/roles.py`` are broken (and the mbarriers' waits of
-  ``kernels/hopper/bulk.py`` stop), so the others stop instead of waiting
-  forever, and the first real error is re-raised.
+1. ``syncthreads``: the simulator has a manager thread poll every thread in a busy loop until all are blocked (seconds
+   for a tiny attention).  ``BlockBarrier`` has the same semantics:
 
-A ``BlockBarrier`` of a given count also serves as a named barrier
-(``bar.sync`` / ``bar.arrive``: ``arrive`` counts a thread that does not wait).
+   * it releases when every *live* thread of the block has arrived (a thread that returned early no longer counts,
+     as in the original);
+   * when a thread raises, the barrier, the warp rooms of ``kernels/fast/primitives.py`` and the named barriers of
+     ``kernels/hopper/roles.py`` are broken (and the mbarriers' waits of ``kernels/hopper/bulk.py`` stop), so the
+     others stop instead of waiting forever, and the first real error is re-raised.
 
-It also fixes a race in the simulator's ``cuda.shared.array``: the array of
-a call site is created by the first thread that asks for it, but two threads
-asking at once could each create one, and then half the block wrote to a
-different "shared" array than the other half (we saw O off by 0.4 about once
-in a few hundred launches).  Creation now happens under a lock.
+   A ``BlockBarrier`` of a given count also serves as a named barrier (``bar.sync`` / ``bar.arrive``: ``arrive``
+   counts a thread that does not wait) and, with an action run by the last thread to arrive, as the rooms in which
+   a warp's (or a warpgroup's) lanes meet for a shuffle or a product.  Each waiting thread blocks on a lock of its own
+   (its "gate"), which the last to arrive opens: a ``threading.Condition`` (what ``threading.Barrier`` and this class
+   once used) wakes its waiters to contend for the condition's lock one after the other: a meeting of 32 threads
+   took 1.4 ms and of 128 5.4 ms, with gates 0.57 and 2.5 ms (2 cores, CPython 3.11, 2026-12-08:
+   ``experiments/tuning/results/simulator_speed.md``).
+
+2. Every call of a device function enters ``swapped_cuda_module``, which takes two locks and, whenever no other
+   thread is inside a function of the same module, scans the module's globals to swap ``cuda`` for the launch's
+   fake module and back: ~300,000 times for one small wgmma forward.  ``install`` swaps each module once per launch
+   (``_swap_once_per_launch``) and back when the launch ends.
+
+With both (and ``kernels/hopper/wgmma.py``'s twins reading each thread's accumulator layout from a cache), the whole
+test suite took 733 s instead of 937 on two cores (``pytest -n 2``, 2026-12-08); a small causal flash2 call 5.6 s
+instead of 15.
+
+3. It fixes a race in the simulator's ``cuda.shared.array``: the array of a call site is created by the first thread
+   that asks for it, but two threads asking at once could each create one, and then half the block wrote to a
+   different "shared" array than the other half (we saw O off by 0.4 about once in a few hundred launches).
+   Creation now happens under a lock.
 """
 import sys
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 
 
-class BlockBarrier:
-    """``syncthreads`` for one simulated block."""
+def _gate():
+    """This thread's gate: a lock it holds (locked) except while a barrier that it waits at is being opened."""
+    me = threading.current_thread()
+    gate = getattr(me, "_numba_flash_gate", None)
+    if gate is None:
+        gate = me._numba_flash_gate = threading.Lock()
+        gate.acquire()
+    return gate
 
-    def __init__(self, parties):
-        self._cond = threading.Condition()
+
+class BlockBarrier:
+    """A barrier of ``parties`` simulated threads (``syncthreads``, a named barrier, or a warp's room).
+
+    ``action``, if given, runs once per generation in the last thread to arrive, before any other leaves (a room's
+    shared computation).  ``timeout`` (seconds, None: none) breaks the barrier of a thread that waits longer."""
+
+    def __init__(self, parties, action=None, timeout=None):
+        self._lock = threading.Lock()
         self._parties = parties
-        self._waiting = 0
-        self._generation = 0
+        self._arrived = 0     # this generation's arrivals, waiting or not (``arrive``)
+        self._gates = []      # the gates of the threads waiting in this generation
         self._broken = False
+        self._action = action
+        self._timeout = -1 if timeout is None else timeout
 
     def wait(self):
-        with self._cond:
+        gate = _gate()
+        with self._lock:
             if self._broken:
                 raise threading.BrokenBarrierError
-            generation = self._generation
-            self._waiting += 1
-            if self._waiting == self._parties:
-                self._release()
-                return
-            while generation == self._generation and not self._broken:
-                self._cond.wait()
-            if self._broken:
-                raise threading.BrokenBarrierError
+            self._arrived += 1
+            last = self._arrived == self._parties
+            if last:
+                opened = self._next_generation()
+            else:
+                self._gates.append(gate)
+        if last:
+            self._open(opened)
+            return
+        if not gate.acquire(timeout=self._timeout):
+            self.abort()
+            gate.acquire()   # opened by abort, or by a thread that was opening the generation
+            raise threading.BrokenBarrierError
+        if self._broken:
+            raise threading.BrokenBarrierError
 
     def arrive(self):
         """Counted without waiting (``bar.arrive``: a named barrier's producer)."""
-        with self._cond:
+        with self._lock:
             if self._broken:
                 raise threading.BrokenBarrierError
-            self._waiting += 1
-            if self._waiting == self._parties:
-                self._release()
+            self._arrived += 1
+            if self._arrived < self._parties:
+                return
+            opened = self._next_generation()
+        self._open(opened)
 
     def leave(self):
         """A thread has finished: the others no longer wait for it."""
-        with self._cond:
+        with self._lock:
             self._parties -= 1
-            if self._parties and self._waiting == self._parties:
-                self._release()
+            if not self._parties or self._arrived < self._parties:
+                return
+            opened = self._next_generation()
+        self._open(opened)
 
     def abort(self):
-        with self._cond:
+        with self._lock:
             self._broken = True
-            self._cond.notify_all()
+            opened, self._gates = self._gates, []
+        for gate in opened:
+            gate.release()
 
-    def _release(self):
-        self._waiting = 0
-        self._generation += 1
-        self._cond.notify_all()
+    def _next_generation(self):
+        """(Holding the lock, all parties in.)  The gates to open; the next generation starts empty."""
+        self._arrived = 0
+        opened, self._gates = self._gates, []
+        return opened
+
+    def _open(self, gates):
+        """The action, then the waiting threads' gates.  An action that raises breaks the barrier."""
+        try:
+            if self._action is not None:
+                self._action()
+        except BaseException:
+            with self._lock:
+                self._broken = True
+            raise
+        finally:
+            for gate in gates:
+                gate.release()
+
+
+def _swap_once_per_launch(sim):
+    """Device functions called in a launch find ``cuda`` in their module's globals already swapped for the launch's
+    fake module (point 2 above); every module swapped is swapped back when the launch ends."""
+    from numba import cuda
+
+    swapped = {}   # id(a module's globals) -> (the globals, {name: the value swapped out})
+    lock = threading.Lock()
+    original_call = sim.FakeCUDAKernel.__call__
+    original_push = sim._push_kernel_context
+
+    def call(self, *args):
+        fake = sim._kernel_context
+        if fake is None:   # a launch, or a device function called outside one: the simulator's own way
+            return original_call(self, *args)
+        module = self.fn.__globals__
+        if id(module) not in swapped:
+            with lock:
+                if id(module) not in swapped:
+                    names = {name: value for name, value in module.items() if value is cuda}
+                    module.update(dict.fromkeys(names, fake))
+                    swapped[id(module)] = (module, names)
+        return self.fn(*args)
+
+    @contextmanager
+    def push_kernel_context(fake):
+        with original_push(fake):
+            try:
+                yield
+            finally:
+                with lock:
+                    for module, names in swapped.values():
+                        module.update(names)
+                    swapped.clear()
+
+    sim.FakeCUDAKernel.__call__ = call
+    sim._push_kernel_context = push_kernel_context
 
 
 def install():
@@ -147,3 +239,4 @@ def install():
     sim.BlockThread.syncthreads = syncthreads
     sim.BlockThread.run = run_thread
     sim.BlockManager.run = run_block
+    _swap_once_per_launch(sim)

@@ -475,6 +475,8 @@ else:
     # read yet: to post twice it must pass a barrier that waits for the slow
     # one.  (``collective`` gives Hopper's warpgroups of 128 the same rooms.)
     # ------------------------------------------------------------------
+    from ...runtime.simulator import BlockBarrier
+
     _ROOMS_LOCK = threading.Lock()
 
     class _Room:
@@ -483,7 +485,7 @@ else:
             self.results = [None, None]
             self.calls = [0] * size
             self.compute = None
-            self.barrier = threading.Barrier(size, action=self._act, timeout=600)
+            self.barrier = BlockBarrier(size, action=self._act, timeout=600)
             self._parity = 0
 
         def _act(self):

@@ -248,18 +248,20 @@ else:
             raise NotImplementedError("the simulator's wgmma reads 128-byte-swizzled operands only")
         return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4)
 
+    _SIXTEEN = np.arange(16)
+
     def _k_major(desc, rows, element):
         """Operand rows ``rows`` x 16 k of a K-major operand: element (r, k) at start + (r // 8) stride +
         (r % 8) 128 + 2 k."""
         start, _, stride = _fields(desc)
-        rows, ks = np.asarray(rows)[:, None], np.arange(16)[None, :]
-        return _values(start + (rows // 8) * stride + (rows % 8) * 128 + 2 * ks, element)
+        rows = rows[:, None]
+        return _values(start + (rows // 8) * stride + (rows % 8) * 128 + 2 * _SIXTEEN[None, :], element)
 
     def _mn_major(desc, columns, element):
         """The 16 x len(columns) block of an MN-major operand: element (k, n) at start + (n // 64) leading +
         (k // 8) stride + (k % 8) 128 + 2 (n % 64)."""
         start, leading, stride = _fields(desc)
-        ks, columns = np.arange(16)[:, None], np.asarray(columns)[None, :]
+        ks, columns = _SIXTEEN[:, None], columns[None, :]
         return _values(start + (columns // 64) * leading + (ks // 8) * stride + (ks % 8) * 128
                        + 2 * (columns % 64), element)
 
@@ -267,19 +269,26 @@ else:
         """B's 16 x len(columns) block: K-major (its rows are B's columns), or MN-major."""
         return _mn_major(desc, columns, element) if trans_b else _k_major(desc, columns, element).T
 
-    def _entries(n):
-        """This thread's accumulator entries: (rows, columns) of registers 0 .. n / 2 - 1 (the table above)."""
-        return accumulator_entries(threading.current_thread().thread_id % WARPGROUP, n)
+    @lru_cache(maxsize=None)
+    def _entries(member, n):
+        """Thread ``member``'s accumulator entries (the table above) as (distinct rows, distinct columns, each
+        register's index into both): a product computes only the rows x columns block its entries lie in."""
+        rows, columns = accumulator_entries(member, n)
+        distinct_rows, row_of = np.unique(rows, return_inverse=True)
+        distinct_columns, column_of = np.unique(columns, return_inverse=True)
+        return distinct_rows, distinct_columns, row_of, column_of
 
-    def _accumulate(acc, a_rows, rows, columns, desc_b, element, trans_b):
-        """acc[i] += A[rows[i], :] . B[:, columns[i]] for this thread's entries; a_rows: A's rows used, 16 each."""
-        unique = np.unique(columns)
-        b = _b_operand(desc_b, unique, element, trans_b)
-        products = a_rows @ b                                   # (distinct rows, distinct columns)
-        row_index = {r: x for x, r in enumerate(np.unique(rows))}
-        column_index = {c: x for x, c in enumerate(unique)}
-        for i, (r, c) in enumerate(zip(rows, columns)):
-            acc[i] = np.float32(np.float64(acc[i]) + products[row_index[r], column_index[c]])
+    def _accumulate(acc, n, a_rows, entries, desc_b, element, trans_b):
+        """acc[i] += A[row i] . B[:, column i] for this thread's entries, each sum in float64 rounded to float32;
+        a_rows: A's distinct rows of ``entries``, 16 each."""
+        _, columns, row_of, column_of = entries
+        products = a_rows @ _b_operand(desc_b, columns, element, trans_b)
+        registers = n // 2
+        acc[:registers] = (acc[:registers].astype(np.float64) + products[row_of, column_of]).astype(np.float32)
+
+    def _member():
+        """This thread's place in its warpgroup."""
+        return threading.current_thread().thread_id % WARPGROUP
 
     @lru_cache(maxsize=None)
     def wgmma_ss(n, element="f16", trans_b=False, trans_a=False, fresh=False):
@@ -287,10 +296,10 @@ else:
             if fresh:
                 for i in range(n // 2):
                     acc[i] = np.float32(0)
-            rows, columns = _entries(n)
-            a_rows = (_mn_major(desc_a, np.unique(rows), element).T if trans_a
-                      else _k_major(desc_a, np.unique(rows), element))
-            _accumulate(acc, a_rows, rows, columns, desc_b, element, trans_b)
+            entries = _entries(_member(), n)
+            rows = entries[0]
+            a_rows = _mn_major(desc_a, rows, element).T if trans_a else _k_major(desc_a, rows, element)
+            _accumulate(acc, n, a_rows, entries, desc_b, element, trans_b)
         return product
 
     def _gather_a(posts, element):
@@ -308,6 +317,6 @@ else:
     def wgmma_rs(n, element="f16", trans_b=False):
         def product(acc, a, desc_b):
             whole = collective(tuple(a), lambda posts: _gather_a(posts, element), WARPGROUP)
-            rows, columns = _entries(n)
-            _accumulate(acc, whole[np.unique(rows)], rows, columns, desc_b, element, trans_b)
+            entries = _entries(_member(), n)
+            _accumulate(acc, n, whole[entries[0]], entries, desc_b, element, trans_b)
         return product
