@@ -15,24 +15,28 @@ our kernels there, and ``install`` replaces them:
    A ``BlockBarrier`` of a given count also serves as a named barrier (``bar.sync`` / ``bar.arrive``: ``arrive``
    counts a thread that does not wait) and, with an action run by the last thread to arrive, as the rooms in which
    a warp's (or a warpgroup's) lanes meet for a shuffle or a product.  Each waiting thread blocks on a lock of its own
-   (its "gate"), which the last to arrive opens: a ``threading.Condition`` (what ``threading.Barrier`` and this class
-   once used) wakes its waiters to contend for the condition's lock one after the other: a meeting of 32 threads
-   took 1.4 ms and of 128 5.4 ms, with gates 0.57 and 2.5 ms (2 cores, CPython 3.11, 2026-12-08:
-   ``experiments/tuning/results/simulator_speed.md``).
+   (its gate, ``thread_gate``); the last to arrive opens the first waiter's gate, and each waiter opens the next
+   one's as it leaves.  A ``threading.Condition`` (what ``threading.Barrier`` and this class once used) wakes all its
+   waiters at once to contend for the condition's lock; opening every gate at once was faster for a bare meeting
+   but slower for our kernels, whose 128 to 384 threads then all compete for the interpreter's lock.  One at a time
+   (2 cores, CPython 3.11, 2026-12-08, several runs; one in ``experiments/tuning/results/simulator_speed.md``): a
+   meeting of 32 threads 0.5-0.6 ms instead of 1.4, of 128 2.1-2.6 instead of 5.4-7.8; a small causal wgmma forward
+   2.4-3.9 s instead of 7-9, flash2 4.3-8 instead of 15-18.  The
+   mbarriers of ``kernels/hopper/bulk.py`` wake their waiters the same way.
 
 2. Every call of a device function enters ``swapped_cuda_module``, which takes two locks and, whenever no other
    thread is inside a function of the same module, scans the module's globals to swap ``cuda`` for the launch's
    fake module and back: ~300,000 times for one small wgmma forward.  ``install`` swaps each module once per launch
    (``_swap_once_per_launch``) and back when the launch ends.
 
-With both (and ``kernels/hopper/wgmma.py``'s twins reading each thread's accumulator layout from a cache), the whole
-test suite took 733 s instead of 937 on two cores (``pytest -n 2``, 2026-12-08); a small causal flash2 call 5.6 s
-instead of 15.
-
 3. It fixes a race in the simulator's ``cuda.shared.array``: the array of a call site is created by the first thread
    that asks for it, but two threads asking at once could each create one, and then half the block wrote to a
    different "shared" array than the other half (we saw O off by 0.4 about once in a few hundred launches).
    Creation now happens under a lock.
+
+With these (and ``kernels/hopper/wgmma.py``'s twins reading each thread's accumulator layout from a cache), the whole
+test suite takes 320 s instead of 937 on two cores (``pytest -n 2``, 2026-12-08; its tests' own times add up to 610 s
+instead of 1823).
 """
 import sys
 import threading
@@ -41,8 +45,9 @@ from contextlib import contextmanager
 import numpy as np
 
 
-def _gate():
-    """This thread's gate: a lock it holds (locked) except while a barrier that it waits at is being opened."""
+def thread_gate():
+    """This thread's gate: a lock kept locked, which the thread acquires to wait and another releases to wake it (a
+    thread waits at one barrier at a time)."""
     me = threading.current_thread()
     gate = getattr(me, "_numba_flash_gate", None)
     if gate is None:
@@ -67,7 +72,7 @@ class BlockBarrier:
         self._timeout = -1 if timeout is None else timeout
 
     def wait(self):
-        gate = _gate()
+        gate = thread_gate()
         with self._lock:
             if self._broken:
                 raise threading.BrokenBarrierError
@@ -76,14 +81,17 @@ class BlockBarrier:
             if last:
                 opened = self._next_generation()
             else:
-                self._gates.append(gate)
+                chain, place = self._gates, len(self._gates)
+                chain.append(gate)
         if last:
             self._open(opened)
             return
         if not gate.acquire(timeout=self._timeout):
-            self.abort()
-            gate.acquire()   # opened by abort, or by a thread that was opening the generation
+            with self._lock:
+                self._broken = True
             raise threading.BrokenBarrierError
+        if place + 1 < len(chain):   # the baton: this generation's next waiter
+            chain[place + 1].release()
         if self._broken:
             raise threading.BrokenBarrierError
 
@@ -111,8 +119,8 @@ class BlockBarrier:
         with self._lock:
             self._broken = True
             opened, self._gates = self._gates, []
-        for gate in opened:
-            gate.release()
+        if opened:
+            opened[0].release()   # (each waiter opens the next)
 
     def _next_generation(self):
         """(Holding the lock, all parties in.)  The gates to open; the next generation starts empty."""
@@ -121,7 +129,8 @@ class BlockBarrier:
         return opened
 
     def _open(self, gates):
-        """The action, then the waiting threads' gates.  An action that raises breaks the barrier."""
+        """The action, then the first waiting thread's gate (each waiter opens the next one's as it leaves: one
+        thread woken at a time, not all at once).  An action that raises breaks the barrier."""
         try:
             if self._action is not None:
                 self._action()
@@ -130,8 +139,8 @@ class BlockBarrier:
                 self._broken = True
             raise
         finally:
-            for gate in gates:
-                gate.release()
+            if gates:
+                gates[0].release()
 
 
 def _swap_once_per_launch(sim):
@@ -209,10 +218,12 @@ def install():
         if self.exception is not None:
             self._block_barrier.abort()
             block = self._manager.__dict__
-            block["_numba_flash_broken"] = True   # (``bulk.barrier_try_wait``'s twin stops waiting)
-            for room in block.get("_numba_flash_rooms", {}).values():
+            block["_numba_flash_broken"] = True   # (before the mbarriers' waits are opened: they see it)
+            for room in list(block.get("_numba_flash_rooms", {}).values()):
                 room.barrier.abort()
-            for barrier in block.get("_numba_flash_named_barriers", {}).values():
+            for barrier in list(block.get("_numba_flash_named_barriers", {}).values()):
+                barrier.abort()
+            for barrier in list(block.get("_numba_flash_mbarriers", {}).values()):   # (kernels/hopper/bulk.py)
                 barrier.abort()
 
     def run_block(self, grid_point, *args):

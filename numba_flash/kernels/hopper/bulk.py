@@ -154,27 +154,50 @@ if not config.ENABLE_CUDASIM:
 else:
     import threading
 
-    _CHANGED = threading.Condition()   # held to read or change a barrier; notified when a phase completes
+    from ...runtime.simulator import thread_gate
+
+    _LOCK = threading.Lock()   # held to read or change any mbarrier
+
+    class _MBarrier:
+        """A simulated mbarrier: the arrivals a phase needs, those still missing, the phase, and the gates
+        (``runtime.simulator.thread_gate``) of the threads waiting for the phase to complete, in order of arrival."""
+
+        def __init__(self, arrivals):
+            self.needed = self.missing = arrivals
+            self.phase = 0
+            self.waiting = []
+
+        def open(self):
+            """Wake the threads waiting now, one at a time (each opens the next one's gate, as
+            ``runtime.simulator.BlockBarrier`` does): they look at the phase again."""
+            with _LOCK:
+                chain, self.waiting = self.waiting, []
+            if chain:
+                chain[0].release()
+
+        abort = open   # (``runtime.simulator``: another thread of the block failed; the waiters see it and stop)
 
     def _barriers():
-        """The simulated block's mbarriers: word -> [arrivals a phase needs, arrivals still missing, phase]."""
+        """The simulated block's mbarriers: word -> ``_MBarrier``."""
         return threading.current_thread()._manager.__dict__.setdefault("_numba_flash_mbarriers", {})
 
     def barrier_init(smem, word, arrivals):
         """A phase needs ``arrivals`` arrivals (the copies land when issued: no bytes to count)."""
-        with _CHANGED:
-            _barriers()[int(word)] = [int(arrivals), int(arrivals), 0]
+        with _LOCK:
+            _barriers()[int(word)] = _MBarrier(int(arrivals))
 
     def barrier_arrive(smem, word, count):
-        """``count`` arrivals; the last of a phase completes it and flips its parity."""
-        with _CHANGED:
-            state = _barriers()[int(word)]
-            state[1] -= int(count)
-            if state[1] < 0:
+        """``count`` arrivals; the last of a phase completes it, flips its parity and wakes its waiters."""
+        with _LOCK:
+            barrier = _barriers()[int(word)]
+            barrier.missing -= int(count)
+            if barrier.missing < 0:
                 raise RuntimeError(f"mbarrier at word {word}: more arrivals than its phase needs")
-            if state[1] == 0:
-                state[1], state[2] = state[0], state[2] + 1
-                _CHANGED.notify_all()
+            completed = barrier.missing == 0
+            if completed:
+                barrier.missing, barrier.phase = barrier.needed, barrier.phase + 1
+        if completed:
+            barrier.open()
 
     def barrier_expect_bytes(smem, word, nbytes):
         """One arrival (the bytes have landed already)."""
@@ -185,12 +208,19 @@ else:
         before the first succeeds at once, as on the GPU).  Here the thread sleeps until it has, and answers True (the
         GPU's answer may be False first: the callers loop); it stops when another thread of its block failed."""
         block = threading.current_thread()._manager.__dict__
-        with _CHANGED:
-            while (_barriers()[int(word)][2] & 1) == int(parity):
+        gate = thread_gate()
+        while True:
+            with _LOCK:
+                barrier = _barriers()[int(word)]
+                if (barrier.phase & 1) != int(parity):
+                    return True
                 if block.get("_numba_flash_broken"):
                     raise threading.BrokenBarrierError
-                _CHANGED.wait(0.05)
-        return True
+                chain, place = barrier.waiting, len(barrier.waiting)
+                chain.append(gate)
+            gate.acquire()
+            if place + 1 < len(chain):   # the next waiter of this chain
+                chain[place + 1].release()
 
     def bulk_copy(dst, dst_word, src, src_word, nbytes, smem, barrier):
         """Copy now (16-byte aligned ends and a multiple of 16 bytes, as the engine requires)."""
