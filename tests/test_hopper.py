@@ -69,9 +69,6 @@ def test_every_wgmma_forward_fits_a_hopper_block_and_splits_o_in_slices_wgmma_ca
 
 
 SENTINEL = 0xDEADBEEF   # what shared memory holds before the copies
-#: Examples of the wgmma forward's two property tests in the simulator (8 of the profile's 12: CI's time; a GPU runs
-#: the profile's count).
-SIMULATOR_FORWARD_EXAMPLES = 8
 
 
 @given(data=st.data())
@@ -168,7 +165,6 @@ def forward_head_dims(where):
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@settings(max_examples=SIMULATOR_FORWARD_EXAMPLES if _where() == "simulator" else settings.default.max_examples)
 @given(data=st.data())
 def test_the_wgmma_forward_matches_the_float64_reference(data):
     """Random shapes, grouped heads, strides, both causal alignments; and NaN (drawn into a query, key or value
@@ -242,7 +238,6 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@settings(max_examples=SIMULATOR_FORWARD_EXAMPLES if _where() == "simulator" else settings.default.max_examples)
 @given(data=st.data())
 def test_the_wgmma_forward_with_a_block_mask_matches_the_float64_reference(data):
     """Random block masks (``strategies.block_masks``: random density, all zero or all one, empty rows or columns of
