@@ -696,8 +696,7 @@ def test_the_wgmma_backward_matches_the_float64_reference(data):
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
 @pytest.mark.parametrize("dq_mode, causal", [
-    ("separate", False), ("ordered", "bottom_right"),
-    pytest.param("atomic", True, marks=pytest.mark.gpu_only)])   # (CI's time: the atomic adds run at d = 64 there)
+    ("separate", False), ("ordered", "bottom_right"), ("atomic", True)])
 def test_the_wgmma_backward_at_d96_reads_the_128_column_layout(dq_mode, causal):
     """d = 96 on the 128-column layout (pad columns 96..127 zero-filled by the copies), in each way of summing dQ:
     S^T and dP^T in six k-steps, dV, dK (and the dQ kernel's dQ) as m64n96, the dK/dV kernel's dQ as one 96-column
@@ -878,8 +877,7 @@ def test_the_wgmma_backward_with_a_block_mask_matches_the_float64_reference(data
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma backward needs a Hopper GPU (sm_90a) or the simulator")
 @pytest.mark.parametrize("dq_mode, causal", [
-    pytest.param("ordered", False, marks=pytest.mark.gpu_only),   # (CI's time: the simulator's other three cover it)
-    ("ordered", "bottom_right"), ("separate", True), ("atomic", False)])
+    ("ordered", False), ("ordered", "bottom_right"), ("separate", True), ("atomic", False)])
 def test_the_wgmma_backward_visits_a_block_masks_tiles_in_every_mode(dq_mode, causal):
     """A block mask of 16 x 16 blocks over four query tiles and four key tiles (ragged lengths), two query heads
     per key/value head (each key tile's steps walk both heads' lists): query tile 0 sees key tiles 0, 2 and 3 (a
