@@ -100,7 +100,7 @@ def hopper(head_dims, elements=("f16", "bf16")):
     from numba_flash.kernels.hopper.backward import make_dq_convert, make_wgmma_dkdv, make_wgmma_dq
     from numba_flash.kernels.hopper.dq_sums import DQ_MODES, UNORDERED_MODES, key_warpgroups, splits_dq_columns
     from numba_flash.kernels.hopper.specialized_dkdv import make_specialized_dkdv
-    from numba_flash.kernels.hopper.specialized_forward import CONSUMER_COUNTS, make_specialized_forward
+    from numba_flash.kernels.hopper.specialized_forward import CONSUMER_COUNTS, STAGE_COUNTS, make_specialized_forward
     from numba_flash.kernels.hopper.common import HEAD_DIMS, layout_dim
     from numba_flash.kernels.hopper.forward import DEFAULT_WARPGROUPS, make_wgmma_forward
 
@@ -110,9 +110,11 @@ def hopper(head_dims, elements=("f16", "bf16")):
                  "sm_90a")
             if d not in HEAD_DIMS:
                 continue
-            for consumers, query_in_registers in itertools.product(CONSUMER_COUNTS, (False, True)):
-                # the warp-specialised forward (NUMBA_FLASH_WGMMA_FORWARD=specialized, NUMBA_FLASH_WGMMA_QUERY)
-                fast(make_specialized_forward(d, element, causal, varlen, consumers, query_in_registers), "sm_90a")
+            for consumers, query_in_registers, stages in itertools.product(CONSUMER_COUNTS, (False, True),
+                                                                           STAGE_COUNTS):
+                # the warp-specialised forward (NUMBA_FLASH_WGMMA_FORWARD=specialized, NUMBA_FLASH_WGMMA_QUERY, _STAGES)
+                fast(make_specialized_forward(d, element, causal, varlen, consumers, query_in_registers, stages),
+                     "sm_90a")
             for dq_mode in DQ_MODES:
                 if key_warpgroups(dq_mode) == 1:
                     fast(make_wgmma_dkdv(d, element, causal, dq_mode, VARLEN=varlen), "sm_90a")

@@ -22,7 +22,7 @@ element test; the wgmma forward's are 64 x 64, which leave its blocks of two
 warpgroups, 128 rows, partly covered tiles), dropout, both, gqa (two query
 heads per key/value head, bottom-right causal), overlap (the wgmma forward's overlapped loop), warpgroups2
 (its blocks of two warpgroups), specialized (the warp-specialised wgmma forward; consumers3: of three consumer
-warpgroups; registers: Q's fragments in registers), strided
+warpgroups; registers: Q's fragments in registers; stages4: of four K/V stages), strided
 (q, k, v as transposed (B, N, H, d) views), unordered (the backward with deterministic=False), ordered / separate (the
 wgmma backward's dQ summed in a fixed order by its dK/dV kernel, or in a kernel of its own: ``NUMBA_FLASH_WGMMA_DQ``),
 bulk_ordered / bulk_unordered (its dK/dV kernel of two warpgroups adding dQ by bulk reductions), nan (NaN in a value
@@ -157,6 +157,8 @@ RUNS = [
     ("forward", "wgmma", np.float16, None, "nan_specialized_consumers3"),
     ("forward", "wgmma", BF16, None, "gqa_specialized_registers"),
     ("forward", "wgmma", np.float16, None, "nan_specialized_consumers3_registers"),
+    ("forward", "wgmma", BF16, None, "gqa_specialized_stages4"),
+    ("forward", "wgmma", np.float16, None, "nan_specialized_consumers3_stages4"),
     ("forward", "wgmma", np.float16, None, "sparse"),
     ("forward", "wgmma", BF16, None, "sparse_whole"),
     ("forward", "wgmma", BF16, None, "gqa_sparse_overlap"),
@@ -384,7 +386,8 @@ def main(selected=()):
                       wgmma_loop("overlap" in variant, 2 if "warpgroups2" in variant else 1,
                                  "specialized" if "specialized" in variant else "blocks",
                                  3 if "consumers3" in variant else 2,
-                                 "registers" if "registers" in variant else "shared")):
+                                 "registers" if "registers" in variant else "shared",
+                                 4 if "stages4" in variant else 3)):
                     out = numba_flash.attention(q, k, v, algorithm=algorithm, block_sizes=blocks, **kwargs)
                 worst = max(worst, check("O", out, ref, dtype, nan_rows_only=algorithm == "wgmma"))
                 continue

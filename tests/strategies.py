@@ -334,18 +334,19 @@ def wgmma_dq(mode):
 
 
 @contextlib.contextmanager
-def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks", consumers=2, query="shared"):
+def wgmma_loop(overlap=False, warpgroups=1, kernel="blocks", consumers=2, query="shared", stages=3):
     """The wgmma forward with its products overlapping the softmax or not, in blocks of one warpgroup or two
     (``OVERLAP_PRODUCTS`` and ``WARPGROUPS``, which ``NUMBA_FLASH_WGMMA_OVERLAP`` and
     ``NUMBA_FLASH_WGMMA_WARPGROUPS`` set for a process), or on the warp-specialised kernel (``kernel="specialized"``,
     ``NUMBA_FLASH_WGMMA_FORWARD``) with ``consumers`` consumer warpgroups (``NUMBA_FLASH_WGMMA_CONSUMERS``) reading Q
-    from ``query`` ("shared" or "registers", ``NUMBA_FLASH_WGMMA_QUERY``), plans rebuilt before and after."""
+    from ``query`` ("shared" or "registers", ``NUMBA_FLASH_WGMMA_QUERY``) through ``stages`` K/V stages
+    (``NUMBA_FLASH_WGMMA_STAGES``), plans rebuilt before and after."""
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    names = ("OVERLAP_PRODUCTS", "WARPGROUPS", "FORWARD_KERNEL", "CONSUMERS", "QUERY_OPERAND")
+    names = ("OVERLAP_PRODUCTS", "WARPGROUPS", "FORWARD_KERNEL", "CONSUMERS", "QUERY_OPERAND", "STAGES")
     saved = [getattr(hopper, name) for name in names]
-    for name, value in zip(names, (overlap, str(warpgroups), kernel, str(consumers), query)):
+    for name, value in zip(names, (overlap, str(warpgroups), kernel, str(consumers), query, str(stages))):
         setattr(hopper, name, value)
     api._PLANS.clear()
     try:

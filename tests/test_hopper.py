@@ -54,6 +54,7 @@ def test_every_wgmma_forward_fits_a_hopper_block_and_splits_o_in_slices_wgmma_ca
     from numba_flash.kernels.hopper.common import FORWARD_HEAD_DIMS, HEAD_DIMS, LAYOUT_DIMS, layout_dim
     from numba_flash.kernels.hopper.forward import WARPGROUP_COUNTS, shared_bytes
     from numba_flash.kernels.hopper.forward_steps import value_slices
+    from numba_flash.kernels.hopper.specialized_forward import STAGE_COUNTS
     from numba_flash.kernels.hopper.specialized_forward import shared_bytes as specialized_shared_bytes
 
     for d in FORWARD_HEAD_DIMS:
@@ -63,8 +64,8 @@ def test_every_wgmma_forward_fits_a_hopper_block_and_splits_o_in_slices_wgmma_ca
                 assert shared_bytes(d, warpgroups, overlap) <= 227 * 1024, (d, warpgroups, overlap)
         slices = value_slices(d)
         assert sum(slices) == d and all(0 < x <= 128 and x % 8 == 0 for x in slices), slices
-    for d in HEAD_DIMS:   # the warp-specialised forward's three stages, two or three consumers' Q tiles
-        assert specialized_shared_bytes(d, 3) <= 227 * 1024, d
+    for d in HEAD_DIMS:   # the warp-specialised forward's three or four stages, two or three consumers' Q tiles
+        assert specialized_shared_bytes(d, 3, max(STAGE_COUNTS)) <= 227 * 1024, d
     assert value_slices(256) == (128, 128) and value_slices(96) == (96,)
 
 
@@ -171,7 +172,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     row) reaching exactly the rows allowed to see it, as on the mma.sync path (tests/test_nan.py); both loops,
     products waited for at once or overlapping the softmax (``make_wgmma_forward``'s OVERLAP), in blocks of
     one warpgroup or two (WARPGROUPS), and the warp-specialised kernel (``specialized_forward.py``, up to d = 128,
-    two or three consumers, Q from shared memory or registers);
+    two or three consumers, Q from shared memory or registers, three or four K/V stages);
     head dims on the 64-, 128- and 256-column layouts (O in two slices above 128)."""
     import ml_dtypes
 
@@ -179,6 +180,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     import reference
     from numba_flash.kernels.hopper.common import HEAD_DIMS
     from numba_flash.kernels.hopper.forward import BLOCK_M, WARPGROUP_COUNTS
+    from numba_flash.kernels.hopper.specialized_forward import STAGE_COUNTS
     from tolerances import assert_close_to_reference
 
     where = _where()
@@ -199,6 +201,7 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
     kernel = data.draw(st.sampled_from(["blocks", "specialized"] if d in HEAD_DIMS else ["blocks"]))
     consumers = data.draw(st.sampled_from([2, 3]))   # (the warp-specialised kernel's)
     query = data.draw(st.sampled_from(["shared", "registers"]))   # (its S = Q K^T's A operand)
+    stages = data.draw(st.sampled_from(STAGE_COUNTS))               # (its K/V stages)
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
 
     def operand(h, n):
@@ -212,12 +215,12 @@ def test_the_wgmma_forward_matches_the_float64_reference(data):
         x[data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, x.shape[1] - 1)),
           data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, d - 1))] = np.nan
     if where == "hopper":
-        with wgmma_loop(overlap, warpgroups, kernel, consumers, query):
+        with wgmma_loop(overlap, warpgroups, kernel, consumers, query, stages):
             out, lse = numba_flash.attention(*(to_gpu(host[x], token_major) for x in "qkv"), causal=causal,
                                              algorithm="wgmma", return_lse=True)
         out, lse = to_host(out), to_host(lse)
     else:
-        with wgmma_loop(overlap, warpgroups, kernel, consumers, query):
+        with wgmma_loop(overlap, warpgroups, kernel, consumers, query, stages):
             out, lse = numba_flash.attention(host["q"], host["k"], host["v"], causal=causal, algorithm="wgmma",
                                              return_lse=True)
     allowed = causal_mask(causal, n_q, n_k)
@@ -521,7 +524,7 @@ def test_flash2_picks_the_wgmma_backward_on_hopper_for_calls_in_its_scope(monkey
 
 
 def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4, n_q=70, consumers=2,
-                    query="shared"):
+                    query="shared", stages=3):
     """Four key tiles (every buffer refilled at least once; or ``key_tiles``), the diagonal crossing two of them,
     grouped heads, 70 query rows (with two warpgroups: the second's rows 64-69 and 58 rows past N_q; or ``n_q``),
     against float64."""
@@ -537,7 +540,7 @@ def _four_key_tiles(d, causal, overlap, warpgroups, kernel="blocks", key_tiles=4
     if _where() == "hopper":
         import torch
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-    with wgmma_loop(overlap, warpgroups, kernel, consumers, query):
+    with wgmma_loop(overlap, warpgroups, kernel, consumers, query, stages):
         out, lse = numba_flash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
     q, k, v, out, lse = (x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x) for x in (q, k, v, out, lse))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -566,17 +569,19 @@ def test_the_wgmma_forward_at_d96_reads_the_128_column_layout(causal, overlap, w
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
-@pytest.mark.parametrize("d, causal, n_q, consumers, query", [(96, "bottom_right", 70, 2, "shared"),
-                                                              (32, True, 130, 2, "shared"),
-                                                              (64, True, 130, 3, "shared"),
-                                                              (64, True, 70, 2, "registers")])
-def test_the_warp_specialised_forward_runs_every_stage_and_every_consumer(d, causal, n_q, consumers, query):
-    """``specialized_forward.py`` over five key tiles (its three stages, the first two refilled: the producer waits
-    for the consumers' release), the diagonal crossing two; the last consumer's rows partly (n_q = 70; with three,
-    rows 128-129 of 192) or wholly (the second block of n_q = 130) past N_q, still taking its turns; d = 96 on the
-    128-column layout; Q from registers (four k-steps of fragments).  (Dense calls: the property test above draws
-    them.)"""
-    _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=5, n_q=n_q, consumers=consumers, query=query)
+@pytest.mark.parametrize("d, causal, n_q, consumers, query, stages", [(96, "bottom_right", 70, 2, "shared", 3),
+                                                                      (32, True, 130, 2, "shared", 3),
+                                                                      (64, True, 130, 3, "shared", 3),
+                                                                      (64, True, 70, 2, "registers", 3),
+                                                                      (128, "bottom_right", 130, 2, "shared", 4)])
+def test_the_warp_specialised_forward_runs_every_stage_and_every_consumer(d, causal, n_q, consumers, query, stages):
+    """``specialized_forward.py`` over its stages and two more key tiles (the first two stages refilled: the producer
+    waits for the consumers' release; with four stages, its producer two tiles ahead), the diagonal crossing two; the
+    last consumer's rows partly (n_q = 70; with three, rows 128-129 of 192) or wholly (the second block of n_q = 130)
+    past N_q, still taking its turns; d = 96 on the 128-column layout; Q from registers (four k-steps of fragments).
+    (Dense calls: the property test above draws them.)"""
+    _four_key_tiles(d, causal, False, 1, "specialized", key_tiles=stages + 2, n_q=n_q, consumers=consumers,
+                    query=query, stages=stages)
 
 
 @pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")

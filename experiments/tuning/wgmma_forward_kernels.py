@@ -3,15 +3,17 @@
 "blocks" is ``kernels/hopper/forward.py``'s (blocks of one warpgroup that copy their own tiles and meet at block
 barriers), "specialized" ``kernels/hopper/specialized_forward.py``'s (a producer warpgroup, two consumers taking
 turns on the tensor cores; "specialized3" with three consumers, 192-row blocks; "R": Q held in registers,
-``NUMBA_FLASH_WGMMA_QUERY=registers``), switched in one process as ``NUMBA_FLASH_WGMMA_FORWARD``,
-``NUMBA_FLASH_WGMMA_CONSUMERS`` and ``NUMBA_FLASH_WGMMA_QUERY`` would switch them.  For each
+``NUMBA_FLASH_WGMMA_QUERY=registers``; "4S": four K/V stages, ``NUMBA_FLASH_WGMMA_STAGES=4``), switched in one
+process as ``NUMBA_FLASH_WGMMA_FORWARD``, ``NUMBA_FLASH_WGMMA_CONSUMERS``, ``NUMBA_FLASH_WGMMA_QUERY`` and
+``NUMBA_FLASH_WGMMA_STAGES`` would switch them.  For each
 shape, dense and causal: the forward alone as GPU time (``time_ms(device_only=True)``: the launches queued behind a
 wait, as in a training loop) for both kernels and both torch backends, then forward + backward through autograd
 (``numba_flash.torch.attention``, the backward the library's) with each kernel and each backend as whole calls; the
 specialised kernels' largest difference from "blocks"' O over the largest |O| (``<kernel> diff``), and the
-TFLOP/s of the two-consumer kernel's forward.  Ratios are to cuDNN measured in the same process.
+TFLOP/s of the first kernel after "blocks".  Ratios are to cuDNN measured in the same process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_forward_kernels.py [--dtypes bfloat16,float16] [--issue-rows]
+        [--kernels specialized,specialized4S]
 
 Writes ``results/wgmma_forward_kernels_<card>.md``.
 """
@@ -28,10 +30,11 @@ REPEATS = 10
 #: (B, H_q, H_kv, N, d): issue 45's rows, then other head dims, batch sizes, groups and ragged lengths.
 SHAPES = [(4, 16, 16, 4096, 64), (2, 16, 16, 8192, 128), (4, 32, 8, 4096, 128), (4, 16, 16, 3000, 64),
           (2, 16, 16, 4096, 96), (16, 16, 16, 1024, 128), (1, 32, 4, 16384, 128), (8, 12, 12, 2000, 80)]
-#: name: (NUMBA_FLASH_WGMMA_FORWARD, NUMBA_FLASH_WGMMA_CONSUMERS, NUMBA_FLASH_WGMMA_QUERY)
-KERNELS = {"blocks": ("blocks", "2", "shared"), "specialized": ("specialized", "2", "shared"),
-           "specialized3": ("specialized", "3", "shared"), "specializedR": ("specialized", "2", "registers"),
-           "specialized3R": ("specialized", "3", "registers")}
+#: name: (NUMBA_FLASH_WGMMA_FORWARD, NUMBA_FLASH_WGMMA_CONSUMERS, NUMBA_FLASH_WGMMA_QUERY, NUMBA_FLASH_WGMMA_STAGES)
+KERNELS = {"blocks": ("blocks", "2", "shared", "3"), "specialized": ("specialized", "2", "shared", "3"),
+           "specialized3": ("specialized", "3", "shared", "3"), "specializedR": ("specialized", "2", "registers", "3"),
+           "specialized3R": ("specialized", "3", "registers", "3"),
+           "specialized4S": ("specialized", "2", "shared", "4"), "specialized3-4S": ("specialized", "3", "shared", "4")}
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
@@ -40,11 +43,11 @@ def use(kernel):
     from numba_flash import api
     from numba_flash.kernels.hopper import forward as hopper
 
-    hopper.FORWARD_KERNEL, hopper.CONSUMERS, hopper.QUERY_OPERAND = KERNELS[kernel]
+    hopper.FORWARD_KERNEL, hopper.CONSUMERS, hopper.QUERY_OPERAND, hopper.STAGES = KERNELS[kernel]
     api._PLANS.clear()
 
 
-def case(torch, batch, heads, kv_heads, n, d, dtype, causal):
+def case(torch, kernels, batch, heads, kv_heads, n, d, dtype, causal):
     """One row: GPU times of the forward alone and whole fwd+bwd times, in milliseconds, and the ratios."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -56,7 +59,7 @@ def case(torch, batch, heads, kv_heads, n, d, dtype, causal):
     whole = lambda run: time_ms(run, repeats=REPEATS, warmup=2)   # noqa: E731
     row = dict(B=batch, H_q=heads, H_kv=kv_heads, N=n, d=d, dtype=str(dtype)[6:], causal=bool(causal))
     outputs = {}
-    for kernel in KERNELS:
+    for kernel in kernels:
         use(kernel)
         outputs[kernel] = numba_flash.attention(q, k, v, causal=causal)
         row[f"{kernel} fwd"] = forward_alone(lambda: numba_flash.attention(q, k, v, causal=causal))
@@ -70,14 +73,14 @@ def case(torch, batch, heads, kv_heads, n, d, dtype, causal):
         row[f"{name} fwd"] = forward_alone(forward)
         row[f"{name} fwd+bwd"] = whole(lambda: torch.autograd.grad(forward(), leaves, grad_out))
     blocks = outputs["blocks"].float()
-    for kernel in list(KERNELS)[1:]:
+    for kernel in kernels[1:]:
         row[f"{kernel} diff"] = float((outputs[kernel].float() - blocks).abs().max() / blocks.abs().max())
     flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
-    row["specialized TFLOP/s"] = flops / (row["specialized fwd"] * 1e-3) / 1e12
-    for kernel in KERNELS:
+    row[f"{kernels[1]} TFLOP/s"] = flops / (row[f"{kernels[1]} fwd"] * 1e-3) / 1e12
+    for kernel in kernels:
         row[f"{kernel} fwd / cuDNN"] = row["cuDNN fwd"] / row[f"{kernel} fwd"]
         row[f"{kernel} fwd+bwd / cuDNN"] = row["cuDNN fwd+bwd"] / row[f"{kernel} fwd+bwd"]
-    row["specialized fwd+bwd / flash"] = row["flash fwd+bwd"] / row["specialized fwd+bwd"]
+    row[f"{kernels[1]} fwd+bwd / flash"] = row["flash fwd+bwd"] / row[f"{kernels[1]} fwd+bwd"]
     print(" ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in row.items()), flush=True)
     return row
@@ -87,22 +90,29 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--issue-rows", action="store_true", help="issue 45's first four rows, bfloat16 only")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"those of {', '.join(KERNELS)} to time, comma-separated ('blocks' is always first)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
+    kernels = ["blocks"] + [name for name in args.kernels.split(",") if name != "blocks"]
+    unknown = [name for name in kernels if name not in KERNELS]
+    if unknown or len(kernels) < 2:
+        parser.error(f"--kernels: {unknown or 'none'} besides 'blocks'; the kernels are {', '.join(KERNELS)}")
     if numba_flash.in_simulator():
         print("needs a Hopper GPU")
         return 2
     import torch
 
     shapes, dtypes = (SHAPES[:4], ["bfloat16"]) if args.issue_rows else (SHAPES, args.dtypes.split(","))
-    rows = [case(torch, *shape, getattr(torch, dtype), causal)
+    rows = [case(torch, kernels, *shape, getattr(torch, dtype), causal)
             for dtype in dtypes for shape in shapes for causal in (False, True)]
     device_name = numba_flash.device_limits().name
     card = re.search(r"[A-Z]\d{3}", device_name)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"wgmma_forward_kernels_{card.group(0).lower() if card else 'gpu'}.md")
-    command = "python3 experiments/tuning/wgmma_forward_kernels.py" + (" --issue-rows" if args.issue_rows else
-                                                                       f" --dtypes {args.dtypes}")
+    command = ("python3 experiments/tuning/wgmma_forward_kernels.py" + (" --issue-rows" if args.issue_rows else
+                                                                        f" --dtypes {args.dtypes}")
+               + f" --kernels {','.join(kernels)}")
     with open(path, "w") as f:
         f.write(markdown_header("The wgmma forward's two kernels", command, device_name, timer=timer_note(REPEATS)))
         f.write("\nfwd: GPU time of the forward alone (ms); fwd+bwd: whole calls through autograd (ms); ratios: "

@@ -685,6 +685,9 @@ CONSUMERS = os.environ.get("NUMBA_FLASH_WGMMA_CONSUMERS", "2")
 #: "registers" (each consumer's fragments, ``specialized_forward.make_specialized_forward``'s QUERY_IN_REGISTERS).
 QUERY_OPERANDS = ("shared", "registers")
 QUERY_OPERAND = os.environ.get("NUMBA_FLASH_WGMMA_QUERY", "shared")
+#: ``NUMBA_FLASH_WGMMA_STAGES``: the warp-specialised kernel's K/V stages, 3 (the default) or 4 (its producer a tile
+#: further ahead: ``specialized_forward.STAGE_COUNTS``).
+STAGES = os.environ.get("NUMBA_FLASH_WGMMA_STAGES", "3")
 #: ``NUMBA_FLASH_WGMMA_WARPGROUPS=1`` or ``2`` runs blocks of that many warpgroups sharing each K/V tile
 #: (``make_wgmma_forward``, WARPGROUPS) at every head dim; unset, each head dim takes its ``DEFAULT_WARPGROUPS``.
 WARPGROUPS = os.environ.get("NUMBA_FLASH_WGMMA_WARPGROUPS")
@@ -762,10 +765,14 @@ def forward_launch(call):
                              f"not {CONSUMERS!r}")
         if QUERY_OPERAND not in QUERY_OPERANDS:
             raise ValueError(f"NUMBA_FLASH_WGMMA_QUERY must be one of {QUERY_OPERANDS}, not {QUERY_OPERAND!r}")
+        stages = int(STAGES) if STAGES.isdigit() else None
+        if stages not in specialized.STAGE_COUNTS:
+            raise ValueError(f"NUMBA_FLASH_WGMMA_STAGES must be one of {specialized.STAGE_COUNTS}, not {STAGES!r}")
         tiles = (specialized.rows(consumers), BLOCK_N)
         kernel = specialized.make_specialized_forward(call.head_dim, call.precision, call.causal, sequence_mode(call),
-                                                      consumers, QUERY_OPERAND == "registers")
-        threads, shared = specialized.threads(consumers), specialized.shared_bytes(call.head_dim, consumers)
+                                                      consumers, QUERY_OPERAND == "registers", stages)
+        threads, shared = (specialized.threads(consumers),
+                           specialized.shared_bytes(call.head_dim, consumers, stages))
     else:
         kernel = make_wgmma_forward(call.head_dim, call.precision, call.causal, OVERLAP_PRODUCTS, warpgroups,
                                     has_tile_lists(call), partly_masked_tiles(call, tiles, "forward"),

@@ -9,8 +9,9 @@ read rate, not the tensor cores, was its limit: 70% of L2's throughput against 5
 warpgroups (384 or 512 threads, ``CONSUMER_COUNTS``) owns 64 C query rows of one head:
 
 * the *producer* (warpgroup 0) copies K_j and V_j (cp.async, 64-key tiles on the 128-byte swizzle) into stage
-  j % STAGES once every consumer is done with the tile that was there, waits for them, and announces them on the
-  stage's FULL mbarrier; it gives back registers (``roles.role_budgets``: 56 left to it) so that each consumer holds
+  j % STAGES once every consumer is done with the tile that was there, waits for them (announcing tile j - 1 after
+  issuing tile j with three stages, tile j - 2 with four: ``STAGE_COUNTS``), and announces them on the stage's FULL
+  mbarrier; it gives back registers (``roles.role_budgets``: 56 left to it) so that each consumer holds
   224 (C = 2) or 152 (C = 3);
 * *consumer* c (warpgroup 1 + c) owns query rows 64 c .. 64 c + 63 of the block (its Q tile, its O, m and l) and
   runs the loop below.  They share every K/V tile, so a tile read from L2 serves 64 C rows.
@@ -77,9 +78,12 @@ WARPGROUP = 128
 #: Consumer warpgroups a block may have: two (128 query rows, FlashAttention-3's choice at d = 128) or three (192
 #: rows: its choice at d <= 96, where a tile's products are shorter against the same softmax).
 CONSUMER_COUNTS = (2, 3)
-#: K/V stages: the producer announces tile j - 1 after it has issued tile j, so the consumers work on one stage
-#: while two are on their way.  3 x (K, V) + two Q tiles: 128 KB of shared memory at d = 128, 64 KB at d = 64.
-STAGES = 3
+#: K/V stages a block may have: the producer announces tile j - (STAGES - 2) after it has issued tile j, so the
+#: consumers work on one stage while STAGES - 1 are on their way (a consumer frees a stage only once the product of the
+#: tile after it is done, hence the 2).  Three (the default: two Q tiles and 3 x (K, V) take 128 KB of shared memory at
+#: d = 128, 64 KB at d = 64), or four, whose producer is a tile further ahead (160 KB at d = 128; 176 KB with three
+#: consumers): the copies it waits for were issued a tile earlier.  Four is unmeasured on a GPU (2026-12-08).
+STAGE_COUNTS = (3, 4)
 #: Registers a thread given back by the producer (at 24 its copies' addresses spilled 96 bytes at d = 128, at 40 32;
 #: at 56 none): the consumers then hold 224 each with two of them, 152 with three (``roles.role_budgets``; ptxas
 #: 13.0, sm_90a, 2026-12-07: no spills at d = 32-128, ``experiments/tuning/results/specialized_forward_ptxas_sm90.md``).
@@ -105,21 +109,24 @@ def specialized_scope(call):
     return None
 
 
-def shared_bytes(head_dim, consumers=2):
-    """The consumers' Q tiles, STAGES of K and V, each stage's NaN flags (a word a key), the 2 STAGES mbarriers,
-    and slack to start the tiles on a 1024-byte boundary."""
-    return ((consumers + 2 * STAGES) * tile_bytes(head_dim) + STAGES * BLOCK_N * 4 + 2 * STAGES * BARRIER_BYTES
+def shared_bytes(head_dim, consumers=2, stages=STAGE_COUNTS[0]):
+    """The consumers' Q tiles, ``stages`` of K and V, each stage's NaN flags (a word a key), the 2 ``stages``
+    mbarriers, and slack to start the tiles on a 1024-byte boundary."""
+    return ((consumers + 2 * stages) * tile_bytes(head_dim) + stages * BLOCK_N * 4 + 2 * stages * BARRIER_BYTES
             + 1024)
 
 
 @lru_cache(maxsize=None)
-def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUERY_IN_REGISTERS=False):
-    """The kernel of the module docstring for head dim D (``common.HEAD_DIMS``), ELEMENT "f16" or "bf16", and
-    CONSUMERS consumer warpgroups (``CONSUMER_COUNTS``).  Its parameters are ``forward.make_wgmma_forward``'s without
-    the block mask's and the mods'.  QUERY_IN_REGISTERS: each consumer holds its Q tile as wgmma A fragments, so
-    that S = Q K^T reads only K from shared memory (m64n64k16 from shared memory reads 4 KB for 131 kFLOP, about
-    the 128 bytes a cycle shared memory serves at the tensor cores' peak; Q from registers halves that)."""
-    assert D in HEAD_DIMS and CONSUMERS in CONSUMER_COUNTS, (D, CONSUMERS)
+def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUERY_IN_REGISTERS=False,
+                             STAGES=STAGE_COUNTS[0]):
+    """The kernel of the module docstring for head dim D (``common.HEAD_DIMS``), ELEMENT "f16" or "bf16",
+    CONSUMERS consumer warpgroups (``CONSUMER_COUNTS``) and STAGES K/V stages (``STAGE_COUNTS``).  Its parameters
+    are ``forward.make_wgmma_forward``'s without the block mask's and the mods'.  QUERY_IN_REGISTERS: each consumer
+    holds its Q tile as wgmma A fragments, so that S = Q K^T reads only K from shared memory (m64n64k16 from shared
+    memory reads 4 KB for 131 kFLOP, about the 128 bytes a cycle shared memory serves at the tensor cores' peak; Q
+    from registers halves that)."""
+    assert D in HEAD_DIMS and CONSUMERS in CONSUMER_COUNTS and STAGES in STAGE_COUNTS, (D, CONSUMERS, STAGES)
+    AHEAD = STAGES - 2   # tiles the producer has issued past the one it announces
     THREADS, ROWS = threads(CONSUMERS), rows(CONSUMERS)
     CONSUMER_THREADS = CONSUMERS * WARPGROUP
     give_registers, take_registers, _ = role_budgets(PRODUCER_REGISTERS, CONSUMERS)
@@ -142,7 +149,7 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUER
     cleaned = nan_cleaner(ELEMENT)
     has_nan = pair_has_nan(ELEMENT)
     flags_of_lane = lane_flags(BLOCK_N // 8)
-    wait_all_but_two_groups = copy_async_wait(2)   # the producer's newest tile (K and V) may stay in flight
+    wait_all_but_newest_tiles = copy_async_wait(2 * AHEAD)   # the producer's newest AHEAD tiles (K, V) stay in flight
     wait_all_products = wgmma_wait(0)
     wait_all_but_one_product = wgmma_wait(1)
 
@@ -199,21 +206,24 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUER
     @inlined_device_function
     def produce(smem, kv_at, flags_at, barriers_at, K, V, k_first, v_first, k_sn, v_sn, n_k, q0, causal_offset,
                 n_tiles, tid):
-        """Tile j into stage j % STAGES once the consumers released it (EMPTY), then tile j - 1, which has landed by
-        then, announced (FULL: an arrival of each thread)."""
-        stage, phase, previous = 0, 0, 0   # tile j's stage and that stage's phase; tile j - 1's stage
-        for j in range(n_tiles + 1):
+        """Tile j into stage j % STAGES once the consumers released it (EMPTY), then tile j - AHEAD, which has landed
+        by then, announced (FULL: an arrival of each thread).  Past the last tile, empty commit groups keep the count
+        of groups a round the same, so that one wait serves every round."""
+        stage, phase = 0, 0   # tile j's stage and that stage's phase
+        announced = 0         # tile j - AHEAD's stage
+        for j in range(n_tiles + AHEAD):
             if j < n_tiles:
                 barrier_wait(smem, barriers_at + 2 * (STAGES + stage), phase ^ 1)   # EMPTY[stage]
                 issue_tile(smem, kv_at + stage * STAGE_WORDS, flags_at + stage * BLOCK_N, K, V, k_first, v_first,
                            k_sn, v_sn, n_k, j * BLOCK_N, q0, causal_offset, tid)
-                wait_all_but_two_groups()   # tile j - 1 landed (tile j may stay in flight)
             else:
-                copy_async_wait_all()
-            if j > 0:
-                announce_tile(smem, kv_at + previous * STAGE_WORDS, flags_at + previous * BLOCK_N,
-                              barriers_at + 2 * previous, (j - 1) * BLOCK_N, q0, causal_offset, tid)
-            previous = stage
+                copy_async_commit()
+                copy_async_commit()
+            wait_all_but_newest_tiles()   # tile j - AHEAD landed
+            if j >= AHEAD:
+                announce_tile(smem, kv_at + announced * STAGE_WORDS, flags_at + announced * BLOCK_N,
+                              barriers_at + 2 * announced, (j - AHEAD) * BLOCK_N, q0, causal_offset, tid)
+                announced = next_stage(announced, 0)[0]
             stage, phase = next_stage(stage, phase)
 
     @inlined_device_function
@@ -373,10 +383,12 @@ def make_specialized_forward(D, ELEMENT, CAUSAL, VARLEN=False, CONSUMERS=2, QUER
 
     return Kernel(kernel, f"wgmma_forward_specialized_d{D}_{ELEMENT}" + ("_causal" if CAUSAL else "")
                   + ("_varlen" if VARLEN else "") + ("" if CONSUMERS == 2 else f"_consumers{CONSUMERS}")
-                  + ("_query_in_registers" if QUERY_IN_REGISTERS else ""),
+                  + ("_query_in_registers" if QUERY_IN_REGISTERS else "")
+                  + ("" if STAGES == STAGE_COUNTS[0] else f"_stages{STAGES}"),
                   arrays=dict(Q=np.uint32, K=np.uint32, V=np.uint32, O=np.uint32, LSE=np.float32, q_bounds=np.int32,
                               k_bounds=np.int32),
                   floats=("scale_log2",), launch_bounds=(THREADS, 1))
 
 
-__all__ = ["CONSUMER_COUNTS", "make_specialized_forward", "rows", "shared_bytes", "specialized_scope", "threads"]
+__all__ = ["CONSUMER_COUNTS", "STAGE_COUNTS", "make_specialized_forward", "rows", "shared_bytes", "specialized_scope",
+           "threads"]
