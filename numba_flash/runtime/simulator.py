@@ -60,7 +60,8 @@ class BlockBarrier:
     """A barrier of ``parties`` simulated threads (``syncthreads``, a named barrier, or a warp's room).
 
     ``action``, if given, runs once per generation in the last thread to arrive, before any other leaves (a room's
-    shared computation).  ``timeout`` (seconds, None: none) breaks the barrier of a thread that waits longer."""
+    shared computation).  ``timeout`` (seconds, None: none): a thread that waits longer breaks the barrier and raises
+    (a deadlock's report; the threads queued behind it in the same generation then time out in turn)."""
 
     def __init__(self, parties, action=None, timeout=None):
         self._lock = threading.Lock()
