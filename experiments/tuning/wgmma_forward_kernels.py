@@ -13,9 +13,9 @@ specialised kernels' largest difference from "blocks"' O over the largest |O| (`
 TFLOP/s of the first kernel after "blocks".  Ratios are to cuDNN measured in the same process.
 
     PYTHONPATH=$PWD python3 experiments/tuning/wgmma_forward_kernels.py [--dtypes bfloat16,float16] [--issue-rows]
-        [--kernels specialized,specialized4S]
+        [--kernels specialized,specialized4S] [--tag wgmma_forward_stages]
 
-Writes ``results/wgmma_forward_kernels_<card>.md``.
+Writes ``results/<tag>_<card>.md`` (tag ``wgmma_forward_kernels`` by default).
 """
 import argparse
 import os
@@ -93,6 +93,8 @@ def main(argv=None):
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help=f"those of {', '.join(KERNELS)} to time, comma-separated ('blocks' is always first)")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--tag", default="wgmma_forward_kernels",
+                        help="the results file's stem (the card's name is appended), so a run can keep an earlier one")
     args = parser.parse_args(argv)
     kernels = ["blocks"] + [name for name in args.kernels.split(",") if name != "blocks"]
     unknown = [name for name in kernels if name not in KERNELS]
@@ -109,7 +111,7 @@ def main(argv=None):
     device_name = numba_flash.device_limits().name
     card = re.search(r"[A-Z]\d{3}", device_name)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"wgmma_forward_kernels_{card.group(0).lower() if card else 'gpu'}.md")
+    path = os.path.join(args.out, f"{args.tag}_{card.group(0).lower() if card else 'gpu'}.md")
     command = ("python3 experiments/tuning/wgmma_forward_kernels.py" + (" --issue-rows" if args.issue_rows else
                                                                         f" --dtypes {args.dtypes}")
                + f" --kernels {','.join(kernels)}")
