@@ -999,3 +999,19 @@ def test_the_wgmma_backward_rejects_what_it_cannot_run():
         attention_backward(*arrays(), dropout_p=0.1, seed=1, algorithm="wgmma")
     with pytest.raises(ValueError, match="algorithm must be one of"):
         attention_backward(*arrays(), algorithm="standard")
+
+
+@pytest.mark.skipif(_where() is None, reason="the wgmma forward needs a Hopper GPU (sm_90a) or the simulator")
+@pytest.mark.parametrize("setting, value", [("consumers", 4), ("query", "texture"), ("stages", 5)])
+def test_a_bad_setting_of_the_warp_specialised_forward_is_refused_by_name_before_any_launch(setting, value):
+    """``NUMBA_FLASH_WGMMA_CONSUMERS``, ``_QUERY`` and ``_STAGES`` outside their choices: a ValueError naming the
+    variable (``common.environment_choice``), raised while the call is planned."""
+    import numba_flash
+
+    q = np.zeros((1, 1, 8, 64), np.float16)
+    if _where() == "hopper":
+        import torch
+        q = torch.from_numpy(q).cuda()
+    options = dict(kernel="specialized", **{setting: value})
+    with wgmma_loop(**options), pytest.raises(ValueError, match=f"NUMBA_FLASH_WGMMA_{setting.upper()} must be one of"):
+        numba_flash.attention(q, q, q, algorithm="wgmma")

@@ -145,8 +145,8 @@ from ..fast.primitives import copy_async_commit, copy_async_wait_all, exp2, load
 from . import forward, specialized_dkdv
 from .backward_steps import (WARPGROUP, backward_kernel, step_copier, steps, transposed_scores, wait_all_but_one,
                              wait_all_products)
-from .common import (A_WORDS, BLOCK_N, S_REGISTERS, first_atom_words, k_major_descriptor, mn_major_descriptor,
-                     out_of_scope, query_tile, tile_bytes)
+from .common import (A_WORDS, BLOCK_N, S_REGISTERS, environment_choice, first_atom_words, k_major_descriptor,
+                     mn_major_descriptor, out_of_scope, query_tile, tile_bytes)
 from .dq_sums import (DQ_MODES, DS_TILE_BYTES, UNORDERED_MODES, contributors, dq_steps, key_warpgroups, pass_turn,
                       register_order_word, splits_dq_columns, wait_turn)
 from .wgmma import advanced_device, enable_sm90a, fence_proxy_async, shared_address, wgmma_commit, wgmma_fence
@@ -853,8 +853,7 @@ def dq_mode(call, deterministic):
             bulk_pays = not call.causal or (call.head_dim > 64 and key_tiles >= BULK_CAUSAL_KEY_TILES)
             fast = "bulk-atomic" if bulk_pays else "separate"
         return "separate" if dq_mode_for(call, fast) != fast else fast
-    if DQ_MODE not in DQ_MODES:
-        raise ValueError(f"NUMBA_FLASH_WGMMA_DQ must be one of {DQ_MODES}, not {DQ_MODE!r}")
+    environment_choice("NUMBA_FLASH_WGMMA_DQ", DQ_MODE, DQ_MODES)
     return dq_mode_for(call, "separate" if DQ_MODE in UNORDERED_MODES and deterministic else DQ_MODE)
 
 

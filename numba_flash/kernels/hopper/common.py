@@ -41,6 +41,15 @@ K_MAJOR_OFFSETS = (16, 1024)
 MN_MAJOR_OFFSETS = (BLOCK_N * ROW_BYTES, 1024)
 
 
+def environment_choice(variable, value, choices):
+    """The setting of environment variable ``variable`` (its text ``value``) as the one of ``choices`` it names:
+    an int where the choices are ints; else a ValueError naming the variable and the choices."""
+    chosen = int(value) if isinstance(choices[0], int) and str(value).isdigit() else value
+    if chosen not in choices:
+        raise ValueError(f"{variable} must be one of {tuple(choices)}, not {value!r}")
+    return chosen
+
+
 def layout_dim(head_dim):
     """Columns of a tile of head dim d in shared memory: the narrowest of ``LAYOUT_DIMS`` that holds d (64, 128 or
     256), the columns past d zero."""
@@ -187,5 +196,5 @@ def out_of_scope(call, kernel):
 
 
 __all__ = ["BLOCK_N", "FORWARD_HEAD_DIMS", "HEAD_DIMS", "K_MAJOR_OFFSETS", "LAYOUT_DIMS", "MN_MAJOR_OFFSETS",
-           "first_atom_words", "k_major_descriptor", "k_step_bytes", "layout_dim", "mn_major_descriptor",
-           "mn_step_bytes", "out_of_scope", "query_tile", "tile_bytes", "tile_copier"]
+           "environment_choice", "first_atom_words", "k_major_descriptor", "k_step_bytes", "layout_dim",
+           "mn_major_descriptor", "mn_step_bytes", "out_of_scope", "query_tile", "tile_bytes", "tile_copier"]

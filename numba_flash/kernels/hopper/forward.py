@@ -131,8 +131,8 @@ from ..fast.common import (LOG2_E, NEG_INF, allowed, block_mask_arguments, ceil_
                            sequence_arrays, sequence_bounds, sequence_mode, tile_coordinates, warp_lane, word_extent)
 from ..fast.mod_steps import entry_steps, inside, mod_steps, mods_suffix, slot_arguments, slot_arrays
 from ..fast.primitives import copy_async_commit, copy_async_wait, copy_async_wait_all, load_vec4
-from .common import (BLOCK_N, first_atom_words, k_major_descriptor, layout_dim, mn_major_descriptor, out_of_scope,
-                     query_tile, tile_bytes, tile_copier)
+from .common import (BLOCK_N, environment_choice, first_atom_words, k_major_descriptor, layout_dim,
+                     mn_major_descriptor, out_of_scope, query_tile, tile_bytes, tile_copier)
 from . import specialized_forward as specialized
 from .forward_steps import P_WORDS, S_REGISTERS, row_and_key, tile_steps
 from .wgmma import (advanced_device, enable_sm90a, fence_proxy_async, shared_address, staged_offset_device,
@@ -748,26 +748,17 @@ def forward_launch(call):
     reason = out_of_scope(call, "forward")
     if reason is not None:
         raise ValueError(f"algorithm='wgmma': {reason}")
-    if FORWARD_KERNEL not in FORWARD_KERNELS:
-        raise ValueError(f"NUMBA_FLASH_WGMMA_FORWARD must be one of {FORWARD_KERNELS}, not {FORWARD_KERNEL!r}")
-    asked = WARPGROUPS if WARPGROUPS is not None else DEFAULT_WARPGROUPS[layout_dim(call.head_dim)]
-    warpgroups = int(asked) if str(asked).isdigit() else None
-    if warpgroups not in WARPGROUP_COUNTS:
-        raise ValueError(f"NUMBA_FLASH_WGMMA_WARPGROUPS must be one of {WARPGROUP_COUNTS}, not {WARPGROUPS!r}")
+    environment_choice("NUMBA_FLASH_WGMMA_FORWARD", FORWARD_KERNEL, FORWARD_KERNELS)
+    warpgroups = environment_choice("NUMBA_FLASH_WGMMA_WARPGROUPS", WARPGROUPS if WARPGROUPS is not None
+                                    else DEFAULT_WARPGROUPS[layout_dim(call.head_dim)], WARPGROUP_COUNTS)
     if not in_simulator():
         enable_sm90a()
     # A block mask's lists are of the block's query tiles (64 rows a warpgroup) and of BLOCK_N keys.
     tiles = (BLOCK_M * warpgroups, BLOCK_N)
     if FORWARD_KERNEL == "specialized" and specialized.specialized_scope(call) is None:
-        consumers = int(CONSUMERS) if CONSUMERS.isdigit() else None
-        if consumers not in specialized.CONSUMER_COUNTS:
-            raise ValueError(f"NUMBA_FLASH_WGMMA_CONSUMERS must be one of {specialized.CONSUMER_COUNTS}, "
-                             f"not {CONSUMERS!r}")
-        if QUERY_OPERAND not in QUERY_OPERANDS:
-            raise ValueError(f"NUMBA_FLASH_WGMMA_QUERY must be one of {QUERY_OPERANDS}, not {QUERY_OPERAND!r}")
-        stages = int(STAGES) if STAGES.isdigit() else None
-        if stages not in specialized.STAGE_COUNTS:
-            raise ValueError(f"NUMBA_FLASH_WGMMA_STAGES must be one of {specialized.STAGE_COUNTS}, not {STAGES!r}")
+        consumers = environment_choice("NUMBA_FLASH_WGMMA_CONSUMERS", CONSUMERS, specialized.CONSUMER_COUNTS)
+        environment_choice("NUMBA_FLASH_WGMMA_QUERY", QUERY_OPERAND, QUERY_OPERANDS)
+        stages = environment_choice("NUMBA_FLASH_WGMMA_STAGES", STAGES, specialized.STAGE_COUNTS)
         tiles = (specialized.rows(consumers), BLOCK_N)
         kernel = specialized.make_specialized_forward(call.head_dim, call.precision, call.causal, sequence_mode(call),
                                                       consumers, QUERY_OPERAND == "registers", stages)
