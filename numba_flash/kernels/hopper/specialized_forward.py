@@ -9,10 +9,10 @@ read rate, not the tensor cores, was its limit: 70% of L2's throughput against 5
 warpgroups (384 or 512 threads, ``CONSUMER_COUNTS``) owns 64 C query rows of one head:
 
 * the *producer* (warpgroup 0) copies K_j and V_j (cp.async, 64-key tiles on the 128-byte swizzle) into stage
-  j % STAGES once every consumer is done with the tile that was there, waits for them (announcing tile j - 1 after
-  issuing tile j with three stages, tile j - 2 with four: ``STAGE_COUNTS``), and announces them on the stage's FULL
-  mbarrier; it gives back registers (``roles.role_budgets``: 56 left to it) so that each consumer holds
-  224 (C = 2) or 152 (C = 3);
+  j % STAGES once every consumer is done with the tile that was there, waits for them, and announces them on the
+  stage's FULL mbarrier (tile j - 1 after issuing tile j with three stages, tile j - 2 with four: ``STAGE_COUNTS``);
+  it gives back registers (``roles.role_budgets``: 56 left to it) so that each consumer holds 224 (C = 2) or 152
+  (C = 3);
 * *consumer* c (warpgroup 1 + c) owns query rows 64 c .. 64 c + 63 of the block (its Q tile, its O, m and l) and
   runs the loop below.  They share every K/V tile, so a tile read from L2 serves 64 C rows.
 
@@ -54,8 +54,8 @@ Scope (``specialized_scope``): float16 and bfloat16, head dims up to 128 (``comm
 (either alignment), grouped heads, strides as the other kernels', packed sequences; no block mask, mods or
 dropout (those run on ``forward.py``).  sm_90a (wgmma, setmaxnreg).  ``NUMBA_FLASH_WGMMA_FORWARD=specialized``
 selects it (``forward.forward_launch``; ``NUMBA_FLASH_WGMMA_CONSUMERS=3`` its blocks of three consumers,
-``NUMBA_FLASH_WGMMA_QUERY=registers`` Q held in registers).  Measured 0.71-0.93x the speed of ``forward.py``'s
-kernel (H100, 2026-12-07, ``experiments/tuning/results/wgmma_forward_kernels_h100.md``): ncu finds the tensor pipe at
+``NUMBA_FLASH_WGMMA_QUERY=registers`` Q held in registers, ``NUMBA_FLASH_WGMMA_STAGES=4`` four K/V stages).
+Measured 0.71-0.93x the speed of ``forward.py``'s kernel with three stages (H100, 2026-12-07, ``experiments/tuning/results/wgmma_forward_kernels_h100.md``): ncu finds the tensor pipe at
 45% and the warps stalled on the producer's cp.async copies (``results/ncu_specialized_forward_d128_h100.txt``),
 which FlashAttention-3 issues as bulk tensor copies from one thread.
 """
