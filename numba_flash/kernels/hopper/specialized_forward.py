@@ -55,9 +55,10 @@ Scope (``specialized_scope``): float16 and bfloat16, head dims up to 128 (``comm
 dropout (those run on ``forward.py``).  sm_90a (wgmma, setmaxnreg).  ``NUMBA_FLASH_WGMMA_FORWARD=specialized``
 selects it (``forward.forward_launch``; ``NUMBA_FLASH_WGMMA_CONSUMERS=3`` its blocks of three consumers,
 ``NUMBA_FLASH_WGMMA_QUERY=registers`` Q held in registers, ``NUMBA_FLASH_WGMMA_STAGES=4`` four K/V stages).
-Measured 0.71-0.93x the speed of ``forward.py``'s kernel with three stages (H100, 2026-12-07, ``experiments/tuning/results/wgmma_forward_kernels_h100.md``): ncu finds the tensor pipe at
-45% and the warps stalled on the producer's cp.async copies (``results/ncu_specialized_forward_d128_h100.txt``),
-which FlashAttention-3 issues as bulk tensor copies from one thread.
+Measured 0.71-0.93x the speed of ``forward.py``'s kernel with three stages (H100, 2026-12-07,
+``experiments/tuning/results/wgmma_forward_kernels_h100.md``): ncu finds the tensor pipe at 45% and the warps stalled
+on the producer's cp.async copies (``results/ncu_specialized_forward_d128_h100.txt``), which FlashAttention-3 issues
+as bulk tensor copies from one thread.
 """
 from functools import lru_cache
 
